@@ -1,0 +1,1 @@
+"""Capture engines: how a real eager forward is observed and edited while it runs."""

@@ -1,0 +1,164 @@
+"""Module hooks that are attached for one capture and always removed afterwards.
+
+Every engine and both shims observe modules through this one class, so "the model is
+left exactly as it was" is guaranteed in one place: hooks are attached on ``__enter__``
+and removed in ``__exit__`` whatever the forward did, and they ignore calls made from
+other threads (a model shared between threads sees only its own capture).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from ..errors import SiteNotFoundError
+from .names import nearest
+
+PreHook = Callable[["CallInfo", tuple, dict], Any]
+PostHook = Callable[["CallInfo", tuple, dict, Any], Any]
+
+
+class CallInfo:
+    """One call of one module: enough for a callback to know where it is."""
+
+    __slots__ = ("address", "module", "pass_index")
+
+    def __init__(self, address: str, module: nn.Module, pass_index: int) -> None:
+        self.address = address
+        self.module = module
+        self.pass_index = pass_index
+
+    def __repr__(self) -> str:
+        return f"CallInfo({self.address!r}, pass={self.pass_index})"
+
+
+def resolve_module(model: nn.Module, address: str) -> nn.Module:
+    """The submodule at ``address`` ('' is the model itself), or a SiteNotFoundError."""
+    if address == "":
+        return model
+    try:
+        return model.get_submodule(address)
+    except AttributeError:
+        names = [n for n, _ in model.named_modules() if n]
+        raise SiteNotFoundError(
+            f"model {type(model).__name__} has no module {address!r}; nearest: {nearest(address, names)}",
+            site=address,
+            candidates=nearest(address, names),
+        ) from None
+
+
+class ModuleHooks:
+    """Pre/post callbacks on named submodules, live only inside ``with``.
+
+    Callbacks for one module run in registration order. A pre callback may return
+    ``(args, kwargs)`` to replace the call's inputs; a post callback may return a
+    replacement output (``None`` keeps the current one), which later callbacks see.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._pre: dict[str, list[PreHook]] = {}
+        self._post: dict[str, list[PostHook]] = {}
+        self._handles: list[Any] = []
+        self._counts: dict[str, int] = {}
+        self._open: dict[str, list[int]] = {}
+        self._owner: int | None = None
+
+    # -- registration ----------------------------------------------------------
+    def on_input(self, address: str, fn: PreHook) -> None:
+        resolve_module(self.model, address)
+        self._pre.setdefault(address, []).append(fn)
+        if self._owner is not None:
+            raise RuntimeError("register callbacks before entering the hooks context")
+
+    def on_output(self, address: str, fn: PostHook) -> None:
+        resolve_module(self.model, address)
+        self._post.setdefault(address, []).append(fn)
+        if self._owner is not None:
+            raise RuntimeError("register callbacks before entering the hooks context")
+
+    def passes(self, address: str) -> int:
+        """How many calls of ``address`` have started since the hooks were attached."""
+        return self._counts.get(address, 0)
+
+    def reset_counts(self) -> None:
+        self._counts.clear()
+        self._open.clear()
+
+    # -- lifetime --------------------------------------------------------------
+    def __enter__(self) -> ModuleHooks:
+        self._owner = threading.get_ident()
+        try:
+            for address in dict.fromkeys([*self._pre, *self._post]):
+                module = resolve_module(self.model, address)
+                if address in self._pre:
+                    self._handles.append(
+                        module.register_forward_pre_hook(self._make_pre(address, module), with_kwargs=True)
+                    )
+                if address in self._post:
+                    self._handles.append(
+                        module.register_forward_hook(
+                            self._make_post(address, module, address in self._pre),
+                            with_kwargs=True,
+                        )
+                    )
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._owner = None
+
+    # -- the hooks themselves ----------------------------------------------------
+    def _make_pre(self, address: str, module: nn.Module):
+        callbacks = self._pre[address]
+        counts = self._counts
+        open_passes = self._open.setdefault(address, [])
+
+        def pre_hook(mod, args, kwargs):
+            if threading.get_ident() != self._owner:
+                return None
+            n = counts.get(address, 0) + 1
+            counts[address] = n
+            open_passes.append(n)
+            info = CallInfo(address, module, n)
+            replaced = None
+            for fn in callbacks:
+                result = fn(info, args, kwargs)
+                if result is not None:
+                    args, kwargs = result
+                    replaced = result
+            return replaced
+
+        return pre_hook
+
+    def _make_post(self, address: str, module: nn.Module, counted_by_pre: bool):
+        callbacks = self._post[address]
+        counts = self._counts
+        open_passes = self._open.setdefault(address, [])
+
+        def post_hook(mod, args, kwargs, output):
+            if threading.get_ident() != self._owner:
+                return None
+            if counted_by_pre:
+                n = open_passes.pop() if open_passes else counts.get(address, 0)
+            else:
+                n = counts.get(address, 0) + 1
+                counts[address] = n
+            info = CallInfo(address, module, n)
+            replaced = None
+            for fn in callbacks:
+                result = fn(info, args, kwargs, output)
+                if result is not None:
+                    output = result
+                    replaced = result
+            return replaced
+
+        return post_hook

@@ -1,0 +1,200 @@
+"""Every error TorchLens raises, rooted at one class so callers can catch them all.
+
+Each leaf says, in the user's terms, what went wrong; each instance carries a
+``remedy`` (what to do instead) and the structured fields that located the problem
+(``site``, ``op_label``, ``source`` ...), so tools can act on them without parsing text.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class TorchLensError(Exception):
+    """Root of every TorchLens error; its message always ends with what to do."""
+
+    remedy: str = ""
+
+    def __init__(self, message: str, *, remedy: str | None = None, **fields: Any) -> None:
+        self.message = message
+        self.remedy = remedy if remedy is not None else type(self).remedy
+        self.fields = fields
+        for key, value in fields.items():
+            setattr(self, key, value)
+        text = message if not self.remedy else f"{message}\n  remedy: {self.remedy}"
+        super().__init__(text)
+
+    def __reduce__(self):  # keep errors picklable across processes/threads
+        return (_rebuild, (type(self), self.message, self.remedy, self.fields))
+
+
+def _rebuild(cls, message, remedy, fields):
+    return cls(message, remedy=remedy, **fields)
+
+
+# -- choosing where to look --------------------------------------------------------------
+
+
+class SiteError(TorchLensError, LookupError):
+    """A site or selector could not be resolved against a model or trace."""
+
+
+class SiteNotFoundError(SiteError):
+    """No module, op label or selector match has the name you gave."""
+
+    remedy = "Use one of the nearest valid names listed, or list them with trace.modules / trace.layers."
+
+
+class AmbiguousSiteError(SiteError):
+    """The name matches several passes of a module; say which one (``address:N``)."""
+
+    remedy = "Add the pass number, e.g. 'transformer.h.0:2', or use tl.module(path) with find_sites."
+
+
+class EmptySelectionError(SiteError):
+    """A selector matched no op or module of the trace."""
+
+    remedy = "Check the selector against trace.modules and trace.layers; combine selectors with | to widen."
+
+
+class TooManySitesError(SiteError):
+    """A selector matched more sites than ``max_fanout`` allows."""
+
+    remedy = "Narrow the selector (combine with &), or raise max_fanout."
+
+
+class ValueNotSavedError(SiteError):
+    """The op was recorded but its output was not kept (``save=`` excluded it)."""
+
+    remedy = "Capture again with save= a selector that includes this op (or save=None to keep all)."
+
+
+# -- capture -------------------------------------------------------------------------------
+
+
+class CaptureError(TorchLensError):
+    """Capturing a forward failed for a reason of TorchLens's, not the model's."""
+
+
+class UnsupportedModelError(CaptureError):
+    """The object cannot be captured eagerly (not an nn.Module, compiled, scripted...)."""
+
+    remedy = "Pass the original eager nn.Module (for torch.compile: model._orig_mod)."
+
+
+class InvalidArgumentError(TorchLensError, TypeError):
+    """An argument of a TorchLens call has the wrong type or value."""
+
+    remedy = "See the call's docstring for the accepted types."
+
+
+class StopCapture(Exception):
+    """Raised inside a capture to end the forward early; swallowed by the capture itself."""
+
+
+# -- edits -------------------------------------------------------------------------------
+
+
+class EditError(TorchLensError):
+    """An edit could not be applied as asked."""
+
+
+class EditShapeError(EditError, ValueError):
+    """An edit's value does not broadcast to the activation it replaces."""
+
+    remedy = "Give a tensor whose shape broadcasts to the activation's shape, or use a function edit."
+
+
+class EditNotAppliedError(EditError):
+    """An edit's site never fired during the forward, so nothing was edited."""
+
+    remedy = "Pick a site from the ones that fired (listed), or a pass that exists."
+
+
+class UnknownHelperError(EditError, LookupError):
+    """No edit helper is registered under that name."""
+
+    remedy = "Register it with tl.register_helper, or install the plugin that provides it."
+
+
+# -- replay ------------------------------------------------------------------------------
+
+
+class ReplayError(TorchLensError):
+    """Re-executing recorded ops failed."""
+
+
+class ReplayNotExactError(ReplayError):
+    """The recorded graph cannot reproduce this edit exactly, so replay refuses."""
+
+    remedy = "Re-execute the real forward instead: fork.do(site, edit, model=model, inputs=x)."
+
+
+class FusedKernelError(TorchLensError):
+    """The edit targets an intermediate that exists only inside a fused kernel."""
+
+    remedy = "Re-capture with attn_implementation='eager', where scores and softmax are ordinary ops."
+
+
+class FacetReadOnlyError(FusedKernelError):
+    """Facets are reconstructions; writing to them would not change the model."""
+
+    remedy = "Use torchlens.mechinterp.patch_head(..., what='pattern') to edit a head's pattern."
+
+
+# -- persistence -------------------------------------------------------------------------
+
+
+class RecipeError(TorchLensError):
+    """A saved recipe or trace could not be written, read or applied."""
+
+
+class RecipeFormatError(RecipeError, ValueError):
+    """A .tlspec/ or saved trace on disk is malformed, hostile or from a newer format."""
+
+    remedy = "Re-save the recipe with this TorchLens version; never hand-edit the manifest."
+
+
+class FingerprintMismatchError(RecipeError):
+    """The recipe was saved for a different model than the one it is applied to."""
+
+    remedy = "Apply it to the model it was saved for, or pass check_fingerprint=False to override."
+
+
+class NotPortableError(RecipeError):
+    """The recipe holds code (a plain function), which the portable level refuses to pickle."""
+
+    remedy = "Use a named helper (tl.zero_ablate(), tl.scale(k) ...) or save with level='pickle'."
+
+
+# -- plugins and shims -------------------------------------------------------------------
+
+
+class PluginError(TorchLensError):
+    """A plugin failed to load or raised inside a hook."""
+
+    remedy = "Fix or uninstall the plugin named; TorchLens keeps working without it."
+
+
+class OutOfOrderError(TorchLensError):
+    """A value was requested after the forward had already gone past it (nnsight semantics)."""
+
+    remedy = "Access modules in the order the forward runs them, or use separate traces/invokes."
+
+
+class ShimUnsupportedError(TorchLensError, NotImplementedError):
+    """The shim cannot honour this call of the original library."""
+
+    remedy = "TorchLens runs the local eager forward; see the migration guide for the equivalent."
+
+
+def all_error_classes() -> list[type[TorchLensError]]:
+    """Every public error class, for the generated errors page and its drift test."""
+    found: list[type[TorchLensError]] = []
+    stack: list[type] = [TorchLensError]
+    while stack:
+        cls = stack.pop(0)
+        if cls not in found:
+            found.append(cls)
+        stack.extend(cls.__subclasses__())
+    return [c for c in found if c.__module__ == __name__]
