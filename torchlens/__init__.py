@@ -1,0 +1,80 @@
+"""TorchLens: read, edit, replay and compare the activations of real PyTorch models.
+
+``tl.trace(model, x)`` records every op of one eager forward; ``tl.extract`` reads module
+outputs with hooks alone; ``trace.fork().do(site, edit)`` edits after the fact by replaying
+the recorded graph; ``tl.when`` edits during capture; ``tl.validate`` checks a capture.
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from . import errors
+from .api import extract, trace
+from .core.records import ModuleCall, Op
+from .core.selectors import Selector, func, in_module, module
+from .core.sites import Site, Sites
+from .core.trace import Fork, Trace
+from .edits import AppliedEdit, EditContext, When, when
+from .errors import (
+    AmbiguousSiteError,
+    EditNotAppliedError,
+    EditShapeError,
+    EmptySelectionError,
+    FusedKernelError,
+    OutOfOrderError,
+    RecipeFormatError,
+    ReplayNotExactError,
+    SiteNotFoundError,
+    TorchLensError,
+    UnsupportedModelError,
+)
+from .helpers import Helper, add, mean_ablate, noise, patch_from, register_helper, scale, zero_ablate
+from .plugins import plugins
+from .validate import ValidationReport, validate
+
+try:
+    __version__ = version("torchlens")
+except PackageNotFoundError:  # running from a source tree without installing
+    __version__ = "0+unknown"
+
+__all__ = [
+    "AmbiguousSiteError",
+    "AppliedEdit",
+    "EditContext",
+    "EditNotAppliedError",
+    "EditShapeError",
+    "EmptySelectionError",
+    "Fork",
+    "FusedKernelError",
+    "Helper",
+    "ModuleCall",
+    "Op",
+    "OutOfOrderError",
+    "RecipeFormatError",
+    "ReplayNotExactError",
+    "Selector",
+    "Site",
+    "SiteNotFoundError",
+    "Sites",
+    "TorchLensError",
+    "Trace",
+    "UnsupportedModelError",
+    "ValidationReport",
+    "When",
+    "__version__",
+    "add",
+    "errors",
+    "extract",
+    "func",
+    "in_module",
+    "mean_ablate",
+    "module",
+    "noise",
+    "patch_from",
+    "plugins",
+    "register_helper",
+    "scale",
+    "trace",
+    "validate",
+    "when",
+    "zero_ablate",
+]

@@ -1,0 +1,213 @@
+"""The public entry points: ``tl.trace`` (every op) and ``tl.extract`` (module reads, fast)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .capture.request import CaptureRequest, normalize
+from .core.selectors import Selector, as_selector, split_pass
+from .core.trace import Trace
+from .edits import When
+from .errors import AmbiguousSiteError, EditNotAppliedError, InvalidArgumentError, UnsupportedModelError
+from .plugins import choose_engine
+
+
+def check_model(model: Any) -> nn.Module:
+    """Refuse objects TorchLens cannot capture eagerly, with what to pass instead."""
+    if isinstance(model, torch.jit.ScriptModule) or isinstance(model, torch.jit.ScriptFunction):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is a TorchScript module; its forward does not run Python ops",
+            remedy="Capture the original eager nn.Module before torch.jit.script/trace.",
+        )
+    if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
+        raise UnsupportedModelError(
+            "the model was compiled with torch.compile; compiled graphs hide their ops from capture",
+            remedy="Pass model._orig_mod (the eager module torch.compile wrapped).",
+        )
+    if not isinstance(model, nn.Module):
+        inner = getattr(model, "_model", None)
+        hint = (
+            "Pass the wrapped module (for an nnsight wrapper: model._model)."
+            if isinstance(inner, nn.Module)
+            else "Wrap the callable in an nn.Module."
+        )
+        raise UnsupportedModelError(f"expected a torch.nn.Module, got {type(model).__name__}", remedy=hint)
+    return model
+
+
+def _as_whens(intervene: Any) -> list[When]:
+    if intervene is None:
+        return []
+    if hasattr(intervene, "as_whens"):  # a saved recipe
+        return list(intervene.as_whens())
+    items = intervene if isinstance(intervene, (list, tuple)) else [intervene]
+    whens = []
+    for item in items:
+        if hasattr(item, "as_whens"):
+            whens.extend(item.as_whens())
+        elif isinstance(item, When):
+            whens.append(When(item.site, item.edit))  # fresh copy: 'fired' is per capture
+        else:
+            raise InvalidArgumentError(
+                f"intervene= takes tl.when(site, edit), a list of them, or a loaded recipe; got {type(item).__name__}"
+            )
+    return whens
+
+
+def _as_save(save: Any) -> Selector | None:
+    if save is None:
+        return None
+    if isinstance(save, (Selector, str)) or (isinstance(save, (list, tuple)) and save):
+        return as_selector(save)
+    raise InvalidArgumentError(
+        f"save= takes a selector, a label, or a list of them (or None to keep everything); got {type(save).__name__}"
+    )
+
+
+def _check_fired(whens: list[When], trace: Trace) -> None:
+    for when in whens:
+        if not when.fired:
+            fired = list(trace._calls_by_address) or [op.label for op in trace.ops[:20]]
+            raise EditNotAppliedError(
+                f"the edit at {when.site.describe()} never fired during the forward; "
+                f"modules that ran include {fired[:12]}",
+                site=when.site.describe(),
+                fired=fired,
+            )
+
+
+def _capture(request: CaptureRequest, backend: str | None) -> Trace:
+    engine = choose_engine(request, backend)
+    trace = engine.capture(request)
+    if trace.complete:
+        _check_fired(request.intervene, trace)
+    return trace
+
+
+def trace(
+    model: nn.Module,
+    *args: Any,
+    save: Any = None,
+    intervene: Any = None,
+    backend: str | None = None,
+    grad: bool = False,
+    **kwargs: Any,
+) -> Trace:
+    """Run ``model(*args, **kwargs)`` once and record every executed op.
+
+    Args:
+        model: an eager ``nn.Module``; it is left exactly as it was, also if it raises.
+        save: keep only the outputs of ops matching this selector (the graph is still recorded).
+        intervene: ``tl.when(site, edit)``, a list of them, or a loaded recipe, applied while
+            the forward runs.
+        backend: a capture engine by name (``tl.plugins()`` lists them); default: the cheapest
+            that can serve the request.
+        grad: run with autograd enabled (default off: faster, no graph kept).
+
+    Returns:
+        the Trace.
+
+    Raises:
+        UnsupportedModelError, SiteNotFoundError, EditNotAppliedError, InvalidArgumentError.
+    """
+    model = check_model(model)
+    whens = _as_whens(intervene)
+    for w in whens:
+        w.site = normalize(model, w.site)
+    request = CaptureRequest(model, args, kwargs, record_ops=backend != "hooks", intervene=whens,
+                             save=_as_save(save), grad=grad)
+    return _capture(request, backend)
+
+
+def trace_until(model: nn.Module, args: tuple, kwargs: dict, until: Any, intervene: Any = None) -> Trace:
+    """Record the forward and stop right after ``until`` fires (a partial trace)."""
+    model = check_model(model)
+    whens = _as_whens(intervene)
+    for w in whens:
+        w.site = normalize(model, w.site)
+    request = CaptureRequest(model, args, kwargs, intervene=whens, until=normalize(model, as_selector(until)))
+    result = _capture(request, None)
+    if result.complete:
+        raise EditNotAppliedError(
+            f"the forward finished without reaching {request.until.describe()}",
+            site=request.until.describe(),
+            remedy="Pick a site that runs in this forward (see trace.modules).",
+        )
+    return result
+
+
+def _call_inputs(x: Any) -> tuple[tuple, dict]:
+    if isinstance(x, dict):
+        return (), dict(x)
+    if isinstance(x, tuple):
+        return x, {}
+    return (x,), {}
+
+
+def extract(model: nn.Module, x: Any, sites: Any, *, grad: bool = False, backend: str | None = None) -> dict:
+    """Read activations in one forward; module outputs are read with forward hooks only.
+
+    Args:
+        model: an eager ``nn.Module``.
+        x: the input: a tensor, a tuple of positional inputs, or a dict of keyword inputs.
+        sites: a list of module addresses / selectors (result keyed by each), or a dict
+            ``{name: address_or_selector}`` (result keyed by name).
+
+    Returns:
+        ``{key: value}`` where a module's value is exactly what a forward hook on it sees;
+        a selector matching several ops gives a list.
+    """
+    model = check_model(model)
+    if isinstance(sites, dict):
+        named = dict(sites)
+    elif isinstance(sites, (list, tuple)):
+        named = {s if isinstance(s, str) else str(s): s for s in sites}
+    elif isinstance(sites, (str, Selector)):
+        named = {sites if isinstance(sites, str) else str(sites): sites}
+    else:
+        raise InvalidArgumentError(f"sites must be a list or dict of sites, got {type(sites).__name__}")
+    if not named:
+        raise InvalidArgumentError("extract() needs at least one site")
+    selectors = {k: normalize(model, as_selector(v)) for k, v in named.items()}
+    union = None
+    for sel in selectors.values():
+        union = sel if union is None else union | sel
+    args, kwargs = _call_inputs(x)
+    request = CaptureRequest(model, args, kwargs, record_ops=False, sites=union, save=union, grad=grad)
+    if not request.module_only():
+        request.record_ops = True
+    result = _capture(request, backend)
+    out: dict[str, Any] = {}
+    for key, sel in selectors.items():
+        paths = sel.module_paths()
+        if paths is not None and len(paths) == 1:
+            out[key] = _module_value(result, paths[0], key)
+        else:
+            found = result.find_sites(sel)
+            out[key] = found.first().out if len(found) == 1 else [s.out for s in found]
+    return out
+
+
+def _module_value(result: Trace, path: str, key: str) -> Any:
+    from .capture.request import real_address
+
+    address, pass_index = real_address(result.model, path)
+    calls = result._calls_by_address.get(address, [])
+    if not calls:
+        from .errors import SiteNotFoundError
+
+        raise SiteNotFoundError(f"module {address!r} exists but did not run in this forward", site=key,
+                                remedy="Check the model's forward: this module is skipped for this input.")
+    if pass_index is None:
+        if len(calls) > 1:
+            passes = [f"{address}:{i + 1}" for i in range(len(calls))]
+            raise AmbiguousSiteError(f"module {address!r} ran {len(calls)} times; say which pass: {passes}",
+                                     site=key, passes=passes)
+        return result._module_out(calls[0])
+    return result._module_out(calls[pass_index - 1])
+
+
+__all__ = ["trace", "extract", "trace_until", "check_model", "split_pass"]

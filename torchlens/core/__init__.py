@@ -1,0 +1,1 @@
+"""Plain data for one recorded run (ops, module calls, traces, forks) and its replay."""

@@ -1,0 +1,185 @@
+"""The records a capture produces: one ``Op`` per executed tensor op, one ``ModuleCall`` per
+module call. They are plain data owned by the base trace; forks never copy them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..errors import ValueNotSavedError
+
+if TYPE_CHECKING:
+    from .trace import Trace
+
+# Op.flags bits: why an op needs care when it is re-executed.
+INPUT = 1  # a forward input, not an op
+INPLACE = 2  # mutates its first argument (or out=)
+RANDOM = 4  # output depends on the RNG (dropout in training, randn, ...)
+EDIT = 8  # an edit applied during capture (its func re-applies the edit)
+ALIAS_MUTATION = 16  # mutated storage that other recorded tensors view
+NOT_REPLAYABLE = 32  # cannot be re-issued from recorded arguments
+
+
+class Ref:
+    """A placeholder in ``args_spec``: "the output of op ``index`` (element ``elem``)"."""
+
+    __slots__ = ("index", "elem")
+
+    def __init__(self, index: int, elem: int | None) -> None:
+        self.index = index
+        self.elem = elem
+
+    def __repr__(self) -> str:
+        return f"Ref({self.index})" if self.elem is None else f"Ref({self.index}[{self.elem}])"
+
+
+class Op:
+    """One executed tensor operation (or a forward input, or a capture-time edit)."""
+
+    __slots__ = (
+        "index",
+        "label",
+        "func",
+        "func_name",
+        "_out",
+        "saved",
+        "module",
+        "module_pass",
+        "_code",
+        "_lineno",
+        "args",
+        "kwargs",
+        "flags",
+        "trace",
+        "args_spec",
+        "parent_refs",
+        "children_idx",
+        "snapshotted",
+    )
+
+    def __init__(self, index, label, func, func_name, out, module, module_pass, code, lineno, args, kwargs, flags):
+        self.index = index
+        self.label = label
+        self.func = func
+        self.func_name = func_name
+        self._out = out
+        self.saved = True
+        self.module = module
+        self.module_pass = module_pass
+        self._code = code
+        self._lineno = lineno
+        self.args = args
+        self.kwargs = kwargs
+        self.flags = flags
+        self.trace: Trace | None = None
+        self.args_spec = None
+        self.parent_refs: list[Ref] | None = None
+        self.children_idx: list[int] | None = None
+        self.snapshotted = False
+
+    # -- values ------------------------------------------------------------------
+    @property
+    def out(self) -> Any:
+        """The output as it was when the op ran (later in-place changes are not seen)."""
+        if not self.saved:
+            raise ValueNotSavedError(f"op {self.label!r} was recorded but its output was not saved", site=self.label)
+        return self._out
+
+    @property
+    def shape(self) -> Any:
+        from .tree import describe_shape
+
+        return describe_shape(self._out) if self.saved else self._meta_shape()
+
+    def _meta_shape(self):
+        return getattr(self, "_shape_cache", None)
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        out = self._out
+        if isinstance(out, torch.Tensor):
+            return out.dtype
+        from .tree import tensor_leaves
+
+        leaves = tensor_leaves(out) if self.saved else []
+        return leaves[0].dtype if leaves else None
+
+    # -- provenance ----------------------------------------------------------------
+    @property
+    def source(self) -> str:
+        """``file:line`` of the model code that issued the op."""
+        if self._code is None:
+            return "<unknown>"
+        return f"{self._code.co_filename}:{self._lineno}"
+
+    @property
+    def parents(self) -> list[str]:
+        self.trace._ensure_graph()
+        ops = self.trace.ops
+        return list(dict.fromkeys(ops[r.index].label for r in self.parent_refs))
+
+    @property
+    def children(self) -> list[str]:
+        self.trace._ensure_graph()
+        ops = self.trace.ops
+        return [ops[i].label for i in self.children_idx]
+
+    @property
+    def is_input(self) -> bool:
+        return bool(self.flags & INPUT)
+
+    def __repr__(self) -> str:
+        where = f" in {self.module}" if self.module else ""
+        return f"<Op {self.label} {self.func_name}{where} shape={self.shape}>"
+
+
+class ModuleCall:
+    """One call of one ``nn.Module``: where it is, which pass, and what it returned."""
+
+    __slots__ = (
+        "address",
+        "pass_index",
+        "module_type",
+        "args",
+        "kwargs",
+        "_out",
+        "out_refs",
+        "out_spec",
+        "op_start",
+        "op_end",
+        "trace",
+        "n_passes",
+    )
+
+    def __init__(self, address: str, pass_index: int, module_type: str, args, kwargs, op_start: int):
+        self.address = address
+        self.pass_index = pass_index
+        self.module_type = module_type
+        self.args = args
+        self.kwargs = kwargs
+        self._out: Any = None
+        self.out_refs: list[Ref | None] = []
+        self.out_spec: Any = None
+        self.op_start = op_start
+        self.op_end = op_start
+        self.trace: Trace | None = None
+        self.n_passes = 1
+
+    @property
+    def key(self) -> str:
+        """``address:N`` — unique for every call."""
+        return f"{self.address}:{self.pass_index}"
+
+    @property
+    def label(self) -> str:
+        return self.address if self.n_passes == 1 else self.key
+
+    @property
+    def op_labels(self) -> list[str]:
+        """Labels of every op executed during this call (its submodules' included)."""
+        return [op.label for op in self.trace.ops[self.op_start : self.op_end]]
+
+    def __repr__(self) -> str:
+        return f"<ModuleCall {self.key} ({self.module_type}) ops {self.op_start}:{self.op_end}>"

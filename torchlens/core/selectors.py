@@ -1,0 +1,262 @@
+"""Selectors: where to read or edit, resolved against a recorded trace or a live capture.
+
+``tl.module(path)`` is a module's output, ``tl.in_module(path)`` every op inside it,
+``tl.func(name)`` ops by function name, a plain string an op label or module address.
+They compose with ``&`` and ``|``. A selector made only of module outputs can be served
+by module hooks alone, which is what makes ``tl.extract`` cheap.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ..capture.names import nearest
+from ..errors import EmptySelectionError, InvalidArgumentError, SiteNotFoundError
+from .records import ModuleCall, Op
+
+if TYPE_CHECKING:
+    from .trace import Trace
+
+Record = Op | ModuleCall
+
+
+def split_pass(path: str) -> tuple[str, int | None]:
+    """``'a.b:2'`` -> ``('a.b', 2)``; a path without a pass -> ``(path, None)``."""
+    head, sep, tail = path.rpartition(":")
+    if sep and tail.isdigit():
+        return head, int(tail)
+    return path, None
+
+
+class Selector:
+    """Base of all selectors; subclasses say what they match."""
+
+    def match(self, trace: Trace) -> list[Record]:
+        raise NotImplementedError
+
+    def module_paths(self) -> list[str] | None:
+        """Module addresses this selector reads, if it is made of module outputs only."""
+        return None
+
+    def matches_op(self, op: Op) -> bool:
+        """Whether a just-executed op belongs to this selector (for capture-time use)."""
+        return False
+
+    def describe(self) -> str:
+        return repr(self)
+
+    def __and__(self, other: Any) -> Selector:
+        return _And(self, as_selector(other))
+
+    def __or__(self, other: Any) -> Selector:
+        return _Or(self, as_selector(other))
+
+    def __rand__(self, other: Any) -> Selector:
+        return _And(as_selector(other), self)
+
+    def __ror__(self, other: Any) -> Selector:
+        return _Or(as_selector(other), self)
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+class ModuleOutput(Selector):
+    """A module's output (every pass, or one pass with ``path:N``)."""
+
+    def __init__(self, path: str) -> None:
+        if not isinstance(path, str):
+            raise InvalidArgumentError(f"tl.module() takes a module path string, got {type(path).__name__}")
+        self.path = path
+
+    def module_paths(self) -> list[str]:
+        return [self.path]
+
+    def match(self, trace: Trace) -> list[Record]:
+        address, pass_index = split_pass(trace.resolve_path(self.path))
+        calls = trace._calls_by_address.get(address)
+        if not calls:
+            raise SiteNotFoundError(
+                f"no module {address!r} ran in this trace; nearest: {nearest(address, trace._calls_by_address)}",
+                site=self.path,
+                candidates=nearest(address, trace._calls_by_address),
+            )
+        if pass_index is None:
+            return list(calls)
+        if not 1 <= pass_index <= len(calls):
+            raise SiteNotFoundError(
+                f"module {address!r} ran {len(calls)} time(s); there is no pass {pass_index}",
+                site=self.path,
+                remedy=f"Use a pass between 1 and {len(calls)}.",
+            )
+        return [calls[pass_index - 1]]
+
+    def describe(self) -> str:
+        return f"module({self.path!r})"
+
+    __repr__ = describe
+
+
+class InModule(Selector):
+    """Every op executed inside a module (its submodules included)."""
+
+    def __init__(self, path: str) -> None:
+        if not isinstance(path, str):
+            raise InvalidArgumentError(f"tl.in_module() takes a module path string, got {type(path).__name__}")
+        self.path = path
+        self._address, self._pass = split_pass(path)
+
+    def _inside(self, module: str) -> bool:
+        a = self._address
+        return a == "" or module == a or module.startswith(a + ".")
+
+    def matches_op(self, op: Op) -> bool:
+        if not self._inside(op.module):
+            return False
+        return self._pass is None or op.module_pass == self._pass or op.module != self._address
+
+    def match(self, trace: Trace) -> list[Record]:
+        address, pass_index = split_pass(trace.resolve_path(self.path))
+        calls = trace._calls_by_address.get(address) if address else None
+        if address and not calls:
+            raise SiteNotFoundError(
+                f"no module {address!r} ran in this trace; nearest: {nearest(address, trace._calls_by_address)}",
+                site=self.path,
+            )
+        if address == "":
+            return [op for op in trace.ops if not op.is_input]
+        chosen = calls if pass_index is None else calls[pass_index - 1 : pass_index]
+        out: list[Record] = []
+        for call in chosen:
+            out.extend(trace.ops[call.op_start : call.op_end])
+        return out
+
+    def describe(self) -> str:
+        return f"in_module({self.path!r})"
+
+    __repr__ = describe
+
+
+class Func(Selector):
+    """Ops by function name (``'softmax'`` matches ``F.softmax`` and ``Tensor.softmax``)."""
+
+    def __init__(self, name: str) -> None:
+        if not isinstance(name, str):
+            raise InvalidArgumentError(f"tl.func() takes a function name string, got {type(name).__name__}")
+        self.name = name.strip("_") if name.startswith("__") else name
+
+    def matches_op(self, op: Op) -> bool:
+        return op.func_name == self.name
+
+    def match(self, trace: Trace) -> list[Record]:
+        found = [op for op in trace.ops if op.func_name == self.name]
+        if not found:
+            names = {op.func_name for op in trace.ops}
+            raise SiteNotFoundError(
+                f"no op calls {self.name!r} in this trace; nearest: {nearest(self.name, names)}",
+                site=self.name,
+                candidates=nearest(self.name, names),
+            )
+        return found
+
+    def describe(self) -> str:
+        return f"func({self.name!r})"
+
+    __repr__ = describe
+
+
+class Label(Selector):
+    """One op label (``'linear_3'``) or module address (``'transformer.h.0'``, ``'x.y:2'``)."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+
+    def matches_op(self, op: Op) -> bool:
+        return op.label == self.label
+
+    def match(self, trace: Trace) -> list[Record]:
+        return [trace._lookup(self.label)]
+
+    def module_paths(self) -> list[str] | None:
+        return None
+
+    def describe(self) -> str:
+        return repr(self.label)
+
+    __repr__ = describe
+
+
+class _And(Selector):
+    def __init__(self, a: Selector, b: Selector) -> None:
+        self.a, self.b = a, b
+
+    def matches_op(self, op: Op) -> bool:
+        return self.a.matches_op(op) and self.b.matches_op(op)
+
+    def match(self, trace: Trace) -> list[Record]:
+        right = {id(r) for r in self.b.match(trace)}
+        found = [r for r in self.a.match(trace) if id(r) in right]
+        if not found:
+            raise EmptySelectionError(f"{self.describe()} matches nothing in this trace", site=self.describe())
+        return found
+
+    def describe(self) -> str:
+        return f"({self.a.describe()} & {self.b.describe()})"
+
+    __repr__ = describe
+
+
+class _Or(Selector):
+    def __init__(self, a: Selector, b: Selector) -> None:
+        self.a, self.b = a, b
+
+    def module_paths(self) -> list[str] | None:
+        left, right = self.a.module_paths(), self.b.module_paths()
+        return None if left is None or right is None else left + right
+
+    def matches_op(self, op: Op) -> bool:
+        return self.a.matches_op(op) or self.b.matches_op(op)
+
+    def match(self, trace: Trace) -> list[Record]:
+        seen: dict[int, Record] = {}
+        for r in [*self.a.match(trace), *self.b.match(trace)]:
+            seen.setdefault(id(r), r)
+        return list(seen.values())
+
+    def describe(self) -> str:
+        return f"({self.a.describe()} | {self.b.describe()})"
+
+    __repr__ = describe
+
+
+def as_selector(value: Any) -> Selector:
+    """Coerce what users pass as a site (selector, label string, list of them)."""
+    if isinstance(value, Selector):
+        return value
+    if isinstance(value, str):
+        return Label(value)
+    if isinstance(value, (list, tuple)) and value:
+        sel = as_selector(value[0])
+        for item in value[1:]:
+            sel = sel | as_selector(item)
+        return sel
+    raise InvalidArgumentError(
+        f"a site must be a selector (tl.module/in_module/func), a label string or a list of them; "
+        f"got {type(value).__name__}",
+        site=repr(value),
+    )
+
+
+def module(path: str) -> ModuleOutput:
+    """Select a module's output by address (``'transformer.h.0'``, ``'blocks.3.mlp'``, ``'x:2'``)."""
+    return ModuleOutput(path)
+
+
+def in_module(path: str) -> InModule:
+    """Select every op executed inside a module."""
+    return InModule(path)
+
+
+def func(name: str) -> Func:
+    """Select ops by the name of the function or tensor method that produced them."""
+    return Func(name)

@@ -1,0 +1,85 @@
+"""Bound views of records: what ``trace[key]`` and ``find_sites`` hand out.
+
+A view pairs a record (shared by a trace and all its forks) with the trace it was read
+from, so ``fork[label].out`` shows the fork's values without copying any record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from .records import ModuleCall, Op
+
+if TYPE_CHECKING:
+    from .trace import Trace
+
+
+class Site:
+    """One op or one module call, as seen from one trace or fork."""
+
+    __slots__ = ("trace", "record")
+
+    def __init__(self, trace: Trace, record: Op | ModuleCall) -> None:
+        self.trace = trace
+        self.record = record
+
+    @property
+    def kind(self) -> str:
+        return "module" if isinstance(self.record, ModuleCall) else "op"
+
+    @property
+    def label(self) -> str:
+        return self.record.label
+
+    @property
+    def out(self) -> Any:
+        """The value at this site in this trace (edited values on a fork)."""
+        return self.trace._read(self.record)
+
+    @property
+    def facets(self) -> Any:
+        """Derived read-only views of this site (e.g. attention pattern), from facet plugins."""
+        from ..plugins import facets_for
+
+        return facets_for(self)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.record, name)
+
+    def __repr__(self) -> str:
+        return f"<Site {self.kind} {self.label}>"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Site) and other.record is self.record and other.trace is self.trace
+
+    def __hash__(self) -> int:
+        return hash((id(self.trace), id(self.record)))
+
+
+class Sites:
+    """The ordered result of ``trace.find_sites``: iterate it, index it, or take ``.first()``."""
+
+    def __init__(self, sites: list[Site], selector: Any = None) -> None:
+        self._sites = sites
+        self.selector = selector
+
+    def __len__(self) -> int:
+        return len(self._sites)
+
+    def __iter__(self) -> Iterator[Site]:
+        return iter(self._sites)
+
+    def __getitem__(self, i: int) -> Site:
+        return self._sites[i]
+
+    def first(self) -> Site:
+        return self._sites[0]
+
+    @property
+    def labels(self) -> list[str]:
+        return [s.label for s in self._sites]
+
+    def __repr__(self) -> str:
+        shown = ", ".join(self.labels[:8]) + (" ..." if len(self) > 8 else "")
+        return f"<Sites {len(self)}: {shown}>"

@@ -1,0 +1,42 @@
+"""Flattening nested outputs (tuples, dicts, ModelOutput) into tensor leaves and back.
+
+One place decides what counts as a container, so module outputs, op arguments and model
+outputs are taken apart and rebuilt the same way everywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+Tensor = torch.Tensor
+
+
+def flatten(value: Any) -> tuple[list[Any], Any]:
+    """Leaves and a spec; a bare tensor takes a fast path (the common module output)."""
+    if type(value) is Tensor or isinstance(value, Tensor):
+        return [value], None
+    return pytree.tree_flatten(value)
+
+
+def unflatten(leaves: list[Any], spec: Any) -> Any:
+    if spec is None:
+        return leaves[0]
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def tensor_leaves(value: Any) -> list[Tensor]:
+    leaves, _ = flatten(value)
+    return [leaf for leaf in leaves if isinstance(leaf, Tensor)]
+
+
+def describe_shape(value: Any) -> Any:
+    """A printable shape for a tensor, or a tuple of shapes for a structure."""
+    if isinstance(value, Tensor):
+        return tuple(value.shape)
+    leaves = tensor_leaves(value)
+    if len(leaves) == 1:
+        return tuple(leaves[0].shape)
+    return tuple(tuple(t.shape) for t in leaves)
