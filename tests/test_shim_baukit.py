@@ -54,7 +54,7 @@ IDS = torch.tensor([[3, 14, 15, 9, 26, 5, 35, 8]])
 # -- conftest_baukit: models and plain-hook references ---------------------------------
 
 
-def tiny_gpt2(seed: int = 0, n_layer: int = 2, attn: str | None = None) -> nn.Module:
+def tiny_gpt2(seed: int = 0, n_layer: int = 2, attn: str | None = None, init: float = 0.02) -> nn.Module:
     """A random-weight GPT-2 small enough for unit tests (no network)."""
     extra = {} if attn is None else {"attn_implementation": attn}
     config = transformers.GPT2Config(
@@ -65,6 +65,7 @@ def tiny_gpt2(seed: int = 0, n_layer: int = 2, attn: str | None = None) -> nn.Mo
         n_positions=16,
         bos_token_id=0,
         eos_token_id=0,
+        initializer_range=init,
         **extra,
     )
     torch.manual_seed(seed)
@@ -163,6 +164,15 @@ def plain_record(model: nn.Module, names, inputs, edits=None, stop_after=None):
     return seen, result
 
 
+def keep(store: dict, key: str):
+    """A plain forward hook that stores (args, output) under ``key`` and changes nothing."""
+
+    def hook(module, args, output):
+        store[key] = (args, output)
+
+    return hook
+
+
 def no_hooks_left(model: nn.Module) -> bool:
     return all(
         not m._forward_hooks
@@ -228,11 +238,11 @@ def test_trace_output_is_the_very_object_the_layer_produced():
     assert no_hooks_left(model)
 
     seen = {}
-    handle = model.transformer.h[0].register_forward_hook(lambda m, a, o: seen.setdefault("o", o))
+    handle = model.transformer.h[0].register_forward_hook(keep(seen, "o"))
     with Trace(model, "transformer.h.0") as tr:
         model(IDS)
     handle.remove()
-    assert tr.output is seen["o"]
+    assert tr.output is seen["o"][1]
 
 
 def test_trace_of_module_itself_when_layer_is_none():
@@ -254,11 +264,13 @@ def test_trace_is_live_from_construction_until_close():
     assert not no_hooks_left(model)
     model(x)
     first = tr.output
-    assert torch.equal(first, model[0](x))
+    assert torch.equal(first, nn.functional.linear(x, model[0].weight, model[0].bias))
+    model[0](x * 0)  # calling the layer alone fires the hook too
+    assert torch.equal(tr.output, model[0].bias.expand(3, -1))
     tr.close()
     assert no_hooks_left(model)
     model(x + 1)
-    assert tr.output is first  # nothing recorded after close
+    assert torch.equal(tr.output, model[0].bias.expand(3, -1))  # nothing recorded after close
     tr.close()  # closing twice is harmless
     tr2 = Trace(model, "0")
     tr2.registered_hook.remove()  # baukit code sometimes removes the handle directly
@@ -342,17 +354,17 @@ def test_clone_detach_decide_what_a_later_inplace_change_does(clone, detach, see
     model = seeded(InPlaceAfter)
     x = seeded(lambda: torch.randn(3, 4))
     seen = {}
-    handle = model.fc.register_forward_hook(lambda m, a, o: seen.setdefault("fc", o))
+    handle = model.fc.register_forward_hook(keep(seen, "fc"))
     with Trace(model, "fc", clone=clone, detach=detach) as tr:
         model(x)
     handle.remove()
     before = model.fc(x).detach()
     expected = 2 * before if sees_later_inplace else before
     assert torch.allclose(tr.output.detach(), expected)
-    assert (tr.output is seen["fc"]) == (not clone and not detach)
+    assert (tr.output is seen["fc"][1]) == (not clone and not detach)
     assert tr.output.requires_grad == on_graph
     if detach and not clone:
-        assert tr.output.data_ptr() == seen["fc"].data_ptr()  # a view, not a copy
+        assert tr.output.data_ptr() == seen["fc"][1].data_ptr()  # a view, not a copy
 
 
 def test_clone_and_detach_apply_to_inputs_too():
@@ -381,15 +393,15 @@ def test_retain_grad_gives_output_grad_and_passes_a_clone_downstream():
     model.zero_grad()
 
     downstream = {}
-    handle = model.post.register_forward_hook(lambda m, a, o: downstream.setdefault("in", a[0]))
+    handle = model.post.register_forward_hook(keep(downstream, "post"))
     with Trace(model, "fc", retain_grad=True) as tr:
         model(x).pow(2).sum().backward()
     handle.remove()
     assert torch.allclose(tr.output.grad, expected_grad)
     # The model continued on a clone (which it then doubled in place); the retained
     # tensor was left alone.
-    assert downstream["in"] is not tr.output
-    assert torch.allclose(downstream["in"], 2 * tr.output)
+    assert downstream["post"][0][0] is not tr.output
+    assert torch.allclose(downstream["post"][0][0], 2 * tr.output)
     assert torch.allclose(tr.output, model.fc(x))
 
 
@@ -523,7 +535,7 @@ def test_edit_sees_the_layer_name_in_tracedict_and_inputs_tuple():
 
 def _counter(model, name):
     count = {"n": 0}
-    handle = model.get_submodule(name).register_forward_hook(lambda m, a, o: count.update(n=count["n"] + 1))
+    handle = model.get_submodule(name).register_forward_hook(lambda m, a, o: count.update(n=count["n"] + 1) and None)
     return count, handle
 
 
@@ -596,7 +608,7 @@ def test_tracedict_options_as_per_layer_dicts():
     names = ["transformer.h.0", "transformer.h.1"]
     seen = {}
     handles = [
-        model.get_submodule(n).register_forward_hook(lambda m, a, o, n=n: seen.setdefault(n, (a, o)))
+        model.get_submodule(n).register_forward_hook(keep(seen, n))
         for n in names
     ]
     with TraceDict(
@@ -696,16 +708,19 @@ def test_nested_stop_is_swallowed_by_the_trace_that_asked():
 def test_attention_tuple_output_with_none_entries(attn, opts):
     model = tiny_gpt2(attn=attn)
     name = "transformer.h.0.attn"
-    ref, _ = plain_record(model, [name], IDS)
-    with Trace(model, name, retain_input=True, **opts) as tr:
+    seen: dict = {}
+    with plain_hooks(model, {name: keep(seen, name)}), Trace(model, name, retain_input=True, **opts) as tr:
         model(IDS)
-    assert isinstance(tr.output, tuple) and len(tr.output) == len(ref[name])
-    assert torch.equal(tr.output[0], ref[name][0])
-    if ref[name][1] is None:
+    args, ref = seen[name]
+    assert isinstance(tr.output, tuple) and len(tr.output) == len(ref) == 2
+    assert torch.equal(tr.output[0], ref[0])
+    assert (ref[1] is None) == (attn == "sdpa")
+    if ref[1] is None:
         assert tr.output[1] is None
     else:
-        assert torch.equal(tr.output[1], ref[name][1])
-    assert (tr.output is ref[name]) == (not opts)
+        assert torch.equal(tr.output[1], ref[1])
+    assert (tr.output is ref) == (not opts)
+    assert torch.equal(tr.input, args[0])
 
 
 def test_retain_grad_on_attention_tuple_and_cache_in_block_input():
@@ -808,7 +823,7 @@ def plain_hook_trace_with_patch(model, states_to_patch, subject, answer, noise):
 
 def test_rome_causal_tracing_matches_plain_hooks():
     n_layer = 4
-    model = tiny_gpt2(seed=1, n_layer=n_layer)
+    model = tiny_gpt2(seed=1, n_layer=n_layer, init=0.2)  # larger weights: visible effects
     subject = (1, 4)
     with torch.no_grad():
         clean = torch.softmax(model(IDS).logits[0, -1], -1)
@@ -827,8 +842,11 @@ def test_rome_causal_tracing_matches_plain_hooks():
     effect = shim_table - corrupted
     assert effect.abs().max() > 1e-4  # restoring states matters somewhere
     # Token 0 comes before the subject, so its state is the same in both runs and
-    # restoring it changes nothing.
+    # restoring it changes nothing; at the last layer only the last token matters, and
+    # restoring it there brings back the clean probability.
     assert torch.allclose(shim_table[0], torch.full((n_layer,), corrupted), rtol=1e-5)
+    assert torch.allclose(shim_table[:-1, -1], torch.full((IDS.shape[1] - 1,), corrupted), rtol=1e-5)
+    assert abs(shim_table[-1, -1].item() - clean[answer].item()) < 1e-6
     assert no_hooks_left(model)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
 from typing import Any
 
 import torch
@@ -227,7 +228,7 @@ class Recorder(TorchFunctionMode):
     def _edit_op(self, when: When, value: Any, module: str, module_pass: int, label: str, record) -> Any:
         """Apply ``when`` to ``value`` and record the edit as an EDIT op in the graph."""
         leaves, spec = flatten(value)
-        ctx = EditContext(when.site.describe(), label, module, module_pass, record, self.trace)
+        ctx = EditContext(when.site.describe(), label, module, module_pass, record, weakref.proxy(self.trace))
         applier = EditApplier(when, spec, ctx)
         self.paused = True
         try:

@@ -4,6 +4,7 @@ module call. They are plain data owned by the base trace; forks never copy them.
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,6 +23,22 @@ ALIAS_MUTATION = 16  # mutated storage that other recorded tensors view
 NOT_REPLAYABLE = 32  # cannot be re-issued from recorded arguments
 
 
+class _TraceLink:
+    """Records point back at their trace weakly: no reference cycle, so a dropped trace
+    frees its activations at once instead of at a later garbage collection."""
+
+    __slots__ = ()
+
+    @property
+    def trace(self) -> Trace | None:
+        ref = self._trace_ref
+        return ref() if ref is not None else None
+
+    @trace.setter
+    def trace(self, value: Trace | None) -> None:
+        self._trace_ref = weakref.ref(value) if value is not None else None
+
+
 class Ref:
     """A placeholder in ``args_spec``: "the output of op ``index`` (element ``elem``)"."""
 
@@ -35,7 +52,7 @@ class Ref:
         return f"Ref({self.index})" if self.elem is None else f"Ref({self.index}[{self.elem}])"
 
 
-class Op:
+class Op(_TraceLink):
     """One executed tensor operation (or a forward input, or a capture-time edit)."""
 
     __slots__ = (
@@ -52,7 +69,7 @@ class Op:
         "args",
         "kwargs",
         "flags",
-        "trace",
+        "_trace_ref",
         "args_spec",
         "parent_refs",
         "children_idx",
@@ -73,7 +90,7 @@ class Op:
         self.args = args
         self.kwargs = kwargs
         self.flags = flags
-        self.trace: Trace | None = None
+        self._trace_ref = None
         self.args_spec = None
         self.parent_refs: list[Ref] | None = None
         self.children_idx: list[int] | None = None
@@ -135,7 +152,7 @@ class Op:
         return f"<Op {self.label} {self.func_name}{where} shape={self.shape}>"
 
 
-class ModuleCall:
+class ModuleCall(_TraceLink):
     """One call of one ``nn.Module``: where it is, which pass, and what it returned."""
 
     __slots__ = (
@@ -149,7 +166,7 @@ class ModuleCall:
         "out_spec",
         "op_start",
         "op_end",
-        "trace",
+        "_trace_ref",
         "n_passes",
     )
 
@@ -164,7 +181,7 @@ class ModuleCall:
         self.out_spec: Any = None
         self.op_start = op_start
         self.op_end = op_start
-        self.trace: Trace | None = None
+        self._trace_ref = None
         self.n_passes = 1
 
     @property
