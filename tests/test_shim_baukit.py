@@ -424,7 +424,7 @@ def test_retain_grad_on_gpt2_block_matches_plain_hooks():
     ) as td:
         model(IDS).logits[0, -1, answer].backward()
     assert torch.allclose(td["transformer.h.0"].output.grad, expected)
-    assert td["transformer.h.1"].output.grad is None
+    assert not td["transformer.h.1"].output.retains_grad
 
 
 # -- edit_output ---------------------------------------------------------------------------
@@ -535,7 +535,9 @@ def test_edit_sees_the_layer_name_in_tracedict_and_inputs_tuple():
 
 def _counter(model, name):
     count = {"n": 0}
-    handle = model.get_submodule(name).register_forward_hook(lambda m, a, o: count.update(n=count["n"] + 1) and None)
+    handle = model.get_submodule(name).register_forward_hook(
+        lambda m, a, o: count.update(n=count["n"] + 1) and None
+    )
     return count, handle
 
 
@@ -607,10 +609,7 @@ def test_tracedict_options_as_per_layer_dicts():
     model = tiny_gpt2()
     names = ["transformer.h.0", "transformer.h.1"]
     seen = {}
-    handles = [
-        model.get_submodule(n).register_forward_hook(keep(seen, n))
-        for n in names
-    ]
+    handles = [model.get_submodule(n).register_forward_hook(keep(seen, n)) for n in names]
     with TraceDict(
         model,
         names,
@@ -773,8 +772,8 @@ def _corrupt_and_restore(model, run, n_layer, subject, answer, noise):
     return table
 
 
-def baukit_style_trace_with_patch(model, states_to_patch, subject, answer, noise):
-    """The ROME recipe, written against baukit's API (here: the shim)."""
+def baukit_style_trace_with_patch(model, states_to_patch, subject, answer, noise, lib=shim):
+    """The ROME recipe, written against baukit's API (the shim, or real baukit)."""
     batch = IDS.repeat(1 + noise.shape[0], 1)
     patch_spec = defaultdict(list)
     for token, layer in states_to_patch:
@@ -791,7 +790,7 @@ def baukit_style_trace_with_patch(model, states_to_patch, subject, answer, noise
             h[1:, token] = h[0, token]
         return x
 
-    with torch.no_grad(), TraceDict(model, [embed, *patch_spec], edit_output=patch_rep):
+    with torch.no_grad(), lib.TraceDict(model, [embed, *patch_spec], edit_output=patch_rep):
         out = model(batch)
     return torch.softmax(out.logits[1:, -1, :], dim=-1).mean(dim=0)[answer].item()
 
@@ -821,19 +820,20 @@ def plain_hook_trace_with_patch(model, states_to_patch, subject, answer, noise):
     return torch.softmax(out.logits[1:, -1, :], dim=-1).mean(dim=0)[answer].item()
 
 
-def test_rome_causal_tracing_matches_plain_hooks():
-    n_layer = 4
+def _rome_setup(n_layer: int):
     model = tiny_gpt2(seed=1, n_layer=n_layer, init=0.2)  # larger weights: visible effects
     subject = (1, 4)
     with torch.no_grad():
         clean = torch.softmax(model(IDS).logits[0, -1], -1)
-    answer = int(clean.argmax())
     gen = torch.Generator().manual_seed(0)
-    noise = (
-        3
-        * model.transformer.wte.weight.std().item()
-        * torch.randn(3, subject[1] - subject[0], 32, generator=gen)
-    )
+    std = model.transformer.wte.weight.std().item()
+    noise = 3 * std * torch.randn(3, subject[1] - subject[0], 32, generator=gen)
+    return model, subject, clean, int(clean.argmax()), noise
+
+
+def test_rome_causal_tracing_matches_plain_hooks():
+    n_layer = 4
+    model, subject, clean, answer, noise = _rome_setup(n_layer)
     shim_table = _corrupt_and_restore(model, baukit_style_trace_with_patch, n_layer, subject, answer, noise)
     plain_table = _corrupt_and_restore(model, plain_hook_trace_with_patch, n_layer, subject, answer, noise)
     assert torch.allclose(shim_table, plain_table, atol=0, rtol=1e-6)
@@ -1059,6 +1059,20 @@ def test_subsequence_errors():
         subsequence(seq, first_layer="a", after_layer="b")
 
 
+def test_hooks_ignore_forwards_on_other_threads():
+    # ModuleHooks only answers the thread that attached it (documented deviation).
+    import threading
+
+    model = small_net()
+    with Trace(model, "0") as tr:
+        worker = threading.Thread(target=model, args=(torch.randn(1, 4),))
+        worker.start()
+        worker.join()
+        assert not hasattr(tr, "output")
+        model(torch.randn(1, 4))
+    assert hasattr(tr, "output")
+
+
 def test_edit_that_cannot_be_called_raises_from_the_forward():
     model = small_net()
     with pytest.raises(InvalidArgumentError, match="cannot be passed"):
@@ -1252,3 +1266,35 @@ def test_cross_check_recursive_copy_and_helpers(real):
     assert shim.get_module(model, "transformer.h.1") is real.get_module(model, "transformer.h.1")
     with pytest.raises(LookupError):
         real.get_module(model, "transformer.h.9")
+
+
+def test_cross_check_rome_causal_tracing(real):
+    model, subject, _, answer, noise = _rome_setup(3)
+    shim_table = _corrupt_and_restore(model, baukit_style_trace_with_patch, 3, subject, answer, noise)
+    real_table = _corrupt_and_restore(
+        model, functools.partial(baukit_style_trace_with_patch, lib=real), 3, subject, answer, noise
+    )
+    assert torch.equal(shim_table, real_table)
+
+
+def test_cross_check_documented_deviations_fail_in_real_baukit(real):
+    """Each deviation listed in nethook's docstring is a place where baukit itself fails."""
+    model = tiny_gpt2()
+    attn = "transformer.h.0.attn"
+    with pytest.raises(AssertionError):  # None inside the attention tuple
+        with real.Trace(model, attn, clone=True):
+            model(IDS)
+    with shim.Trace(model, attn, clone=True) as tr:
+        model(IDS)
+    assert tr.output[1] is None
+    with pytest.raises(TypeError):  # a bound method counts its self
+        with torch.no_grad(), real.Trace(model, "transformer.h.0", edit_output=Editor(2.0).edit):
+            model(IDS)
+    with pytest.raises(UnboundLocalError):
+        real.replace_module(small_net(), "1", nn.Tanh())
+    with pytest.raises(TypeError):  # issubclass(None, StopForward)
+        with real.Trace(model, "transformer.h.0", stop=True):
+            pass
+    with pytest.raises(LookupError):
+        real.TraceDict(model, ["transformer.h.0", "transformer.h.7"])
+    assert not no_hooks_left(model)  # baukit left h.0 hooked

@@ -331,6 +331,19 @@ class Trace:
 
         return validate(self, **kwargs)
 
+    # -- persistence (implemented in torchlens.recipes / torchlens.persist) ------------------
+    def save_intervention(self, path: Any, level: str = "portable", *, overwrite: bool = False) -> Any:
+        """Write this trace's edits (capture-time steps and, on a fork, its recipe) as ``.tlspec/``."""
+        from ..recipes import save_intervention
+
+        return save_intervention(self, path, level=level, overwrite=overwrite)
+
+    def save(self, path: Any, *, selector: Any = None, overwrite: bool = False) -> Any:
+        """Write the graph (JSON) and activations (safetensors), optionally only ``selector``'s ops."""
+        from ..persist import save_trace
+
+        return save_trace(self, path, selector=selector, overwrite=overwrite)
+
     # -- presentation ----------------------------------------------------------------------
     def table(self, selector: Any = None, limit: int | None = None) -> str:
         """A text table of ops (label, function, module:pass, shape, source line)."""

@@ -1,0 +1,3 @@
+"""Facet plugin for fused attention (being written)."""
+
+FacetPlugin = None
