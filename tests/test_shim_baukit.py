@@ -277,6 +277,21 @@ def test_trace_is_live_from_construction_until_close():
     assert no_hooks_left(model)
 
 
+def test_closed_trace_does_not_keep_the_model_alive():
+    import gc
+    import weakref
+
+    model = small_net()
+    x = torch.randn(1, 4)
+    with Trace(model, "0") as tr:
+        model(x)
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None
+    assert tr.output.shape == (1, 8)
+
+
 def test_input_is_single_positional_or_tuple_and_excludes_kwargs():
     model = KwargCalls()
     x = torch.arange(4.0)
@@ -633,8 +648,8 @@ def test_tracedict_shared_edit_matches_plain_hooks():
     names = ["transformer.h.0", "transformer.h.2"]
     factors = {"transformer.h.0": 0.5, "transformer.h.2": 3.0}
 
-    def edit(output, layer):
-        return output * factors[layer]
+    def edit(output, layer_name):  # not named "layer": filled by position
+        return output * factors[layer_name]
 
     with torch.no_grad():
         ref, expected = plain_record(

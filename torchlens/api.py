@@ -101,6 +101,8 @@ def trace(
     Args:
         model: an eager ``nn.Module``; it is left exactly as it was, also if it raises.
         save: keep only the outputs of ops matching this selector (the graph is still recorded).
+            With ``intervene=`` and only module sites in both, module hooks serve the
+            capture: the trace then holds those module outputs and the model output, no ops.
         intervene: ``tl.when(site, edit)``, a list of them, or a loaded recipe, applied while
             the forward runs.
         backend: a capture engine by name (``tl.plugins()`` lists them); default: the cheapest
@@ -117,8 +119,18 @@ def trace(
     whens = _as_whens(intervene)
     for w in whens:
         w.site = normalize(model, w.site)
+    saved = _as_save(save)
+    if saved is not None:
+        saved = normalize(model, saved)
     request = CaptureRequest(model, args, kwargs, record_ops=backend != "hooks", intervene=whens,
-                             save=_as_save(save), grad=grad)
+                             save=saved, grad=grad)
+    if whens and saved is not None and backend is None:
+        # An edit plus a module read needs no op graph: module hooks serve it at hook cost.
+        probe = CaptureRequest(model, args, kwargs, record_ops=False, sites=saved, intervene=whens)
+        if probe.module_only():
+            request = probe
+    elif backend == "hooks" and saved is not None:
+        request.sites = saved
     return _capture(request, backend)
 
 

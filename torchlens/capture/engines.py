@@ -131,7 +131,7 @@ class FunctionModeEngine:
         _record_inputs(trace, request.args, request.kwargs)
         hooks = ModuleHooks(model)
         enter = recorder.enter_module
-        for name, _ in model.named_modules():
+        for name in hooks.names():
             steps = module_steps.get(name)
             stop_pass = stops.get(name, -1)
             hooks.on_input(name, enter)

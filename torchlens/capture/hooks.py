@@ -66,16 +66,29 @@ class ModuleHooks:
         self._counts: dict[str, int] = {}
         self._open: dict[str, list[int]] = {}
         self._owner: int | None = None
+        self._named: dict[str, nn.Module] | None = None
+
+    def module(self, address: str) -> nn.Module:
+        """The submodule at ``address``; one ``named_modules`` walk serves every lookup."""
+        if self._named is None:
+            self._named = dict(self.model.named_modules())
+        found = self._named.get(address)
+        return found if found is not None else resolve_module(self.model, address)
+
+    def names(self) -> list[str]:
+        """Every module address of the model (shared modules once, under their first name)."""
+        self.module("")
+        return list(self._named)
 
     # -- registration ----------------------------------------------------------
     def on_input(self, address: str, fn: PreHook) -> None:
-        resolve_module(self.model, address)
+        self.module(address)
         self._pre.setdefault(address, []).append(fn)
         if self._owner is not None:
             raise RuntimeError("register callbacks before entering the hooks context")
 
     def on_output(self, address: str, fn: PostHook) -> None:
-        resolve_module(self.model, address)
+        self.module(address)
         self._post.setdefault(address, []).append(fn)
         if self._owner is not None:
             raise RuntimeError("register callbacks before entering the hooks context")
@@ -93,7 +106,7 @@ class ModuleHooks:
         self._owner = threading.get_ident()
         try:
             for address in dict.fromkeys([*self._pre, *self._post]):
-                module = resolve_module(self.model, address)
+                module = self.module(address)
                 if address in self._pre:
                     self._handles.append(
                         module.register_forward_pre_hook(self._make_pre(address, module), with_kwargs=True)

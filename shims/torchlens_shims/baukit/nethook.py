@@ -172,7 +172,9 @@ class Trace(contextlib.AbstractContextManager):
 
     def close(self) -> None:
         """Detach the hook; the retained values stay readable. Safe to call twice."""
-        hooks = self.__dict__.get("_hooks")
+        # Dropping the hooks object also drops its reference to the module, so a kept
+        # Trace does not keep the model alive (baukit's handle does not either).
+        hooks = self.__dict__.pop("_hooks", None)
         if hooks is not None:
             hooks.__exit__(None, None, None)
 

@@ -1,0 +1,266 @@
+"""``TransformersModel`` / ``LanguageModel``: a transformers model and its tokenizer, traced.
+
+Wraps an already-loaded transformers model (or a local checkpoint directory) so
+a trace can take text: prompts are tokenized and, across invokes, padded into
+one batch (left for causal LMs). ``generate`` runs the model's own generation
+loop as the traced call (read the ids from ``tracer.result``, step through
+forwards with ``tracer.iter``); ``pipe`` runs a transformers pipeline around the
+same model. The shim never downloads: a model id that is not on disk raises
+`ModelDownloadError`, and tensor-parallel loading raises its own refusal.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from . import NNsightDeprecationWarning, processing
+from .envoy import Envoy, traceable
+from .errors import ModelDownloadError, TaskInferenceError, TensorParallelUnsupportedError
+
+_PREPROCESSORS = ("tokenizer", "image_processor", "feature_extractor", "processor")
+_ARCH_TASK = {
+    "ForCausalLM": "text-generation",
+    "LMHeadModel": "text-generation",
+    "ForConditionalGeneration": "text-generation",
+    "ForMaskedLM": "fill-mask",
+    "ForSequenceClassification": "text-classification",
+    "ForTokenClassification": "token-classification",
+}
+_TASK_AUTO = {
+    "text-generation": "AutoModelForCausalLM",
+    "fill-mask": "AutoModelForMaskedLM",
+    "text-classification": "AutoModelForSequenceClassification",
+    "token-classification": "AutoModelForTokenClassification",
+    "feature-extraction": "AutoModel",
+}
+_TP_KWARGS = ("tp_plan", "distributed_config", "tp_size", "device_mesh")
+_ENVOY_KWARGS = ("envoys", "rename")
+
+
+class _Passthrough(torch.nn.Module):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return args[0] if len(args) == 1 else args
+
+
+class Generator(_Passthrough):
+    """Generated ids pass through here (``model.generator``); per-step tokens through ``.streamer``."""
+
+    class Streamer(_Passthrough):
+        """Receives tokens as they are decoded (transformers' streamer protocol)."""
+
+        def put(self, value: Any) -> Any:
+            return self(value)
+
+        def end(self) -> None:
+            pass
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.streamer = Generator.Streamer()
+
+
+_GENERATOR_OUTPUT_DEPRECATED = (
+    "model.generator.output is deprecated; use tracer.result instead "
+    "(model.generator.streamer.output still gives per-step tokens)."
+)
+
+
+class GeneratorEnvoy(Envoy):
+    """The generator's envoy: its ``.output`` is deprecated in favour of ``tracer.result``."""
+
+    @property
+    def output(self) -> Any:
+        warnings.warn(_GENERATOR_OUTPUT_DEPRECATED, NNsightDeprecationWarning, stacklevel=2)
+        return Envoy.output.__get__(self)
+
+    @output.setter
+    def output(self, value: Any) -> None:
+        warnings.warn(_GENERATOR_OUTPUT_DEPRECATED, NNsightDeprecationWarning, stacklevel=2)
+        Envoy.output.__set__(self, value)
+
+
+def _infer_task(module: torch.nn.Module) -> str:
+    if getattr(module, "can_generate", lambda: False)():
+        return "text-generation"
+    names = getattr(getattr(module, "config", None), "architectures", None) or [type(module).__name__]
+    for name in names:
+        for suffix, task in _ARCH_TASK.items():
+            if name.endswith(suffix):
+                return task
+    raise TaskInferenceError(
+        f"could not infer a pipeline task for a pre-loaded {type(module).__name__}; pass task=... "
+        "explicitly (e.g. TransformersModel(model, task='feature-extraction'))"
+    )
+
+
+def _load_local(repo_id: str, task: str | None, revision: str | None, kwargs: dict) -> tuple[Any, str, Any]:
+    """A checkpoint from a local directory or the local cache, never from the network."""
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(repo_id, revision=revision, local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise ModelDownloadError(
+            f"{repo_id!r} is neither a local checkpoint directory nor in the local cache, and the shim "
+            "does not download models",
+            repo_id=repo_id,
+        ) from error
+    if task is None:
+        names = getattr(config, "architectures", None) or []
+        task = next(
+            (t for name in names for suffix, t in _ARCH_TASK.items() if name.endswith(suffix)),
+            "feature-extraction",
+        )
+    auto = getattr(transformers, _TASK_AUTO.get(task, "AutoModel"))
+    load = {k: v for k, v in kwargs.items() if k in ("dtype", "torch_dtype", "attn_implementation", "trust_remote_code")}
+    module = auto.from_pretrained(repo_id, revision=revision, local_files_only=True, **load)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(repo_id, revision=revision, local_files_only=True)
+    except (OSError, ValueError):
+        tokenizer = None
+    return module.eval(), task, tokenizer
+
+
+class TransformersModel(Envoy):
+    """A transformers model traced with text inputs; see the module docstring.
+
+    Attributes:
+        tokenizer: the tokenizer prompts go through (its pad token and padding side
+            are set as nnsight sets them: EOS padding, left side for causal LMs).
+        task: the pipeline task (inferred from the model when not given).
+        generator: the module generated ids pass through (``.streamer`` per step).
+    """
+
+    def __init__(
+        self,
+        repo_id: Any,
+        *args: Any,
+        task: str | None = None,
+        tokenizer: Any = None,
+        processor: Any = None,
+        image_processor: Any = None,
+        feature_extractor: Any = None,
+        revision: str | None = None,
+        dispatch: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        for key in _TP_KWARGS:
+            if kwargs.get(key) is not None:
+                raise TensorParallelUnsupportedError(
+                    f"{key}= asks for a tensor-parallel load; the shim runs one local eager forward",
+                    option=key,
+                )
+        envoy_kwargs = {k: kwargs.pop(k) for k in _ENVOY_KWARGS if k in kwargs}
+        object.__setattr__(self, "processor", processor)
+        object.__setattr__(self, "image_processor", image_processor)
+        object.__setattr__(self, "feature_extractor", feature_extractor)
+        object.__setattr__(self, "revision", revision)
+        object.__setattr__(self, "pipeline", None)
+        object.__setattr__(self, "peft", kwargs.pop("peft", None))
+        if isinstance(repo_id, torch.nn.Module):
+            module = repo_id
+            object.__setattr__(self, "repo_id", getattr(module, "name_or_path", None))
+            task = task or _infer_task(module)
+        else:
+            object.__setattr__(self, "repo_id", repo_id)
+            module, task, loaded = _load_local(repo_id, task, revision, kwargs)
+            tokenizer = tokenizer or loaded
+        object.__setattr__(self, "task", task)
+        object.__setattr__(self, "tokenizer", tokenizer)
+        object.__setattr__(self, "args", args)
+        object.__setattr__(self, "kwargs", kwargs)
+        super().__init__(module, **envoy_kwargs)
+        generator = GeneratorEnvoy(Generator(), path=f"{self.path}.generator", tree=self._tree, parent=self)
+        object.__setattr__(self, "generator", generator)
+        self._children.append(generator)
+        self._standalone.append(generator)
+        self._configure_tokenizer()
+
+    @property
+    def dispatched(self) -> bool:
+        return True
+
+    def dispatch(self) -> TransformersModel:
+        return self
+
+    def _is_encoder_decoder(self) -> bool:
+        return bool(getattr(getattr(self._module, "config", None), "is_encoder_decoder", False))
+
+    def _is_causal(self) -> bool:
+        can_generate = getattr(self._module, "can_generate", lambda: False)()
+        return bool(can_generate) and not self._is_encoder_decoder()
+
+    def _configure_tokenizer(self) -> None:
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            return
+        if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+            tokenizer.pad_token = tokenizer.eos_token
+        if self._is_causal():
+            tokenizer.padding_side = "left"
+        elif self._is_encoder_decoder():
+            tokenizer.padding_side = "right"
+
+    # -- running -----------------------------------------------------------------------
+    def trace(self, *inputs: Any, fn: Any = None, **kwargs: Any) -> Any:
+        return super().trace(*inputs, fn=fn if fn is not None else self._call, **kwargs)
+
+    def scan(self, *inputs: Any, fn: Any = None, **kwargs: Any) -> Any:
+        return super().scan(*inputs, fn=fn if fn is not None else self._call, **kwargs)
+
+    @traceable
+    def generate(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Generate through the model and return the token ids (``tracer.result`` in a trace)."""
+        config = kwargs.get("generation_config") or getattr(self._module, "generation_config", None)
+        num_beams = kwargs.get("num_beams") or getattr(config, "num_beams", None) or 1
+        if num_beams == 1:
+            kwargs.setdefault("streamer", self.generator.streamer._module)
+        output = self._module.generate(*inputs, **kwargs)
+        return self.generator(output, hook=True)
+
+    @traceable
+    def pipe(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Run the task's transformers pipeline around this model; returns what it postprocesses to."""
+        if self.pipeline is None:
+            from transformers import pipeline
+
+            object.__setattr__(
+                self, "pipeline", pipeline(self.task, model=self._module, tokenizer=self.tokenizer)
+            )
+        return self.pipeline(*inputs, **kwargs)
+
+    def _call(self, *inputs: Any, **kwargs: Any) -> Any:
+        preprocessor = self.processor or self.tokenizer or self.image_processor or self.feature_extractor
+        if preprocessor is not None and inputs and isinstance(inputs[0], (str, list)):
+            prepared = preprocessor(*inputs, return_tensors="pt").to(next(self._module.parameters()).device)
+            return self._module(**prepared, **kwargs)
+        return self._module(*inputs, **kwargs)
+
+    def _batch_size(self, *inputs: Any, **kwargs: Any) -> int:
+        return processing.batch_size(inputs, kwargs)
+
+    def _batch(self, invokes: list, fn: Any) -> tuple:
+        if getattr(fn, "__name__", None) == "pipe":
+            return processing.batch_pipe(invokes)
+        return processing.batch_forward(self, invokes)
+
+
+class LanguageModel(TransformersModel):
+    """Deprecated name: a `TransformersModel` pinned to text generation (warns on construction)."""
+
+    def __init__(self, *args: Any, tokenizer_kwargs: dict | None = None, **kwargs: Any) -> None:
+        if type(self) is LanguageModel:
+            warnings.warn(
+                "LanguageModel is deprecated; use TransformersModel(repo_id, task='text-generation') instead.",
+                NNsightDeprecationWarning,
+                stacklevel=2,
+            )
+        kwargs.setdefault("task", "text-generation")
+        super().__init__(*args, **kwargs)
+        for key, value in (tokenizer_kwargs or {}).items():
+            setattr(self.tokenizer, key, value)
+
+
