@@ -108,7 +108,8 @@ def do_on_fork(fork, site: Any, edit: Any, *, model=None, inputs=None, check: bo
     step = Step(selector, edit)
     fork.recipe.append(step)
     try:
-        Replayer(fork).push(step, [_Target(r) for r in records])
+        with torch.set_grad_enabled(fork.grad):
+            Replayer(fork).push(step, [_Target(r) for r in records])
     except BaseException:
         fork.recipe.pop()
         raise

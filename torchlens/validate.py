@@ -115,6 +115,11 @@ def validate(trace, *, atol: float = 1e-5, rerun: bool = True) -> ValidationRepo
     Returns:
         a ValidationReport (``.ok``, ``.first_divergence``, ``.summary()``).
     """
+    with torch.set_grad_enabled(getattr(trace, "grad", False)):
+        return _validate(trace, atol=atol, rerun=rerun)
+
+
+def _validate(trace, *, atol: float, rerun: bool) -> ValidationReport:
     trace._ensure_graph()
     values: dict[int, Any] = {}
     report = ValidationReport(len(trace.ops), 0, atol=atol)

@@ -148,6 +148,7 @@ class FunctionModeEngine:
             except StopCapture:
                 trace.complete = False
         trace._stale = recorder.stale
+        trace.grad = request.grad
         trace.steps = list(request.intervene)
         trace._finish(output, request.save)
         return trace

@@ -26,7 +26,12 @@ from .classify import info_for
 
 Tensor = torch.Tensor
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_OWN_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep
+_PKG_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep
+# TorchLens's own machinery, skipped when looking for the model line that issued an op.
+_OWN = tuple(
+    _PKG_DIR + p
+    for p in ("capture" + os.sep, "core" + os.sep, "replay.py", "edits.py", "helpers.py", "validate.py", "api.py")
+)
 _INTERNAL: dict[Any, bool] = {}
 
 
@@ -34,7 +39,7 @@ def _is_internal(code) -> bool:
     internal = _INTERNAL.get(code)
     if internal is None:
         fn = code.co_filename
-        internal = fn.startswith(_TORCH_DIR) or fn.startswith(_OWN_DIR) or fn.startswith("<frozen")
+        internal = fn.startswith(_TORCH_DIR) or fn.startswith(_OWN) or fn.startswith("<frozen")
         _INTERNAL[code] = internal
     return internal
 

@@ -47,6 +47,7 @@ class Trace:
         self.edits: list[Any] = []
         self.steps: list[Any] = []  # capture-time edits (When objects), in order
         self.engine = "function_mode"
+        self.grad = False  # whether the capture ran with autograd (replay follows it)
         self.complete = True  # False for a transaction stopped early
         self._graph_ready = False
         self._values: dict[int, Any] = {}

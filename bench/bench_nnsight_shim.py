@@ -1,0 +1,194 @@
+"""Time real nnsight against the TorchLens nnsight shim on a 12-layer GPT-2.
+
+GPT2Config() defaults with random weights, one CPU thread, seed 0, eval mode,
+``ids = torch.arange(64)[None] % 50257``. For each case both tools run the same
+trace body; the median over ``--reps`` timed runs (after 2 warm-ups, tools
+interleaved run by run so drift hits both alike) is printed as one JSON line per
+tool and case, with the plain forward under ``torch.no_grad()`` as ``base_ms``.
+
+Neither tool disables autograd inside a trace (nnsight leaves grad mode alone so
+``.backward()`` works on what the body reads), so ``ratio`` includes the cost of
+recording the autograd graph, which ``base_ms`` does not.
+
+``ok`` checks each tool's values against a plain ``register_forward_hook``
+read/edit of the same model (atol 1e-5).
+
+Usage: python bench/bench_nnsight_shim.py [--quick] [--reps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+import warnings
+
+import torch
+import transformers
+
+warnings.filterwarnings("ignore")
+NOTE = "trace runs with autograd on (as nnsight does); base_ms is the forward under torch.no_grad()"
+
+
+def local_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate(["<pad>", "<eos>", "<unk>", "the", "a"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>"
+    )
+
+
+def build() -> tuple[torch.nn.Module, torch.Tensor]:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config()).eval()
+    ids = torch.arange(64)[None] % 50257
+    return model, ids
+
+
+# -- reference values with plain forward hooks -------------------------------------------------
+def reference(model: torch.nn.Module, ids: torch.Tensor) -> dict:
+    blocks = model.transformer.h
+    out: dict = {}
+    seen: dict = {}
+    handles = [b.register_forward_hook(lambda m, a, o, i=i: seen.__setitem__(i, o.detach().clone())) for i, b in enumerate(blocks)]
+    with torch.no_grad():
+        model(ids)
+    for h in handles:
+        h.remove()
+    out["c3"] = seen[5]
+    out["c4"] = [seen[i] for i in range(12)]
+
+    def double_last(m, a, o):
+        o = o.clone()
+        o[:, -1, :] *= 2
+        return o
+
+    handle = blocks[8].register_forward_hook(double_last)
+    with torch.no_grad():
+        out["c5"] = model(ids).logits
+    handle.remove()
+
+    def zero_row(row):
+        def hook(m, a, o):
+            o = o.clone()
+            o[row, -1, :] = 0
+            return o
+
+        return hook
+
+    handles = [blocks[i].register_forward_hook(zero_row(i)) for i in range(12)]
+    with torch.no_grad():
+        logits = model(ids.repeat(12, 1)).logits
+    for h in handles:
+        h.remove()
+    out["c8"] = torch.stack([logits[i, -1, 0] for i in range(12)])
+    return out
+
+
+# -- the cases, written once per tool ------------------------------------------------------------
+def make_cases(lib, model_nn, model_tm, ids):
+    def c3():
+        with model_nn.trace(ids):
+            h = model_nn.transformer.h[5].output.save()
+        return h
+
+    def c4():
+        with model_nn.trace(ids):
+            hs = lib.save([])
+            for block in model_nn.transformer.h:
+                hs.append(block.output)
+        return hs
+
+    def c5():
+        with model_nn.trace(ids):
+            model_nn.transformer.h[8].output[:, -1, :] *= 2
+            logits = model_nn.output.logits.save()
+        return logits
+
+    def c8():
+        with model_tm.trace() as tracer:
+            scores = lib.save([])
+            for layer in range(12):
+                with tracer.invoke(ids):
+                    model_tm.transformer.h[layer].output[:, -1, :] = 0
+                    scores.append(model_tm.output.logits[0, -1, 0])
+        return torch.stack(scores)
+
+    return {"c3": c3, "c4": c4, "c5": c5, "c8": c8}
+
+
+def check(case: str, value, ref) -> bool:
+    if case == "c4":
+        return len(value) == 12 and all(torch.allclose(v.detach(), r, atol=1e-5) for v, r in zip(value, ref))
+    return torch.allclose(value.detach(), ref, atol=1e-5)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--reps", type=int, default=None)
+    options = parser.parse_args()
+    reps = options.reps or (3 if options.quick else 15)
+
+    import nnsight
+
+    import torchlens_shims.nnsight as shim
+
+    model, ids = build()
+    ref = reference(model, ids)
+    tok = local_tokenizer()
+    tools = {}
+    for name, lib in (("nnsight", nnsight), ("torchlens_shims.nnsight", shim)):
+        own = copy.deepcopy(model)  # nnsight instruments the module it wraps; keep the tools apart
+        tools[name] = make_cases(lib, lib.NNsight(own), lib.TransformersModel(own, tokenizer=tok), ids)
+
+    with torch.no_grad():
+        base = {}
+        for case, batch in (("single", ids), ("batch12", ids.repeat(12, 1))):
+            for _ in range(2):
+                model(batch)
+            times = []
+            for _ in range(reps):
+                start = time.perf_counter()
+                model(batch)
+                times.append((time.perf_counter() - start) * 1000)
+            base[case] = statistics.median(times)
+
+    for case in ("c3", "c4", "c5", "c8"):
+        base_ms = base["batch12" if case == "c8" else "single"]
+        ok = {}
+        for name, cases in tools.items():
+            ok[name] = check(case, cases[case](), ref[case])
+            cases[case]()
+        times: dict[str, list[float]] = {name: [] for name in tools}
+        for _ in range(reps):
+            for name, cases in tools.items():
+                start = time.perf_counter()
+                cases[case]()
+                times[name].append((time.perf_counter() - start) * 1000)
+        for name in tools:
+            ms = statistics.median(times[name])
+            print(
+                json.dumps(
+                    {
+                        "tool": name,
+                        "case": case,
+                        "ms": round(ms, 2),
+                        "base_ms": round(base_ms, 2),
+                        "ratio": round(ms / base_ms, 3),
+                        "ok": bool(ok[name]),
+                        "note": NOTE,
+                    }
+                ),
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# The main job: set up, then trace a small built-in model, print a block's ops, edit, validate.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_env.sh
+.venv/bin/torchlens demo

