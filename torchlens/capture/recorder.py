@@ -74,6 +74,7 @@ class Recorder(TorchFunctionMode):
     def __init__(self, trace: Trace, op_steps: list[When] | None = None, until: Any = None) -> None:
         super().__init__()
         self.trace = trace
+        self.trace_ref = weakref.ref(trace)
         self.ops = trace.ops
         self.counters: dict[str, int] = {}
         self.stack: list[ModuleCall] = []
@@ -91,7 +92,7 @@ class Recorder(TorchFunctionMode):
 
     @staticmethod
     def source() -> tuple[Any, int]:
-        f = sys._getframe(2)
+        f = sys._getframe(3)  # skip source(), _record(), __torch_function__
         while f is not None:
             if not _is_internal(f.f_code):
                 return f.f_code, f.f_lineno
@@ -143,7 +144,8 @@ class Recorder(TorchFunctionMode):
 
     def _record(self, func, info, out, args, kwargs, flags, multi) -> Any:
         trace = self.trace
-        index = len(self.ops)
+        ops = self.ops
+        index = len(ops)
         code, lineno = self.source()
         stack = self.stack
         if stack:
@@ -151,17 +153,28 @@ class Recorder(TorchFunctionMode):
             module, module_pass = call.address, call.pass_index
         else:
             module, module_pass = "", 1
-        if any(type(a) is list for a in args):  # a list may be appended to later by the model
+        if list in map(type, args):  # a list may be appended to later by the model: keep it as it is now
             args = tuple(list(a) if type(a) is list else a for a in args)
-        op = Op(index, self.label(info.stem), func, info.name, out, module, module_pass, code, lineno, args, kwargs,
-                flags)
-        trace._add_op(op)
+        stem = info.stem
+        n = self.counters.get(stem, 0) + 1
+        self.counters[stem] = n
+        label = f"{stem}_{n}"
+        op = Op(index, label, func, info.name, out, module, module_pass, code, lineno, args, kwargs, flags)
+        op._trace_ref = self.trace_ref
+        trace._labels[label] = index
+        ops.append(op)
+        producers = trace._producers
         if multi:
             for i, t in enumerate(out):
                 if t is not None:
                     trace._register(t, index, i)
         else:
-            trace._register(out, index, None)
+            entry = producers.get(id(out))
+            if entry is None:
+                producers[id(out)] = ([index], [None])
+            else:
+                entry[0].append(index)
+                entry[1].append(None)
         if self.storage is not None:
             self._index_storage(op)
         if self.op_steps:
