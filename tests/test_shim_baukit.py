@@ -914,6 +914,19 @@ def test_get_module_follows_named_modules_for_shared_modules():
         get_module(model, "b")
 
 
+def test_tracedict_resolves_names_like_get_module():
+    shared = nn.Linear(2, 2)
+    model = nn.Sequential(shared, shared)  # '1' is the same module as '0'
+    with pytest.raises(SiteNotFoundError):
+        TraceDict(model, ["0", "1"])
+    assert no_hooks_left(model)
+    x = torch.ones(1, 2)
+    with TraceDict(model, ["0", None]) as td:  # None hooks the model itself, as Trace does
+        out = model(x)
+    assert td[None].output is out
+    assert torch.equal(td["0"].output, out)  # the shared module's last call
+
+
 def test_replace_module_dotted_and_undotted():
     model = small_net()
     new = nn.Tanh()

@@ -7,8 +7,9 @@ the recorded graph; ``tl.when`` edits during capture; ``tl.validate`` checks a c
 
 from importlib.metadata import PackageNotFoundError, version
 
-from . import errors
+from . import debug, errors, mechinterp
 from .api import extract, trace
+from .arch import arch
 from .core.records import ModuleCall, Op
 from .core.selectors import Selector, func, in_module, module
 from .core.sites import Site, Sites
@@ -28,7 +29,9 @@ from .errors import (
     UnsupportedModelError,
 )
 from .helpers import Helper, add, mean_ablate, noise, patch_from, register_helper, scale, zero_ablate
+from .persist import load_trace
 from .plugins import plugins
+from .recipes import Recipe, load_intervention
 from .validate import ValidationReport, validate
 
 try:
@@ -49,6 +52,7 @@ __all__ = [
     "ModuleCall",
     "Op",
     "OutOfOrderError",
+    "Recipe",
     "RecipeFormatError",
     "ReplayNotExactError",
     "Selector",
@@ -62,11 +66,16 @@ __all__ = [
     "When",
     "__version__",
     "add",
+    "arch",
+    "debug",
     "errors",
     "extract",
     "func",
     "in_module",
+    "load_intervention",
+    "load_trace",
     "mean_ablate",
+    "mechinterp",
     "module",
     "noise",
     "patch_from",

@@ -71,9 +71,11 @@ def _check_fired(whens: list[When], trace: Trace) -> None:
     for when in whens:
         if not when.fired:
             fired = list(trace._calls_by_address) or [op.label for op in trace.ops[:20]]
+            seen = f"modules that ran include {fired[:12]}"
+            if not fired:  # the hooks engine observed only the edited modules, and none ran
+                seen = "none of the hooked modules ran (run tl.trace without backend='hooks' to list those that did)"
             raise EditNotAppliedError(
-                f"the edit at {when.site.describe()} never fired during the forward; "
-                f"modules that ran include {fired[:12]}",
+                f"the edit at {when.site.describe()} never fired during the forward; {seen}",
                 site=when.site.describe(),
                 fired=fired,
             )
@@ -219,6 +221,11 @@ def _module_value(result: Trace, path: str, key: str) -> Any:
             raise AmbiguousSiteError(f"module {address!r} ran {len(calls)} times; say which pass: {passes}",
                                      site=key, passes=passes)
         return result._module_out(calls[0])
+    if not 1 <= pass_index <= len(calls):
+        from .errors import SiteNotFoundError
+
+        raise SiteNotFoundError(f"module {address!r} ran {len(calls)} time(s); there is no pass {pass_index}",
+                                site=key, remedy=f"Use a pass between 1 and {len(calls)}.")
     return result._module_out(calls[pass_index - 1])
 
 

@@ -167,6 +167,36 @@ class NotPortableError(RecipeError):
     remedy = "Use a named helper (tl.zero_ablate(), tl.scale(k) ...) or save with level='pickle'."
 
 
+class FormatVersionError(RecipeFormatError):
+    """The save was written by a newer TorchLens in a format this version cannot read."""
+
+    remedy = "Upgrade TorchLens to the version named, or re-save with this one."
+
+
+class UnsafePathError(RecipeFormatError):
+    """The manifest names a file outside its directory (a path, '..', an absolute path, a symlink)."""
+
+    remedy = "Do not load this directory: a save only ever names plain files inside itself."
+
+
+class RecipeHelperError(RecipeFormatError, UnknownHelperError):
+    """The recipe names an edit helper that is not installed, or parameters it does not take."""
+
+    remedy = "Install the plugin that provides the helper (tl.register_helper), then load again."
+
+
+class PickleNotAllowedError(RecipeError):
+    """The recipe holds pickled code; loading it would run that code, so it needs consent."""
+
+    remedy = "Only if you trust its author: tl.load_intervention(path, allow_pickle=True)."
+
+
+class RecipeExistsError(RecipeError, FileExistsError):
+    """Saving would replace an existing path."""
+
+    remedy = "Pass overwrite=True to replace an earlier TorchLens save, or choose another path."
+
+
 # -- plugins and shims -------------------------------------------------------------------
 
 

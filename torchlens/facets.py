@@ -246,9 +246,19 @@ class FusedAttentionFacets(_Facets):
 
     @property
     def n_kv_heads(self) -> int:
-        """Key/value heads as the kernel received them (a model that repeats its kv heads
-        before the kernel shows ``n_heads`` here)."""
-        return int(self._args()["key"].size(-3))
+        """Key/value heads of the model: the adapter's ``n_kv_heads`` (``tl.arch``) when one
+        serves the model, else as the kernel received them. Some models repeat their kv
+        heads before the kernel (Llama with a padding mask); the reconstruction follows the
+        recorded layout either way, this only names the grouping."""
+        return self._cached("n_kv_heads", self._n_kv_heads)
+
+    def _n_kv_heads(self) -> int:
+        recorded = int(self._args()["key"].size(-3))
+        n_heads = self.n_heads
+        declared = _adapter_kv_heads(self._trace)
+        if declared and n_heads % declared == 0 and recorded in (declared, n_heads):
+            return declared
+        return recorded
 
     @property
     def head_dim(self) -> int:
@@ -343,6 +353,20 @@ class EagerAttentionFacets(_Facets):
         raise FusedKernelError(f"no recorded op holds the {what} of {self.label}", site=self.label)
 
 
+def _adapter_kv_heads(trace: Any) -> int | None:
+    """``n_kv_heads`` from the architecture adapter serving the trace's model, if any."""
+    model = getattr(trace, "model", None)
+    if model is None:
+        return None
+    try:
+        from .plugins import arch_view
+
+        value = arch_view(model).n_kv_heads
+    except Exception:  # noqa: BLE001 - no adapter (or no arch support): use the recorded layout
+        return None
+    return value if isinstance(value, int) and value > 0 else None
+
+
 # -- finding attention in a trace -----------------------------------------------------------------
 
 
@@ -424,7 +448,10 @@ class FacetPlugin:
     @staticmethod
     @hookimpl
     def torchlens_facets(site):
-        return facets_for_site(site)
+        try:
+            return facets_for_site(site)
+        except AmbiguousSiteError:  # e.g. the whole model: not one attention, so not ours
+            return None
 
     @staticmethod
     @hookimpl

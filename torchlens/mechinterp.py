@@ -78,7 +78,7 @@ class HeadPatch(Helper):
                                    site=ctx.label)
         out = activation.clone()
         slot = out.select(-3, self.head)
-        value = self._value(ctx, slot.shape if not (fused and self.what == "pattern") else None)
+        value = self._value(ctx)
         if fused and self.what == "pattern":
             new = _head_from_pattern(ctx, op, activation, self.head, value)
         else:
@@ -87,7 +87,7 @@ class HeadPatch(Helper):
         slot.copy_(new)
         return out
 
-    def _value(self, ctx: Any, slot_shape: Any) -> torch.Tensor | None:
+    def _value(self, ctx: Any) -> torch.Tensor | None:
         if isinstance(self.value, Trace):  # resolved per op: the same op of another run
             donor = facets_of_op(self.value, self.value[ctx.label].record)
             if donor is None:

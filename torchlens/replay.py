@@ -224,7 +224,18 @@ class Replayer:
                         op_label=op.label, source=op.source,
                     )
         args, kwargs = build_args(op, lambda r: self.value_for(r, j))
-        new = execute(op, args, kwargs)
+        try:
+            new = execute(op, args, kwargs)
+        except ReplayError as exc:
+            # An op that ran fine in the recorded forward fails on edited inputs: the edit
+            # changed something (usually a shape) that the recorded arguments baked in.
+            raise ReplayNotExactError(
+                f"after the edit, op {op.label} ({op.func_name}) at {op.source} cannot be re-issued with its "
+                f"recorded arguments ({exc.__cause__}); the edit changed something it baked in "
+                f"(input shapes now {[describe_shape(a) for a in tensor_leaves((args, kwargs))]})",
+                op_label=op.label,
+                source=op.source,
+            ) from exc
         if op.saved and not op.flags & EDIT:
             old_shape = describe_shape(op._out)
             if describe_shape(new) != old_shape:

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from torch import nn
 
-from ..core.selectors import Label, ModuleOutput, Selector, _And, _Or, split_pass
+from ..core.selectors import InModule, Label, ModuleOutput, Selector, _And, _Or, split_pass
 from ..edits import When
 from .hooks import resolve_module
 
@@ -40,7 +39,12 @@ class CaptureRequest:
 
 
 def real_address(model: nn.Module, path: str) -> tuple[str, int | None]:
-    """Address and pass of a module path, canonical adapter names resolved; raises if absent."""
+    """Address and pass of a module path, canonical adapter names resolved; raises if absent.
+
+    Raises:
+        SiteNotFoundError: no such module, or a canonical name this model does not have (or
+        one that names an op, not a module output, such as ``blocks.0.resid_mid``).
+    """
     address, pass_index = split_pass(path)
     try:
         resolve_module(model, address)
@@ -55,9 +59,57 @@ def real_address(model: nn.Module, path: str) -> tuple[str, int | None]:
         return real, pass_index
 
 
+def _canonical(model: nn.Module, path: str) -> Selector | None:
+    """The adapter's selector for ``path`` when it is not a real module address of ``model``."""
+    try:
+        resolve_module(model, split_pass(path)[0])
+        return None
+    except LookupError:
+        from ..plugins import canonical_selector
+
+        return canonical_selector(model, path)
+
+
+def _bind(model: nn.Module, path: str) -> ModuleOutput | None:
+    """A ModuleOutput for a canonical name, bound to what it means in this model."""
+    target = _canonical(model, path)
+    if target is None:
+        return None
+    bound = ModuleOutput(path)  # the canonical name stays (recipes stay portable across families)
+    bound._target = target
+    return bound
+
+
 def normalize(model: nn.Module, selector: Selector) -> Selector:
-    """Turn plain-string sites that name modules into module selectors (so hooks serve them)."""
+    """Resolve sites against the captured model before capture starts.
+
+    Plain-string sites that name modules become module selectors (so hooks serve them);
+    canonical adapter names (``blocks.3.mlp``, ``blocks.3.resid_mid``) are bound to the
+    module output or op they stand for in this model.
+    """
+    if isinstance(selector, ModuleOutput):
+        return _bind(model, selector.path) or selector
+    if isinstance(selector, InModule):
+        target = _canonical(model, selector.path)
+        if target is None:
+            return selector
+        paths = target.module_paths()
+        if not paths or len(paths) != 1:
+            from ..errors import SiteNotFoundError
+
+            raise SiteNotFoundError(
+                f"tl.in_module({selector.path!r}) needs a module, but this canonical name is an op "
+                f"({target.describe()})",
+                site=selector.path,
+                remedy=f"Use tl.module({selector.path!r}) for the op itself.",
+            )
+        bound = InModule(selector.path)
+        bound._address, bound._pass = split_pass(paths[0])
+        return bound
     if isinstance(selector, Label):
+        bound = _bind(model, selector.label)
+        if bound is not None:
+            return bound
         try:
             real_address(model, selector.label)
         except LookupError:

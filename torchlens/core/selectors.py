@@ -62,17 +62,34 @@ class Selector:
 
 
 class ModuleOutput(Selector):
-    """A module's output (every pass, or one pass with ``path:N``)."""
+    """A module's output (every pass, or one pass with ``path:N``).
+
+    ``path`` may be a canonical adapter name (``blocks.3.resid_mid``); some of those are not
+    module outputs but ops, so the name is resolved against the trace's model when matched,
+    and against the captured model by ``capture.request.normalize``, which binds ``_target``.
+    """
 
     def __init__(self, path: str) -> None:
         if not isinstance(path, str):
             raise InvalidArgumentError(f"tl.module() takes a module path string, got {type(path).__name__}")
         self.path = path
+        self._target: Selector | None = None  # what a canonical name means for one model
 
-    def module_paths(self) -> list[str]:
+    def module_paths(self) -> list[str] | None:
+        if self._target is not None:
+            return self._target.module_paths()
         return [self.path]
 
+    def matches_op(self, op: Op) -> bool:
+        return self._target.matches_op(op) if self._target is not None else False
+
     def match(self, trace: Trace) -> list[Record]:
+        if split_pass(self.path)[0] not in trace._calls_by_address and trace.model is not None:
+            from ..plugins import canonical_selector
+
+            target = canonical_selector(trace.model, self.path)
+            if target is not None and not isinstance(target, ModuleOutput):
+                return target.match(trace)
         address, pass_index = split_pass(trace.resolve_path(self.path))
         calls = trace._calls_by_address.get(address)
         if not calls:

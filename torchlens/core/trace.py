@@ -128,7 +128,11 @@ class Trace:
         )
         if save is not None:
             self._ensure_graph()
-            keep = {id(r) for r in save.match(self)}
+            matched = save.match(self)
+            keep = {id(r) for r in matched}
+            for r in matched:  # a kept module output is read through the ops that produced it
+                if isinstance(r, ModuleCall):
+                    keep.update(id(self.ops[ref.index]) for ref in r.out_refs if ref is not None)
             for op in self.ops:
                 if id(op) not in keep and not op.flags & INPUT:
                     op.saved = False
@@ -149,15 +153,27 @@ class Trace:
             return self.ops[index].out
         return v
 
-    def _resolve_ref(self, ref: Ref | None, raw: Any) -> Any:
+    def _resolve_ref(self, ref: Ref | None, raw: Any, at: int | None = None) -> Any:
+        """The value ``ref`` names as seen by a reader at op position ``at`` (None: before any
+        module edit of a fork replaced it; ``len(ops)``: after the forward)."""
         if ref is None:
             return raw
-        v = self.value(ref.index)
+        v = self.value(ref.index) if at is None else self._value_at(ref.index, at)
         return v if ref.elem is None else v[ref.elem]
+
+    def _value_at(self, index: int, at: int) -> Any:
+        # A module edit on a fork replaces what readers after the module see (``_subst``),
+        # not the producing op's own value; reads after that point must show the edit.
+        sub = getattr(self, "_subst", None)
+        if sub:
+            found = sub.get(index)
+            if found is not None and found[0] <= at:
+                return found[1]
+        return self.value(index)
 
     def _read(self, record: Op | ModuleCall) -> Any:
         if isinstance(record, Op):
-            return self.value(record.index)
+            return self._value_at(record.index, len(self.ops))
         return self._module_out(record)
 
     def _module_out(self, call: ModuleCall) -> Any:
@@ -166,7 +182,7 @@ class Trace:
             return override
         raw = call._out
         if raw is None and call.out_refs:
-            leaves = [self._resolve_ref(r, None) for r in call.out_refs]
+            leaves = [self._resolve_ref(r, None, call.op_end) for r in call.out_refs]
             return unflatten(leaves, call.out_spec)
         if not call.out_refs:
             return raw
@@ -176,7 +192,7 @@ class Trace:
         for i, ref in enumerate(call.out_refs):
             if ref is None:
                 continue
-            v = self._resolve_ref(ref, raw_leaves[i])
+            v = self._resolve_ref(ref, raw_leaves[i], call.op_end)
             if v is not raw_leaves[i]:
                 raw_leaves[i] = v
                 changed = True
@@ -193,7 +209,7 @@ class Trace:
         leaves, spec = flatten(self._output_raw)
         for i, ref in enumerate(self._output_refs):
             if ref is not None:
-                leaves[i] = self._resolve_ref(ref, leaves[i])
+                leaves[i] = self._resolve_ref(ref, leaves[i], len(self.ops))
         return unflatten(leaves, spec)
 
     @property

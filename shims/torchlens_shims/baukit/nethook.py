@@ -5,8 +5,10 @@ of its ``with`` block; ``.output`` is what the module returned after ``edit_outp
 (the very object unless ``clone``/``detach``), ``.input`` the positional inputs (one
 value if there was exactly one, else the tuple; keyword arguments are not kept); a
 module called several times keeps its last call and is edited on every call; hooks of
-nested Traces on one module run in construction order. The hooks themselves are
-TorchLens ``ModuleHooks``, attached in the constructor and removed by ``close()``.
+nested Traces on one module run in construction order. An edit that works in place
+and returns None edits the model but leaves ``.output`` None, exactly as baukit does.
+The hooks themselves are TorchLens ``ModuleHooks``, attached in the constructor and
+removed by ``close()``; ``StopForward`` is a plain Exception, as in baukit.
 
 Deviations from baukit (each where baukit fails or cannot be matched):
 
@@ -23,6 +25,11 @@ Deviations from baukit (each where baukit fails or cannot be matched):
   attached before raising (baukit leaves them hooked); a plain string instead of a
   list of layers raises ``InvalidArgumentError`` (baukit hooks each character).
 * ``replace_module`` accepts an undotted name (baukit raises UnboundLocalError).
+* Where baukit fails an assertion (``set_requires_grad`` on a non-tensor, conflicting
+  ``subsequence`` boundaries, descending into a non-Sequential) the shim raises
+  ``InvalidArgumentError``; a ``subsequence`` boundary naming no layer raises
+  ``LayerNotFoundError``, both the ``ValueError`` baukit raises and a
+  ``SiteNotFoundError``.
 * Hooks fire only for forwards run on the thread that created the Trace (the
   ``ModuleHooks`` rule that keeps a shared model's captures apart); baukit fires on all.
 * Reading ``.output``/``.input`` before anything was retained raises AttributeError
@@ -91,6 +98,19 @@ class _HookHandle:
         self._trace.close()
 
 
+def _resolve(module: nn.Module, layer: Any, table: dict[str, nn.Module] | None = None) -> nn.Module:
+    """The module a Trace hooks: ``module`` itself for layer None, else the named one."""
+    if layer is None:
+        if not isinstance(module, nn.Module):
+            raise InvalidArgumentError(
+                f"Trace needs a torch.nn.Module, got {type(module).__name__}",
+                remedy="Pass the model and a layer name, or the layer module itself.",
+            )
+        return module
+    found = table.get(layer) if table is not None and isinstance(layer, str) else None
+    return found if found is not None else get_module(module, layer)
+
+
 def _swallows(stop: Any, exc_type: type[BaseException] | None) -> bool:
     return bool(stop) and exc_type is not None and issubclass(exc_type, StopForward)
 
@@ -119,17 +139,33 @@ class Trace(contextlib.AbstractContextManager):
         edit_output: Callable[..., Any] | None = None,
         stop: bool = False,
     ) -> None:
+        self._attach(
+            _resolve(module, layer),
+            layer,
+            retain_output,
+            retain_input,
+            clone,
+            detach,
+            retain_grad,
+            edit_output,
+            stop,
+        )
+
+    def _attach(
+        self,
+        target: nn.Module,
+        layer: Any,
+        retain_output: Any,
+        retain_input: Any,
+        clone: Any,
+        detach: Any,
+        retain_grad: Any,
+        edit_output: Any,
+        stop: Any,
+    ) -> None:
+        """Hook ``target`` now; the options are fixed from here on, as in baukit."""
         self.layer = layer
         self.stop = stop
-        if layer is not None:
-            target = get_module(module, layer)
-        elif isinstance(module, nn.Module):
-            target = module
-        else:
-            raise InvalidArgumentError(
-                f"Trace needs a torch.nn.Module, got {type(module).__name__}",
-                remedy="Pass the model and a layer name, or the layer module itself.",
-            )
 
         def after_layer(info: CallInfo, args: tuple, kwargs: dict, output: Any) -> Any:
             # Same order as baukit: edit first, so both retained values see the edit.
@@ -213,11 +249,15 @@ class TraceDict(OrderedDict, contextlib.AbstractContextManager):
                 remedy="Pass layers=[...], e.g. TraceDict(model, ['transformer.h.0']).",
             )
         unique = list(dict.fromkeys(layers))
+        # One named_modules() walk for all layers (get_module per layer walks each time);
+        # the first name of a shared module wins in both, so lookups agree.
+        table = dict(module.named_modules()) if isinstance(module, nn.Module) else None
         try:
             for position, layer in enumerate(unique):
-                self[layer] = Trace(
-                    module=module,
-                    layer=layer,
+                trace = Trace.__new__(Trace)
+                trace._attach(
+                    _resolve(module, layer, table),
+                    layer,
                     retain_output=_for_layer(retain_output, layer),
                     retain_input=_for_layer(retain_input, layer),
                     clone=_for_layer(clone, layer),
@@ -226,6 +266,7 @@ class TraceDict(OrderedDict, contextlib.AbstractContextManager):
                     edit_output=_for_layer(edit_output, layer),
                     stop=stop and position == len(unique) - 1,
                 )
+                self[layer] = trace
         except BaseException:
             self.close()
             raise

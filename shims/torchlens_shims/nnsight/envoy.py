@@ -338,9 +338,9 @@ class Envoy:
         from .backward import ensure_installed
 
         ensure_installed()
-        run = Run([edit.spawn() for edit in self._edits] + list(workers or ()), batcher)
         hooksets = [tree.hookset(self._module, self.path)]
         hooksets += [tree.hookset(module, path) for module, path in self._standalone_modules()]
+        run = Run([edit.spawn() for edit in self._edits] + list(workers or ()), batcher, hooksets)
         result = None
         entered: list = []
         try:
@@ -364,8 +364,11 @@ class Envoy:
             try:
                 run.cancel()
             finally:
-                for hooks in reversed(entered):
-                    hooks.__exit__(None, None, None)
+                try:
+                    run.detach()
+                finally:
+                    for hooks in reversed(entered):
+                        hooks.__exit__(None, None, None)
         return result
 
     # -- plain module behaviour ----------------------------------------------------------

@@ -1,26 +1,33 @@
 """The model side of a run: module hooks hand each value to the parked workers.
 
 A `Run` owns the workers of one traced call and the per-location visit counts.
-`HookSet` attaches TorchLens's `ModuleHooks` to every module of a tree for the
-duration of the call; each module call reports ``{path}.input`` (pre hook) and
-``{path}.output`` (post hook) to `Run.handle`, which serves the workers parked
-there and returns the value, replaced if a worker wrote it.
+A module's ``{path}.input`` / ``{path}.output`` reach `Run.handle` through
+TorchLens's `ModuleHooks` (pre and post callbacks), which serves the workers
+parked there and returns the value, replaced if a worker wrote it.
 
-Skipping a module cannot be done from a hook (PyTorch binds ``forward`` before
-the pre hooks run), so `HookSet` also puts a pass-through gate in each module's
-instance ``forward`` slot while the run lasts, asking ``{path}.skip`` before the
-real forward; both the hooks and the gates are removed when the run ends,
-whatever happened inside it.
+Hooks are attached lazily, per module, the first time a block asks for one of
+its locations (or a cache subscribes to it): a hooked module leaves PyTorch's
+fast call path, so hooking all of a 12-layer model to read one block would cost
+more than the read. What makes lazy attachment exact is the *gate*: skipping a
+module cannot be done from a hook (PyTorch binds ``forward`` before the pre hooks
+run), so every module gets a pass-through gate in its instance ``forward`` slot
+for the run. The gate asks ``{path}.skip`` on every call — which also counts the
+module's visits — so a module hooked late starts with the right visit counts,
+and a module asked for while its own forward is already running (fast path, no
+post hook to come) has its output handed over by its gate instead. Hooks and
+gates are all removed when the run ends, whatever happened inside it.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from greenlet import GreenletExit
+from greenlet import GreenletExit, getcurrent
 from torch import nn
 
 from torchlens.capture.hooks import ModuleHooks
@@ -41,7 +48,7 @@ class EarlyStopException(Exception):
 class Run:
     """The workers of one traced call, fed location by location."""
 
-    def __init__(self, workers: list[Worker], batcher: Batcher | None) -> None:
+    def __init__(self, workers: list[Worker], batcher: Batcher | None, hooksets: list[HookSet] = ()) -> None:
         self.workers = workers
         self.batcher = batcher
         self.counts: dict[str, int] = {}
@@ -49,6 +56,33 @@ class Run:
         self.observers: dict[str, list] = {}
         self.suspended = 0
         self.thread = threading.get_ident()
+        self.hooksets = list(hooksets)
+        self.hooked: set[int] = set()
+        self.attached: list[ModuleHooks] = []
+        self.deliver: dict[int, str] = {}
+
+    def ensure(self, location: str) -> None:
+        """Make sure the module behind ``location`` (if it is one) is hooked for this run."""
+        for hookset in self.hooksets:
+            site = hookset.sites.get(location)
+            if site is not None:
+                if id(site.module) not in self.hooked:
+                    hookset.attach(self, site)
+                return
+
+    def detach(self) -> None:
+        """Remove every hook this run attached."""
+        attached, self.attached = self.attached, []
+        error = None
+        for hooks in reversed(attached):
+            try:
+                hooks.__exit__(None, None, None)
+            except BaseException as exc:  # noqa: BLE001 - remove the rest first
+                error = error or exc
+        self.hooked.clear()
+        self.deliver.clear()
+        if error is not None:
+            raise error
 
     def start(self) -> None:
         """Run every block up to its first request, then index who waits where."""
@@ -63,6 +97,7 @@ class Run:
             for cache in worker.caches:
                 for location, selected in cache.subscriptions().items():
                     self.observers.setdefault(location, []).append((worker, cache, selected))
+                    self.ensure(location)
         self._reindex_parked()
 
     def _reindex_parked(self) -> None:
@@ -169,67 +204,133 @@ def _dangling(worker: Worker) -> tuple[BaseException, str | None]:
     )
 
 
+class Site:
+    """One module of a hook set, the locations it serves, and its reusable hooks and gate."""
+
+    __slots__ = ("module", "input", "output", "skip", "hooks", "gate", "gated")
+
+    def __init__(self, module: nn.Module, location: str) -> None:
+        self.module = module
+        self.input = f"{location}.input"
+        self.output = f"{location}.output"
+        self.skip = f"{location}.skip"
+        self.hooks: ModuleHooks | None = None
+        self.gate: Callable | None = None
+        self.gated: tuple = ()
+
+
 class Tree:
-    """State shared by every envoy of one wrapped model: the run in progress, the hooks."""
+    """State shared by every envoy of one wrapped model: the run in progress, the hook sets."""
 
     def __init__(self) -> None:
-        import weakref
-
         self.envoys: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self.run: Run | None = None
         self._hooksets: dict[int, HookSet] = {}
 
     def hookset(self, module: nn.Module, path: str) -> HookSet:
-        """The (cached) hooks for ``module`` addressed as ``path``, rebuilt if it changed."""
-        names = [(name, id(mod)) for name, mod in module.named_modules()]
+        """The (cached) hook set for ``module`` addressed as ``path``, rebuilt if the tree changed."""
         hooks = self._hooksets.get(id(module))
-        if hooks is None or hooks.names != names or hooks.module is not module or hooks.path != path:
-            hooks = self._hooksets[id(module)] = HookSet(self, module, path, names)
+        if hooks is None or hooks.module is not module or hooks.path != path or not hooks.current():
+            hooks = self._hooksets[id(module)] = HookSet(self, module, path)
         return hooks
 
 
 class HookSet:
-    """ModuleHooks on every submodule of ``module`` plus skip gates, reused across runs."""
+    """Every module under ``module``: gates installed per run, hooks attached on demand."""
 
-    def __init__(self, tree: Tree, module: nn.Module, path: str, names: list) -> None:
+    def __init__(self, tree: Tree, module: nn.Module, path: str) -> None:
+        self.tree = tree
         self.module = module
         self.path = path
-        self.names = names
-        self.hooks = ModuleHooks(module)
-        self.gated: list[tuple[nn.Module, str]] = []
+        self.sites: dict[str, Site] = {}
+        self.all_sites: list[Site] = []
         for address, submodule in module.named_modules():
-            location = path if not address else f"{path}.{address}"
-            self.hooks.on_input(address, _pre_hook(tree, f"{location}.input"))
-            self.hooks.on_output(address, _post_hook(tree, f"{location}.output"))
-            self.gated.append((submodule, f"{location}.skip"))
+            site = Site(submodule, path if not address else f"{path}.{address}")
+            self.all_sites.append(site)
+            self.sites[site.input] = site
+            self.sites[site.output] = site
+        # Each module's children as they were, to notice a tree edited since.
+        self._shape = [(site.module._modules, tuple(site.module._modules.values())) for site in self.all_sites]
         self._saved: list[tuple[nn.Module, bool, Any]] = []
-        self._tree = tree
+
+    def current(self) -> bool:
+        """Whether no module of the tree gained, lost or swapped a child since this was built."""
+        for children, snapshot in self._shape:
+            if len(children) != len(snapshot) or tuple(children.values()) != snapshot:
+                return False
+        return True
 
     def __enter__(self) -> HookSet:
-        self.hooks.reset_counts()
-        self.hooks.__enter__()
+        tree = self.tree
+        saved = self._saved
         try:
-            tree = self._tree
-            for submodule, location in self.gated:
-                own = submodule.__dict__
-                had = "forward" in own
-                self._saved.append((submodule, had, own.get("forward")))
-                own["forward"] = _gate(tree, location, submodule.forward)
+            for site in self.all_sites:
+                module = site.module
+                own = module.__dict__
+                previous = own.get("forward")
+                had = previous is not None or "forward" in own
+                saved.append((module, had, previous))
+                # Reuse the gate while it still wraps the forward the module has now.
+                key = (previous, type(module).forward)
+                if site.gate is None or site.gated[0] is not key[0] or site.gated[1] is not key[1]:
+                    site.gate = _gate(tree, site.skip, id(module), module.forward)
+                    site.gated = key
+                own["forward"] = site.gate
         except BaseException:
             self.__exit__(None, None, None)
             raise
         return self
 
     def __exit__(self, *exc: object) -> None:
-        try:
-            for submodule, had, previous in reversed(self._saved):
-                if had:
-                    submodule.__dict__["forward"] = previous
-                else:
-                    submodule.__dict__.pop("forward", None)
-            self._saved.clear()
-        finally:
-            self.hooks.__exit__(*exc)
+        for submodule, had, previous in reversed(self._saved):
+            if had:
+                submodule.__dict__["forward"] = previous
+            else:
+                submodule.__dict__.pop("forward", None)
+        self._saved.clear()
+
+    def attach(self, run: Run, site: Site) -> None:
+        """Hook ``site``'s module now, starting its counts where its gate has them."""
+        module = site.module
+        run.hooked.add(id(module))
+        done = run.counts.get(site.skip, 0)
+        stage = _gate_stage(id(module))
+        if stage == 0:  # inside its skip check: input passed, output to come
+            inputs, outputs = done + 1, done
+        elif stage == 1:  # inside its forward
+            inputs, outputs = done, done - 1
+        else:
+            inputs = outputs = done
+        run.counts[site.input] = inputs
+        run.counts[site.output] = outputs
+        fast = not _has_hooks(module)
+        hooks = site.hooks
+        if hooks is None:
+            hooks = site.hooks = ModuleHooks(module)
+            hooks.on_input("", _pre_hook(self.tree, site.input))
+            hooks.on_output("", _post_hook(self.tree, site.output))
+        hooks.reset_counts()
+        hooks.__enter__()
+        run.attached.append(hooks)
+        if stage in (0, 1) and fast:
+            # Its forward is running on PyTorch's fast path: no post hook will
+            # fire for this call, so the gate hands the output over itself.
+            run.deliver[id(module)] = site.output
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    from torch.nn.modules import module as torch_module
+
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or torch_module._global_forward_hooks
+        or torch_module._global_forward_pre_hooks
+        or torch_module._global_backward_hooks
+        or torch_module._global_backward_pre_hooks
+    )
 
 
 def _pre_hook(tree: Tree, location: str) -> Callable:
@@ -255,17 +356,48 @@ def _post_hook(tree: Tree, location: str) -> Callable:
     return on_output
 
 
-def _gate(tree: Tree, location: str, forward: Callable) -> Callable:
-    import functools
+def _gate(tree: Tree, skip: str, mid: int, forward: Callable) -> Callable:
+    get_ident = threading.get_ident
 
-    @functools.wraps(forward)
     def gate(*args: Any, **kwargs: Any) -> Any:
         run = tree.run
-        if run is None or run.suspended or run.thread != threading.get_ident():
+        if run is None or run.suspended or run.thread != get_ident():
             return forward(*args, **kwargs)
-        replacement = run.handle(location, NO_SKIP)
-        if replacement is NO_SKIP:
-            return forward(*args, **kwargs)
-        return replacement
+        stage = 0  # noqa: F841 - read by _gate_stage through the frame
+        output = run.handle(skip, NO_SKIP)
+        stage = 1  # noqa: F841
+        if output is NO_SKIP:
+            output = forward(*args, **kwargs)
+        stage = 2  # noqa: F841
+        if run.deliver:
+            location = run.deliver.pop(mid, None)
+            if location is not None:
+                output = run.handle(location, output)
+        return output
 
+    gate.__wrapped__ = forward  # generate() reads the forward's signature
+    gate._tl_gate_id = mid
     return gate
+
+
+def _gate_code() -> Any:
+    return _gate(None, "", 0, None).__code__
+
+
+_GATE_CODE = _gate_code()
+
+
+def _gate_stage(mid: int) -> int | None:
+    """Where the model side is in module ``mid``'s gate right now (``None``: not in it)."""
+    glet = getcurrent()
+    while getattr(glet, "shim_worker", None) is not None and glet.parent is not None:
+        glet = glet.parent
+    frame = glet.gr_frame if glet is not getcurrent() else sys._getframe()
+    while frame is not None:
+        if frame.f_code is _GATE_CODE:
+            names = frame.f_locals
+            if names.get("mid") == mid:
+                stage = names.get("stage")
+                return stage if stage in (0, 1) else None
+        frame = frame.f_back
+    return None

@@ -165,6 +165,7 @@ def in_worker() -> bool:
 def request(kind: str, location: str, value: Any = None) -> Any:
     """Park the running block until the model serves ``kind`` at ``location``."""
     worker = current(location)
+    worker.run.ensure(location)
     occurrence = worker.wanted(location)
     return getcurrent().parent.switch(Pending(kind, location, occurrence, value))
 

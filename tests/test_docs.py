@@ -1,0 +1,286 @@
+"""The documentation is part of the test suite.
+
+- Every ```python fence whose first line is ``# migration-test: tool=NAME expected=LITERAL``
+  (in ``docs/**/*.md`` and ``README.md``) runs in a fresh interpreter; its ``RESULT`` must
+  equal the literal. Fences whose tool is not importable are skipped, with the reason.
+- ``mkdocs build --strict`` must succeed: no broken link, no missing API object.
+- The errors page, generated from ``torchlens.errors``, must list every error class.
+
+Fences run two at a time in background threads (each in its own interpreter), started
+when the first fence test asks for its result, so the file costs about half the sum of
+the fences rather than all of it.
+"""
+
+from __future__ import annotations
+
+import ast
+import concurrent.futures
+import dataclasses
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+HEADER = re.compile(r"^#\s*migration-test:\s*tool=(\S+)\s+expected=(.+)$")
+FENCE = re.compile(r"^```python[^\n]*\n(.*?)^```", re.S | re.M)
+FENCE_TIMEOUT = 180
+
+# Executed in the child interpreter: run the example, print its RESULT as JSON.
+CHILD = textwrap.dedent(
+    """
+    import json, runpy, sys
+    ns = runpy.run_path(sys.argv[1], run_name="__main__")
+    if "RESULT" not in ns:
+        sys.exit("the example did not set RESULT")
+    def norm(v):
+        if isinstance(v, (list, tuple)):
+            return [norm(x) for x in v]
+        if isinstance(v, dict):
+            return {str(k): norm(x) for k, x in v.items()}
+        if hasattr(v, "item") and callable(v.item):
+            try:
+                return v.item()
+            except Exception:
+                pass
+        return v
+    print("__RESULT__" + json.dumps(norm(ns["RESULT"]), default=repr))
+    """
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fence:
+    """One tested example: where it is, what it needs, what it must produce."""
+
+    path: pathlib.Path
+    line: int
+    tool: str
+    expected: str
+    code: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line}"
+
+
+def collect_fences(paths: list[pathlib.Path]) -> list[Fence]:
+    """Every migration-test fence in the given Markdown files, in file order."""
+    found = []
+    for path in paths:
+        text = path.read_text(encoding="utf-8")
+        for match in FENCE.finditer(text):
+            code = match.group(1)
+            head = HEADER.match(code.split("\n", 1)[0])
+            if head is None:
+                continue
+            line = text.count("\n", 0, match.start()) + 1
+            found.append(Fence(path, line, head.group(1), head.group(2).strip(), code))
+    return found
+
+
+def doc_files() -> list[pathlib.Path]:
+    files = sorted(DOCS.rglob("*.md"))
+    readme = ROOT / "README.md"
+    return files + ([readme] if readme.exists() else [])
+
+
+def norm(value):
+    """Tuples and lists compare alike, as in JSON."""
+    if isinstance(value, (list, tuple)):
+        return [norm(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): norm(v) for k, v in value.items()}
+    return value
+
+
+def tool_available(tool: str) -> bool:
+    try:
+        return importlib.util.find_spec(tool) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@dataclasses.dataclass
+class Outcome:
+    returncode: int
+    result: object
+    output: str
+    seconds: float
+
+
+def run_fence(fence: Fence, workdir: pathlib.Path) -> Outcome:
+    """Run one fence in a fresh interpreter (this one's executable) and parse its RESULT."""
+    import time
+
+    stem = re.sub(r"\W", "_", fence.id)
+    script = workdir / f"{stem}.py"
+    script.write_text(fence.code, encoding="utf-8")
+    runner = workdir / "_run_fence.py"
+    if not runner.exists():
+        runner.write_text(CHILD, encoding="utf-8")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONHASHSEED="0")
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, str(runner), str(script)], cwd=workdir, env=env,
+                              capture_output=True, text=True, timeout=FENCE_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return Outcome(-1, None, f"timed out after {FENCE_TIMEOUT}s", FENCE_TIMEOUT)
+    seconds = time.perf_counter() - start
+    result = None
+    for line in proc.stdout.splitlines():
+        if line.startswith("__RESULT__"):
+            result = json.loads(line[len("__RESULT__"):])
+    return Outcome(proc.returncode, result, (proc.stderr or proc.stdout)[-4000:], seconds)
+
+
+FENCES = collect_fences(doc_files())
+
+
+@pytest.fixture(scope="session")
+def fence_pool(request, tmp_path_factory):
+    """Start every selected, runnable fence at once; tests collect their own result."""
+    selected = {item.callspec.params["fence"].id for item in request.session.items
+                if getattr(item, "originalname", None) == "test_fence" and hasattr(item, "callspec")}
+    workdir = tmp_path_factory.mktemp("fences")
+    workers = max(1, min(2, os.cpu_count() or 1))
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers)
+    futures = {f.id: pool.submit(run_fence, f, workdir) for f in FENCES
+               if f.id in selected and tool_available(f.tool)}
+    yield futures
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.mark.parametrize("fence", FENCES, ids=[f.id for f in FENCES])
+def test_fence(fence: Fence, fence_pool) -> None:
+    if not tool_available(fence.tool):
+        pytest.skip(f"{fence.id}: {fence.tool} is not importable here, so this example was not run")
+    outcome = fence_pool[fence.id].result()
+    want = norm(ast.literal_eval(fence.expected))
+    assert outcome.returncode == 0, f"{fence.id} failed to run:\n{outcome.output}"
+    assert outcome.result == want, (
+        f"{fence.id}: RESULT was {outcome.result!r}, the page promises {want!r}\n{outcome.output}"
+    )
+
+
+def test_fences_were_found() -> None:
+    """Guard the collector itself: the migration pages hold tested examples."""
+    pages = {f.path.name for f in FENCES}
+    for page in ("index.md", "coming-from-nnsight.md", "coming-from-baukit.md",
+                 "coming-from-transformerlens.md", "intervention_explainers.md"):
+        assert page in pages, f"no migration-test fence found in docs/{page}"
+
+
+def test_fence_headers_are_valid() -> None:
+    """A typo in an expected literal must fail loudly, not skip."""
+    for fence in FENCES:
+        ast.literal_eval(fence.expected)
+        assert "RESULT" in fence.code, f"{fence.id} never sets RESULT"
+
+
+# -- the seed examples are on the migration pages, verbatim ---------------------------------
+
+SEEDS = ROOT.parent / "shared" / "acceptance" / "seed_fences"
+
+
+def _seed_code(path: pathlib.Path) -> str:
+    """The seed file without its '# Source:' provenance line, as it appears on a page."""
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    return "".join(line for line in lines if not line.startswith("# Source:"))
+
+
+@pytest.mark.skipif(not SEEDS.is_dir(), reason="no ../shared/acceptance/seed_fences beside the repository")
+@pytest.mark.parametrize("seed", sorted(SEEDS.glob("*.py")) if SEEDS.is_dir() else [], ids=lambda p: p.name)
+def test_seed_fence_is_on_a_page(seed: pathlib.Path) -> None:
+    codes = {f.code for f in FENCES}
+    assert _seed_code(seed) in codes, f"{seed.name} does not appear verbatim as a fence in docs/"
+
+
+# -- the errors page cannot drift from the code -------------------------------------------------
+
+
+def _gen_errors():
+    spec = importlib.util.spec_from_file_location("gen_errors", DOCS / "gen_errors.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_errors_page_lists_every_error_class() -> None:
+    from torchlens.errors import all_error_classes
+
+    text = _gen_errors().render()
+    for cls in all_error_classes():
+        assert f"### {cls.__name__}\n" in text, f"{cls.__name__} is missing from the errors page"
+        if cls.remedy:
+            assert cls.remedy in text, f"the remedy of {cls.__name__} is missing from the errors page"
+
+
+def test_errors_page_picks_up_a_new_class() -> None:
+    """A class added to torchlens.errors appears without anyone touching the page."""
+    import gc
+
+    from torchlens import errors
+
+    new = type("BrandNewError", (errors.EditError,), {
+        "__doc__": "Raised by a feature written after this page.",
+        "__module__": errors.__name__,
+        "remedy": "Do the new thing instead.",
+    })
+    try:
+        text = _gen_errors().render()
+        assert "### BrandNewError\n" in text and "Do the new thing instead." in text
+    finally:
+        del new  # drop the class so later all_error_classes() calls do not see it
+        gc.collect()
+    assert "BrandNewError" not in {c.__name__ for c in errors.all_error_classes()}
+
+
+def test_errors_marker_is_on_the_page() -> None:
+    assert _gen_errors().MARKER in (DOCS / "errors.md").read_text(encoding="utf-8")
+
+
+# -- the site builds strictly ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def built_site():
+    if not tool_available("mkdocs") or not tool_available("mkdocstrings_handlers"):
+        pytest.skip("mkdocs / mkdocstrings-python are not installed (the docs extra)")
+    with tempfile.TemporaryDirectory() as out:
+        proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", out],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        yield proc, pathlib.Path(out)
+
+
+def test_mkdocs_build_strict(built_site) -> None:
+    proc, _ = built_site
+    assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stderr[-6000:]}"
+
+
+def test_built_errors_page_has_every_class(built_site) -> None:
+    from torchlens.errors import all_error_classes
+
+    proc, site = built_site
+    assert proc.returncode == 0, "the site did not build"
+    html = (site / "errors" / "index.html").read_text(encoding="utf-8")
+    for cls in all_error_classes():
+        assert f'id="{cls.__name__.lower()}"' in html, f"{cls.__name__} has no section on the built errors page"
+
+
+def test_built_api_page_documents_the_entry_points(built_site) -> None:
+    proc, site = built_site
+    assert proc.returncode == 0, "the site did not build"
+    html = (site / "api" / "index.html").read_text(encoding="utf-8")
+    for name in ("torchlens.trace", "torchlens.extract", "torchlens.Trace", "torchlens.Fork",
+                 "torchlens.when", "torchlens.validate"):
+        assert f'id="{name}"' in html, f"{name} is missing from the API reference"

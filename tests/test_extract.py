@@ -1,0 +1,144 @@
+"""``tl.extract``: module reads through forward hooks alone; op reads through function mode.
+
+Values are compared with what a plain forward hook sees (the same object when the site
+is a module); the engine used is observed from inside the forward (is a function mode
+active?) and by wrapping the engines' ``capture``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_equal_tree, assert_model_clean, hook_reads, hook_state
+from torch.overrides import _get_current_function_mode_stack
+
+import torchlens as tl
+from torchlens.errors import AmbiguousSiteError, SiteNotFoundError
+from torchlens.plugins import engines
+
+
+@pytest.fixture
+def engine_spy(monkeypatch):
+    """Every trace an engine returns, with the engine's name."""
+    captured: list = []
+    for engine in engines().values():
+        original = engine.capture
+
+        def capture(request, original=original):
+            trace = original(request)
+            captured.append(trace)
+            return trace
+
+        monkeypatch.setattr(engine, "capture", capture)
+    return captured
+
+
+def _modes_seen_in(model: torch.nn.Module, address: str) -> tuple[list[int], object]:
+    """A plain hook recording how many torch function modes are active when ``address`` runs."""
+    seen: list[int] = []
+    handle = model.get_submodule(address).register_forward_hook(
+        lambda *_: seen.append(len(_get_current_function_mode_stack())))
+    return seen, handle
+
+
+def test_a_list_of_modules_is_keyed_by_address_and_is_what_hooks_see(tiny_gpt2, engine_spy):
+    model, (ids,) = tiny_gpt2.model, tiny_gpt2.args
+    sites = ["transformer.h.0", "transformer.h.1.mlp", "transformer.h.0.attn", "lm_head"]
+    seen_objects: dict[str, object] = {}
+    handles = [model.get_submodule(s).register_forward_hook(
+        lambda m, i, o, s=s: seen_objects.__setitem__(s, o)) for s in sites]
+    modes, mode_handle = _modes_seen_in(model, "transformer.h.1")
+    try:
+        got = tl.extract(model, ids, sites)
+    finally:
+        for h in [*handles, mode_handle]:
+            h.remove()
+    assert list(got) == sites
+    for s in sites:
+        assert got[s] is seen_objects[s]  # the very object a forward hook sees
+    reads, _ = hook_reads(model, (ids,))
+    for s in sites:
+        assert_equal_tree(got[s], reads[s][0], what=s)
+    assert isinstance(got["transformer.h.0.attn"], tuple)
+    assert modes == [0], "a module-only extract must not run a function mode"
+    (trace,) = engine_spy
+    assert trace.engine == "hooks" and len(trace.ops) == 0
+
+
+def test_a_dict_is_keyed_by_name(shared_twice):
+    model, (x,) = shared_twice.model, shared_twice.args
+    got = tl.extract(model, x, {"first": "block:1", "second": tl.module("block:2"), "head": "out"})
+    reads, _ = hook_reads(model, (x,))
+    assert list(got) == ["first", "second", "head"]
+    assert torch.equal(got["first"], reads["block"][0])
+    assert torch.equal(got["second"], reads["block"][1])
+    assert torch.equal(got["head"], reads["out"][0])
+
+
+def test_keyword_inputs_and_padding_on_minilm(minilm):
+    model = minilm.model
+    sites = ["encoder.layer.0", "encoder.layer.5.output", "pooler"]
+    got = tl.extract(model, minilm.inputs_for_do, sites)
+    reads, out = hook_reads(model, (), minilm.kwargs)
+    for s in sites:
+        assert torch.equal(got[s], reads[s][0]), s
+    assert torch.equal(got["pooler"], out.pooler_output)
+    unmasked = tl.extract(model, {"input_ids": minilm.kwargs["input_ids"]}, ["pooler"])
+    assert not torch.allclose(unmasked["pooler"], got["pooler"])  # the mask reached the model
+
+
+def test_op_level_sites_use_function_mode(shared_twice, engine_spy):
+    model, (x,) = shared_twice.model, shared_twice.args
+    modes, handle = _modes_seen_in(model, "out")
+    try:
+        got = tl.extract(model, x, {"tanh": tl.func("tanh"), "sum": "add_1", "inner": tl.in_module("block:2"),
+                                    "block": "block:1"})
+    finally:
+        handle.remove()
+    assert modes == [1]
+    (trace,) = engine_spy
+    assert trace.engine == "function_mode"
+    reads, _ = hook_reads(model, (x,))
+    assert len(got["tanh"]) == 2
+    assert torch.equal(got["tanh"][0], reads["block.1"][0]) and torch.equal(got["tanh"][1], reads["block.1"][1])
+    assert torch.equal(got["sum"], reads["block"][1] + reads["block"][0])
+    assert [t.shape for t in got["inner"]] == [(3, 8), (3, 8)]
+    assert torch.equal(got["inner"][1], reads["block"][1])
+    assert torch.equal(got["block"], reads["block"][0])
+
+
+def test_single_site_and_tuple_inputs(small_mlp, mlp_input):
+    reads, _ = hook_reads(small_mlp, (mlp_input,))
+    assert torch.equal(tl.extract(small_mlp, mlp_input, "act")["act"], reads["act"][0])
+    assert torch.equal(tl.extract(small_mlp, (mlp_input,), ["fc2"])["fc2"], reads["fc2"][0])
+    selector = tl.module("fc1")
+    got = tl.extract(small_mlp, mlp_input, [selector])
+    assert list(got) == [str(selector)] and torch.equal(got[str(selector)], reads["fc1"][0])
+
+
+def test_extract_leaves_the_model_clean(cnn):
+    before = hook_state(cnn.model)
+    tl.extract(cnn.model, cnn.args[0], ["bn1", "fc"])
+    tl.extract(cnn.model, cnn.args[0], {"add": tl.func("add")})
+    assert_model_clean(cnn.model, before)
+
+
+def test_extract_errors_name_what_to_do(shared_twice):
+    model, (x,) = shared_twice.model, shared_twice.args
+    with pytest.raises(AmbiguousSiteError) as err:
+        tl.extract(model, x, ["block"])
+    assert err.value.passes == ["block:1", "block:2"]
+    with pytest.raises(SiteNotFoundError) as err:
+        tl.extract(model, x, ["blocks"])
+    assert "block" in err.value.candidates and err.value.remedy
+    with pytest.raises(SiteNotFoundError) as err:
+        tl.extract(model, x, ["block:3"])
+    assert "there is no pass 3" in str(err.value) and err.value.remedy
+
+
+def test_extract_of_a_module_that_did_not_run(control_flow):
+    model, (x,) = control_flow.model, control_flow.args
+    with pytest.raises(SiteNotFoundError) as err:
+        tl.extract(model, {"x": x, "mode": "a"}, ["head_b"])
+    assert "did not run" in str(err.value) and err.value.remedy
+

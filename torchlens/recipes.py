@@ -1,0 +1,682 @@
+"""Saved interventions: ``fork.save_intervention(path)`` writes a ``.tlspec/`` directory,
+``tl.load_intervention(path)`` reads it back as a :class:`Recipe`.
+
+A recipe is data, not code: each step is a site (a selector rebuilt from a small JSON
+form) and an edit (a named helper and its parameters, a tensor, or a number); tensors
+go to one safetensors file. ``level="portable"`` never pickles, so loading a recipe from
+a stranger cannot run code; ``level="pickle"`` may pickle plain functions, says so in
+the manifest, and loading it needs ``allow_pickle=True``. A recipe remembers which model
+it was made for (class, ``config.model_type``, parameter names and shapes) and refuses a
+different one unless told ``check_fingerprint=False``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import numbers
+import pickle
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .core.selectors import Func, InModule, Label, ModuleOutput, Selector, _And, _Or
+from .core.tree import tensor_leaves
+from .edits import EditContext, When
+from .errors import (
+    FingerprintMismatchError,
+    InvalidArgumentError,
+    NotPortableError,
+    PickleNotAllowedError,
+    RecipeHelperError,
+    SiteNotFoundError,
+    TorchLensError,
+    UnknownHelperError,
+)
+from .helpers import Helper, helper_class
+from .persist import (
+    FORMAT_VERSION,
+    MAX_DEPTH,
+    Decoder,
+    SavedDir,
+    TensorTable,
+    encode,
+    fail,
+    read_file_entry,
+    read_manifest,
+    read_tensors,
+    write_dir,
+)
+
+LEVELS = ("portable", "pickle")
+PICKLE_FILE = "code.pkl"
+_RECIPE_KEYS = {"format", "kind", "format_version", "torchlens_version", "level", "executes_code_on_load",
+                "fingerprint", "steps", "tensors", "files"}
+
+# -- selectors <-> JSON --------------------------------------------------------------------
+
+_LEAF_SELECTORS: dict[str, type] = {"module": ModuleOutput, "in_module": InModule, "func": Func, "label": Label}
+
+
+def selector_to_dict(sel: Selector) -> dict[str, Any]:
+    """The JSON form of a selector: ``{"module": path}``, ``{"and": [a, b]}`` ...
+
+    Raises:
+        NotPortableError: a selector class with no saved form (e.g. a plugin's own).
+    """
+    t = type(sel)
+    if t is ModuleOutput or t is InModule:
+        return {"module" if t is ModuleOutput else "in_module": sel.path}
+    if t is Func:
+        return {"func": sel.name}
+    if t is Label:
+        return {"label": sel.label}
+    if t is _And or t is _Or:
+        return {"and" if t is _And else "or": [selector_to_dict(sel.a), selector_to_dict(sel.b)]}
+    raise NotPortableError(f"selector {sel.describe()} ({t.__name__}) has no saved form",
+                           remedy="Use tl.module / tl.in_module / tl.func / labels, combined with & and |.")
+
+
+def selector_from_dict(d: Any, depth: int = 0) -> Selector:
+    """Rebuild a selector from its JSON form; anything else raises RecipeFormatError."""
+    if depth > MAX_DEPTH:
+        raise fail("a site selector is nested too deeply")
+    if not isinstance(d, dict) or len(d) != 1:
+        raise fail(f"a site must be an object with one key, got {str(d)[:80]}")
+    (kind, arg), = d.items()
+    if kind in _LEAF_SELECTORS:
+        if not isinstance(arg, str) or len(arg) > 1000:
+            raise fail(f"site {kind!r} takes a string of at most 1000 characters")
+        return _LEAF_SELECTORS[kind](arg)
+    if kind in ("and", "or"):
+        if not isinstance(arg, list) or len(arg) != 2:
+            raise fail(f"site {kind!r} takes a list of two sites")
+        a, b = (selector_from_dict(x, depth + 1) for x in arg)
+        return _And(a, b) if kind == "and" else _Or(a, b)
+    raise fail(f"unknown site kind {kind!r:.40}; known: {sorted([*_LEAF_SELECTORS, 'and', 'or'])}")
+
+
+# -- model fingerprints ----------------------------------------------------------------------
+
+
+def fingerprint(model: torch.nn.Module) -> dict[str, Any]:
+    """What identifies a model for a recipe: class, ``config.model_type``, parameter names and shapes."""
+    cls = type(model)
+    params = [[name, list(p.shape)] for name, p in model.named_parameters()]
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return {
+        "class": f"{cls.__module__}.{cls.__qualname__}",
+        "model_type": None if model_type is None else str(model_type),
+        "params_sha256": _params_hash(params),
+        "params": params,
+    }
+
+
+def _params_hash(params: list) -> str:
+    return hashlib.sha256(json.dumps(params, separators=(",", ":")).encode()).hexdigest()
+
+
+def fingerprint_of(trace: Any) -> dict[str, Any] | None:
+    model = getattr(trace, "model", None)
+    if isinstance(model, torch.nn.Module):
+        return fingerprint(model)
+    return getattr(trace, "fingerprint", None)
+
+
+def check_fingerprint_dict(fp: Any) -> dict[str, Any] | None:
+    """Validate a stored fingerprint (its hash must match its parameter list)."""
+    if fp is None:
+        return None
+    if not isinstance(fp, dict) or set(fp) != {"class", "model_type", "params_sha256", "params"}:
+        raise fail("the model fingerprint is malformed")
+    params = fp["params"]
+    if not isinstance(fp["class"], str) or not isinstance(fp["model_type"], (str, type(None))) or not (
+        isinstance(params, list) and all(
+            isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], list)
+            and all(type(d) is int and d >= 0 for d in p[1]) for p in params)
+    ):
+        raise fail("the model fingerprint is malformed")
+    if _params_hash(params) != fp["params_sha256"]:
+        raise fail("the model fingerprint's hash does not match its parameter list")
+    return fp
+
+
+def fingerprint_mismatch(saved: dict[str, Any], actual: dict[str, Any]) -> list[str]:
+    """Human-readable differences between two fingerprints (empty when they agree)."""
+    out = []
+    for key, what in (("class", "model class"), ("model_type", "config.model_type")):
+        if saved[key] != actual[key]:
+            out.append(f"{what}: recipe {saved[key]!r}, model {actual[key]!r}")
+    if saved["params_sha256"] != actual["params_sha256"]:
+        a = {n: tuple(s) for n, s in saved["params"]}
+        b = {n: tuple(s) for n, s in actual["params"]}
+        missing = [n for n in a if n not in b]
+        extra = [n for n in b if n not in a]
+        shaped = [f"{n} {list(a[n])} vs {list(b[n])}" for n in a if n in b and a[n] != b[n]]
+        for label, items in (("missing from the model", missing), ("not in the recipe", extra),
+                             ("different shape", shaped)):
+            if items:
+                out.append(f"{len(items)} parameter(s) {label}: {items[:5]}" + (" ..." if len(items) > 5 else ""))
+        if not (missing or extra or shaped):
+            out.append("parameters are in a different order")
+    return out
+
+
+def check_model_fingerprint(saved: dict[str, Any] | None, actual: dict[str, Any] | None) -> None:
+    if saved is None or actual is None:
+        return
+    problems = fingerprint_mismatch(saved, actual)
+    if problems:
+        raise FingerprintMismatchError(
+            "the recipe was saved for a different model: " + "; ".join(problems), mismatches=problems
+        )
+
+
+# -- patch sources: the values a helper read from another trace ------------------------------
+
+
+def _selector_key(sel: Any) -> str:
+    return "selector:" + (sel.describe() if isinstance(sel, Selector) else repr(sel))
+
+
+class _Found:
+    def __init__(self, value: Any) -> None:
+        self.out = value
+
+    def first(self) -> _Found:
+        return self
+
+
+class StoredSource:
+    """What a ``patch_from`` / ``mean_ablate`` source trace provided, saved instead of the trace.
+
+    Answers the lookups the helper makes (``source[key].out``, ``find_sites(sel).first().out``,
+    how many passes a module ran) from the stored values only.
+    """
+
+    def __init__(self, values: dict[str, Any], passes: dict[str, int]) -> None:
+        self.values = values
+        self.passes = passes
+
+    def __getitem__(self, key: str) -> _Found:
+        if key not in self.values:
+            raise SiteNotFoundError(
+                f"the saved patch source holds no value for {key!r}; it holds {sorted(self.values)[:8]}",
+                site=key,
+                remedy="Re-save the recipe from a trace or fork where this edit reached that site.",
+            )
+        return _Found(self.values[key])
+
+    def find_sites(self, selector: Any, max_fanout: int | None = None) -> _Found:
+        return self[_selector_key(selector)]
+
+    @property
+    def _calls_by_address(self) -> dict[str, list[None]]:
+        return {a: [None] * n for a, n in self.passes.items()}
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, StoredSource) or other.passes != self.passes or other.values.keys() != \
+                self.values.keys():
+            return False
+        for k, v in self.values.items():
+            a, b = tensor_leaves(v), tensor_leaves(other.values[k])
+            if len(a) != len(b) or not all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b)):
+                return False
+        return True
+
+    __hash__ = object.__hash__
+
+    def __repr__(self) -> str:
+        return f"<saved patch source: {len(self.values)} value(s)>"
+
+
+class _PassProbe:
+    def __init__(self, rec: _SourceRecorder) -> None:
+        self.rec = rec
+
+    def get(self, address: str, default: Any = None) -> Any:
+        calls = self.rec.source._calls_by_address.get(address, default)
+        self.rec.passes[address] = len(calls or ())
+        return calls
+
+
+class _SourceRecorder:
+    """Wraps a source trace and remembers every value a helper reads from it."""
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+        self.values: dict[str, Any] = {}
+        self.passes: dict[str, int] = {}
+
+    def __getitem__(self, key: str) -> Any:
+        site = self.source[key]
+        self.values[key] = site.out
+        return site
+
+    def find_sites(self, selector: Any, max_fanout: int | None = None) -> Any:
+        found = self.source.find_sites(selector)
+        self.values[_selector_key(selector)] = found.first().out
+        return found
+
+    @property
+    def _calls_by_address(self) -> _PassProbe:
+        return _PassProbe(self)
+
+
+def _contexts(record: Any, site: str) -> list[EditContext]:
+    """The contexts a step's edit can see at ``record`` (replay and capture label modules differently)."""
+    from .core.records import ModuleCall
+
+    if isinstance(record, ModuleCall):
+        labels = dict.fromkeys([record.label, record.address])
+        return [EditContext(site, label, record.address, record.pass_index, record, None) for label in labels]
+    return [EditContext(site, record.label, record.module, record.module_pass, record, None)]
+
+
+def _record_source(helper: Helper, param: str, records: list[tuple[Any, Any]], site: str) -> StoredSource:
+    """Run ``helper`` once per matched site with its trace parameter wrapped, keeping what it read."""
+    rec = _SourceRecorder(helper.params()[param])
+    probe = type(helper)(**{**helper.params(), param: rec})
+    for record, value in records:
+        first_error = None
+        ok = False
+        for ctx in _contexts(record, site):
+            try:
+                probe(_clone(value), ctx=ctx)
+                ok = True
+            except (TorchLensError, LookupError, AttributeError, TypeError, RuntimeError) as exc:
+                first_error = first_error or exc
+        if not ok and first_error is not None:
+            raise NotPortableError(
+                f"{helper!r} could not read its source at {getattr(record, 'label', record)}: {first_error}",
+                remedy="Check the edit works on the fork first; its source must have the site.",
+            ) from first_error
+    return StoredSource(rec.values, rec.passes)
+
+
+def _clone(value: Any) -> Any:
+    from .core.tree import flatten, unflatten
+
+    leaves, spec = flatten(value)
+    return unflatten([x.clone() if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+
+
+# -- edits and steps <-> JSON ------------------------------------------------------------------
+
+
+def _is_source(value: Any) -> bool:
+    return isinstance(value, StoredSource) or (hasattr(value, "find_sites") and hasattr(value, "_calls_by_address"))
+
+
+def encode_edit(edit: Any, records: list[tuple[Any, Any]] | None, site: str, table: TensorTable, stem: str,
+                pickles: list[Any] | None) -> dict[str, Any]:
+    """The JSON form of one edit; tensors go to ``table``; plain functions only into ``pickles``.
+
+    Raises:
+        NotPortableError: the edit holds code and ``pickles`` is None (portable level).
+    """
+    put = lambda t, name=stem: {"tensor": table.put(t, name)}  # noqa: E731
+    if isinstance(edit, Helper):
+        try:
+            known = helper_class(edit.name)
+        except UnknownHelperError:
+            known = None
+        if known is not type(edit):
+            raise NotPortableError(
+                f"helper {edit.name!r} ({type(edit).__qualname__}) is not registered under that name, so a "
+                "loader could not rebuild it",
+                remedy="Register the class with tl.register_helper (or a torchlens_helpers plugin).",
+            )
+        params: dict[str, Any] = {}
+        for key, value in edit.params().items():
+            if isinstance(value, Selector):
+                params[key] = {"selector": selector_to_dict(value)}
+            elif _is_source(value):
+                if not isinstance(value, StoredSource):
+                    value = _record_source(edit, key, records or [], site)
+                params[key] = {"source": {
+                    "values": [[k, encode(v, lambda t, k=k, key=key: put(t, f"{stem}.{key}/{k}"))]
+                               for k, v in sorted(value.values.items())],
+                    "passes": sorted([a, n] for a, n in value.passes.items()),
+                }}
+            else:
+                params[key] = encode(value, lambda t, key=key: put(t, f"{stem}.{key}"))
+        return {"kind": "helper", "helper": edit.name, "params": params}
+    if isinstance(edit, torch.Tensor):
+        return {"kind": "tensor", "tensor": table.put(edit, f"{stem}.value")}
+    if isinstance(edit, numbers.Number):
+        value = edit
+        if type(edit) not in (bool, int, float, complex):  # numpy scalars and friends
+            value = int(edit) if isinstance(edit, numbers.Integral) else (
+                float(edit) if isinstance(edit, numbers.Real) else complex(edit))
+        return {"kind": "number", "value": encode(value, put)}
+    if pickles is None:
+        raise NotPortableError(
+            f"the edit {getattr(edit, '__qualname__', type(edit).__name__)} is a plain Python function; the "
+            "portable level never stores code",
+            remedy="Use a named helper (tl.zero_ablate(), tl.scale(k), tl.add(v) ...), or save with "
+                   "level='pickle' (loading it then runs code and needs allow_pickle=True).",
+        )
+    pickles.append(edit)
+    return {"kind": "pickle", "index": len(pickles) - 1}
+
+
+def encode_step(phase: str, site: Any, edit: Any, trace: Any, table: TensorTable, stem: str,
+                pickles: list[Any] | None) -> dict[str, Any]:
+    sel = site if isinstance(site, Selector) else Label(site)
+    records = None
+    if trace is not None and isinstance(edit, Helper) and any(_is_source(v) for v in edit.params().values()):
+        from .core.records import EDIT
+
+        try:
+            matched = sel.match(trace)
+        except TorchLensError:
+            matched = []
+        records = [(r, trace._read(r)) for r in matched if not getattr(r, "flags", 0) & EDIT]
+    return {"phase": phase, "site": selector_to_dict(sel),
+            "edit": encode_edit(edit, records, sel.describe(), table, stem, pickles)}
+
+
+def encode_steps(items: list[tuple[str, Any, Any]], trace: Any, table: TensorTable,
+                 prefix: str) -> tuple[list[Any], list[str]]:
+    """Steps for a saved trace: one that cannot be stored portably becomes None and is listed."""
+    out: list[Any] = []
+    unsaved: list[str] = []
+    for k, (phase, site, edit) in enumerate(items):
+        try:
+            out.append(encode_step(phase, site, edit, trace, table, f"{prefix}.step{k}", None))
+        except NotPortableError as exc:
+            out.append(None)
+            where = site.describe() if isinstance(site, Selector) else repr(site)
+            unsaved.append(f"{phase} step {k} at {where}: {exc.message}")
+    return out, unsaved
+
+
+def decode_edit(obj: Any, dec: Decoder, pickled: list[Any] | None, where: str) -> Any:
+    if not isinstance(obj, dict) or "kind" not in obj:
+        raise fail(f"{where}: an edit must be an object with a 'kind'")
+    kind = obj["kind"]
+    if kind == "helper":
+        if set(obj) != {"kind", "helper", "params"} or not isinstance(obj["helper"], str) or not isinstance(
+                obj["params"], dict):
+            raise fail(f"{where}: a helper edit has exactly 'helper' (a name) and 'params' (an object)")
+        name = obj["helper"][:200]
+        try:
+            cls = helper_class(name)
+        except UnknownHelperError as exc:
+            raise RecipeHelperError(f"{where}: {exc.message}", helper=name) from None
+        params = {k: _decode_param(v, dec, f"{where} {name}.{k}") for k, v in obj["params"].items()}
+        try:
+            return cls(**params)
+        except (TypeError, ValueError, TorchLensError) as exc:
+            raise RecipeHelperError(f"{where}: helper {name!r} rejected its saved parameters: {exc}",
+                                    helper=name) from None
+    if kind == "tensor" and set(obj) == {"kind", "tensor"}:
+        return dec.tensor(obj["tensor"], where)
+    if kind == "number" and set(obj) == {"kind", "value"}:
+        value = dec.value(obj["value"], where)
+        if type(value) not in (bool, int, float, complex):
+            raise fail(f"{where}: a number edit holds {type(value).__name__}")
+        return value
+    if kind == "pickle" and set(obj) == {"kind", "index"}:
+        if pickled is None:
+            raise fail(f"{where}: a pickled edit in a recipe that carries no pickled code")
+        index = obj["index"]
+        if type(index) is not int or not 0 <= index < len(pickled):
+            raise fail(f"{where}: pickled edit index {index!r:.20} is out of range")
+        return pickled[index]
+    raise fail(f"{where}: unknown or malformed edit kind {str(kind)[:40]!r}")
+
+
+def _decode_param(v: Any, dec: Decoder, where: str) -> Any:
+    if isinstance(v, dict) and len(v) == 1 and "selector" in v:
+        return selector_from_dict(v["selector"])
+    if isinstance(v, dict) and len(v) == 1 and "source" in v:
+        src = v["source"]
+        if not (isinstance(src, dict) and set(src) == {"values", "passes"}):
+            raise fail(f"{where}: a saved source has exactly 'values' and 'passes'")
+        values, passes = {}, {}
+        for pair in src["values"] if isinstance(src["values"], list) else [None]:
+            if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str)):
+                raise fail(f"{where}: saved source values are malformed")
+            values[pair[0]] = dec.value(pair[1], where)
+        for pair in src["passes"] if isinstance(src["passes"], list) else [None]:
+            if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str) and type(pair[1]) is int
+                    and 0 <= pair[1] <= 1 << 20):
+                raise fail(f"{where}: saved source passes are malformed")
+            passes[pair[0]] = pair[1]
+        return StoredSource(values, passes)
+    return dec.value(v, where)
+
+
+def decode_step(obj: Any, dec: Decoder, pickled: list[Any] | None, where: str) -> RecipeStep:
+    if not isinstance(obj, dict) or set(obj) != {"phase", "site", "edit"}:
+        raise fail(f"{where} must have exactly 'phase', 'site' and 'edit'")
+    if obj["phase"] not in ("capture", "replay"):
+        raise fail(f"{where}: phase must be 'capture' or 'replay', got {str(obj['phase'])[:20]!r}")
+    return RecipeStep(obj["phase"], selector_from_dict(obj["site"]), decode_edit(obj["edit"], dec, pickled, where))
+
+
+def decode_steps(steps: Any, unsaved: Any, dec: Decoder, phase: str) -> tuple[list[Any], list[str]]:
+    """Steps of a saved trace: ``When`` for capture steps, replay ``Step`` for a fork's (None if unsaved)."""
+    from .replay import Step
+
+    if not isinstance(steps, list) or not isinstance(unsaved, list) or not all(isinstance(u, str) for u in unsaved):
+        raise fail(f"the trace's {phase} steps are malformed")
+    out: list[Any] = []
+    for k, obj in enumerate(steps):
+        if obj is None:
+            out.append(None)
+            continue
+        step = decode_step(obj, dec, None, f"{phase} step {k}")
+        out.append(When(step.site, step.edit) if phase == "capture" else Step(step.site, step.edit))
+    return out, [u[:1000] for u in unsaved]
+
+
+# -- the recipe --------------------------------------------------------------------------------
+
+
+class RecipeStep:
+    """One saved (site, edit): ``phase`` says whether it was applied during capture or by replay."""
+
+    __slots__ = ("phase", "site", "edit")
+
+    def __init__(self, phase: str, site: Selector, edit: Any) -> None:
+        self.phase = phase
+        self.site = site
+        self.edit = edit
+
+    def as_when(self) -> When:
+        return When(self.site, self.edit)
+
+    def __repr__(self) -> str:
+        return f"RecipeStep({self.phase}, {self.site.describe()}, {self.edit!r})"
+
+
+class Recipe:
+    """An ordered list of (site, edit) steps and the model they were made for.
+
+    ``recipe.apply(trace)`` replays them on a fork of ``trace``; ``tl.trace(model, x,
+    intervene=recipe)`` applies them during capture. Both check the model fingerprint.
+    """
+
+    def __init__(self, steps: list[RecipeStep], fingerprint: dict[str, Any] | None, *, level: str = "portable",
+                 torchlens_version: str | None = None, format_version: int = FORMAT_VERSION,
+                 path: Path | None = None, check_fingerprint: bool = True) -> None:
+        self.steps = steps
+        self.fingerprint = fingerprint
+        self.level = level
+        self.torchlens_version = torchlens_version
+        self.format_version = format_version
+        self.path = path
+        self.check_fingerprint = check_fingerprint
+
+    def check(self, model_or_trace: Any) -> None:
+        """Raise FingerprintMismatchError if the recipe was made for a different model."""
+        actual = fingerprint(model_or_trace) if isinstance(model_or_trace, torch.nn.Module) else \
+            fingerprint_of(model_or_trace)
+        check_model_fingerprint(self.fingerprint, actual)
+
+    def apply(self, trace: Any, *, name: str | None = None, check_fingerprint: bool | None = None) -> Any:
+        """Replay every step on a new fork of ``trace`` and return the fork.
+
+        Raises:
+            FingerprintMismatchError: ``trace`` comes from a different model (override with
+                ``check_fingerprint=False``).
+            ReplayNotExactError / SiteNotFoundError: as ``fork.do`` would.
+        """
+        if not hasattr(trace, "fork"):
+            raise InvalidArgumentError(f"apply() takes a Trace, got {type(trace).__name__}",
+                                       remedy="Capture first: recipe.apply(tl.trace(model, x)).")
+        if self.check_fingerprint if check_fingerprint is None else check_fingerprint:
+            self.check(trace)
+        fork = trace.fork(name or "recipe")
+        for step in self.steps:
+            fork.do(step.site, step.edit)
+        return fork
+
+    def as_whens(self, model: torch.nn.Module | None = None, *, check_fingerprint: bool | None = None) -> list[When]:
+        """Fresh ``tl.when`` objects for a capture (checked against ``model`` when given)."""
+        if model is not None and (self.check_fingerprint if check_fingerprint is None else check_fingerprint):
+            self.check(model)
+        return [step.as_when() for step in self.steps]
+
+    def save(self, path: Any, level: str = "portable", *, overwrite: bool = False) -> Path:
+        """Write this recipe again (e.g. a loaded one, to a new place)."""
+        return save_intervention(self, path, level=level, overwrite=overwrite)
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __iter__(self) -> Iterator[RecipeStep]:
+        return iter(self.steps)
+
+    def __repr__(self) -> str:
+        model = (self.fingerprint or {}).get("class", "any model")
+        steps = ", ".join(f"{s.site.describe()}: {s.edit!r}" for s in self.steps[:4])
+        more = " ..." if len(self.steps) > 4 else ""
+        return f"<Recipe {self.level}, {len(self.steps)} step(s) for {model}: {steps}{more}>"
+
+
+# -- save / load ----------------------------------------------------------------------------------
+
+
+def save_intervention(obj: Any, path: Any, level: str = "portable", overwrite: bool = False) -> Path:
+    """Write the edits of a trace / fork (or a Recipe) as a ``.tlspec/`` directory.
+
+    Capture-time edits (``trace.steps``) come first, then a fork's replay steps.
+
+    Args:
+        level: ``"portable"`` (never pickles; plain-function edits refuse) or ``"pickle"``
+            (plain functions are pickled; loading needs ``allow_pickle=True``).
+        overwrite: replace an earlier TorchLens save at ``path``.
+
+    Returns:
+        the directory written.
+
+    Raises:
+        NotPortableError: an edit holds code at the portable level, or cannot be stored.
+        RecipeExistsError: ``path`` exists and ``overwrite`` is false.
+    """
+    from .persist import check_path_arg
+
+    check_path_arg(path)
+    if level not in LEVELS:
+        raise InvalidArgumentError(f"level must be one of {LEVELS}, got {level!r}")
+    if isinstance(obj, Recipe):
+        items = [(s.phase, s.site, s.edit) for s in obj.steps]
+        fp, trace = obj.fingerprint, None
+    else:
+        lost = [*getattr(obj, "unsaved_steps", [])]
+        parent = getattr(obj, "parent", None)
+        if parent is not None:
+            lost += [s for s in getattr(parent, "unsaved_steps", []) if s not in lost]
+        if lost:
+            raise NotPortableError(f"this trace was loaded without {len(lost)} edit(s) that could not be saved: "
+                                   f"{lost[:3]}", remedy="Save the recipe from the original trace or fork.")
+        items = [("capture", w.site, w.edit) for w in obj.steps]
+        items += [("replay", s.selector, s.edit) for s in getattr(obj, "recipe", [])]
+        fp, trace = fingerprint_of(obj), obj
+    table = TensorTable()
+    pickles: list[Any] | None = [] if level == "pickle" else None
+    steps = [encode_step(phase, site, edit, trace, table, f"step{k}", pickles)
+             for k, (phase, site, edit) in enumerate(items)]
+    extra = None
+    if pickles is not None:
+        try:
+            extra = {"pickle": (PICKLE_FILE, pickle.dumps(pickles))}
+        except (pickle.PicklingError, AttributeError, TypeError) as exc:
+            raise NotPortableError(
+                f"an edit cannot be pickled: {exc}",
+                remedy="Define the edit function at module level (lambdas and local functions do not pickle), "
+                       "or use a named helper.",
+            ) from None
+    from .persist import _version
+
+    manifest = {
+        "kind": "recipe",
+        "torchlens_version": _version(),
+        "level": level,
+        "executes_code_on_load": level == "pickle",
+        "fingerprint": fp,
+        "steps": steps,
+    }
+    return write_dir(path, manifest, table.tensors, extra, overwrite=overwrite)
+
+
+def load_intervention(path: Any, *, allow_pickle: bool = False, check_fingerprint: bool = True) -> Recipe:
+    """Read a ``.tlspec/`` directory back as a :class:`Recipe`.
+
+    A portable recipe is only parsed, never executed. A ``level="pickle"`` recipe runs
+    code when loaded and is refused unless ``allow_pickle=True``.
+
+    Args:
+        check_fingerprint: the default for ``apply`` / ``as_whens``: refuse a different model.
+
+    Raises:
+        RecipeFormatError (or a subclass: FormatVersionError, UnsafePathError,
+        RecipeHelperError): the directory is malformed, hostile or newer.
+        PickleNotAllowedError: the recipe holds pickled code and ``allow_pickle`` is false.
+    """
+    from .persist import check_path_arg
+
+    check_path_arg(path)
+    with SavedDir(path) as d:
+        m = read_manifest(d, "recipe")
+        unknown = set(m) - _RECIPE_KEYS
+        if unknown:
+            raise fail(f"the manifest has unknown fields {sorted(unknown)[:5]}")
+        level = m.get("level")
+        if level not in LEVELS or m.get("executes_code_on_load") is not (level == "pickle"):
+            raise fail(f"level must be one of {LEVELS} and executes_code_on_load must say whether it pickles")
+        files = m.get("files")
+        if level == "portable" and isinstance(files, dict) and "pickle" in files:
+            raise fail("a portable recipe must not carry pickled code")
+        if level == "pickle" and not allow_pickle:
+            raise PickleNotAllowedError(f"{d.path} was saved with level='pickle': loading it runs code from the file",
+                                        path=str(d.path))
+        tensors = read_tensors(d, m)
+        raw = read_file_entry(d, m, "pickle", required=False)
+    pickled = None
+    if raw is not None:
+        obj = pickle.loads(raw)  # noqa: S301 - only with allow_pickle=True, which the caller chose
+        pickled = obj if isinstance(obj, list) else None
+    fp = check_fingerprint_dict(m.get("fingerprint"))
+    dec = Decoder(tensors)
+    steps_json = m.get("steps")
+    if not isinstance(steps_json, list):
+        raise fail("manifest 'steps' must be a list")
+    try:
+        steps = [decode_step(s, dec, pickled, f"step {k}") for k, s in enumerate(steps_json)]
+    except RecursionError:
+        raise fail("the recipe is nested too deeply") from None
+    dec.check_all_used()
+    version = m.get("torchlens_version")
+    return Recipe(steps, fp, level=level, torchlens_version=version if isinstance(version, str) else None,
+                  format_version=m["format_version"], path=d.path, check_fingerprint=check_fingerprint)
+
+
+__all__ = ["Recipe", "RecipeStep", "StoredSource", "fingerprint", "load_intervention", "save_intervention",
+           "selector_from_dict", "selector_to_dict"]
