@@ -5,8 +5,11 @@ one class (lists of composite modules beat lists of single layers). Inside a blo
 ``attn`` and ``mlp`` are the direct children whose names say so (``attn``/``attention``,
 ``mlp``/``ffn``/``feed_forward``), when exactly one does. ``resid_mid`` is never guessed:
 a wrong guess would silently read the wrong tensor. Head counts come from the config when
-there is one, else from the attention module's attributes. ``ArchView.adapter`` is
-``"generic"`` so a reader can tell a guess from a family adapter.
+there is one, else from the attention module's attributes. ``resid_pre`` read after capture
+is exact (the op feeding the block); edited during capture it assumes the blocks are chained
+(block i's input is block i-1's output), and for block 0 it needs a ``tl.trace`` capture and
+an after-the-fact edit (``fork.do``), since no module is known to produce it.
+``ArchView.adapter`` is ``"generic"`` so a reader can tell a guess from a family adapter.
 """
 
 from __future__ import annotations

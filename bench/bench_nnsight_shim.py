@@ -56,7 +56,10 @@ def reference(model: torch.nn.Module, ids: torch.Tensor) -> dict:
     blocks = model.transformer.h
     out: dict = {}
     seen: dict = {}
-    handles = [b.register_forward_hook(lambda m, a, o, i=i: seen.__setitem__(i, o.detach().clone())) for i, b in enumerate(blocks)]
+    handles = [
+        b.register_forward_hook(lambda m, a, o, i=i: seen.__setitem__(i, o.detach().clone()))
+        for i, b in enumerate(blocks)
+    ]
     with torch.no_grad():
         model(ids)
     for h in handles:
@@ -137,7 +140,6 @@ def main() -> None:
     reps = options.reps or (3 if options.quick else 15)
 
     import nnsight
-
     import torchlens_shims.nnsight as shim
 
     model, ids = build()
@@ -148,30 +150,27 @@ def main() -> None:
         own = copy.deepcopy(model)  # nnsight instruments the module it wraps; keep the tools apart
         tools[name] = make_cases(lib, lib.NNsight(own), lib.TransformersModel(own, tokenizer=tok), ids)
 
-    with torch.no_grad():
-        base = {}
-        for case, batch in (("single", ids), ("batch12", ids.repeat(12, 1))):
-            for _ in range(2):
-                model(batch)
-            times = []
-            for _ in range(reps):
-                start = time.perf_counter()
-                model(batch)
-                times.append((time.perf_counter() - start) * 1000)
-            base[case] = statistics.median(times)
+    def plain(batch):
+        with torch.no_grad():
+            return model(batch)
 
+    batches = {"single": ids, "batch12": ids.repeat(12, 1)}
     for case in ("c3", "c4", "c5", "c8"):
-        base_ms = base["batch12" if case == "c8" else "single"]
-        ok = {}
-        for name, cases in tools.items():
-            ok[name] = check(case, cases[case](), ref[case])
-            cases[case]()
-        times: dict[str, list[float]] = {name: [] for name in tools}
-        for _ in range(reps):
-            for name, cases in tools.items():
+        batch = batches["batch12" if case == "c8" else "single"]
+        runners = {"base": lambda batch=batch: plain(batch)}
+        runners.update({name: cases[case] for name, cases in tools.items()})
+        ok = {name: check(case, runners[name](), ref[case]) for name in tools}
+        for run in runners.values():  # second warm-up
+            run()
+        times: dict[str, list[float]] = {name: [] for name in runners}
+        order = list(runners)
+        for rep in range(reps):
+            # Rotate who goes first so load drifting over the run hits every tool alike.
+            for name in order[rep % len(order):] + order[: rep % len(order)]:
                 start = time.perf_counter()
-                cases[case]()
+                runners[name]()
                 times[name].append((time.perf_counter() - start) * 1000)
+        base_ms = statistics.median(times["base"])
         for name in tools:
             ms = statistics.median(times[name])
             print(

@@ -72,7 +72,7 @@ def _table(classes: list[type], root: type) -> list[str]:
     rows = ["| Error | Family | Remedy |", "| --- | --- | --- |"]
     for cls in classes:
         anchor = cls.__name__.lower()
-        rows.append(f"| [`{cls.__name__}`](#{anchor}) | {_family(cls, root)} | "
+        rows.append(f"| [{cls.__name__}](#{anchor}) | {_family(cls, root)} | "
                     f"{_cell(getattr(cls, 'remedy', ''))} |")
     return rows
 

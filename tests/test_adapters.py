@@ -113,7 +113,7 @@ FAMILIES = {
         "post_attention_layernorm", LLAMA_HEADS),
     "bert": Family(
         "bert", _seeded(lambda: tf.BertModel(tf.BertConfig(**SMALL))),
-        "encoder.layer.{i}", "attention.output.dense", "output.dense", "embeddings.word_embeddings", None,
+        "encoder.layer.{i}", "attention.self", "output.dense", "embeddings.word_embeddings", None,
         "intermediate", None, _bert_heads),
 }
 
@@ -346,6 +346,54 @@ def test_scaling_resid_pre_after_and_during_capture(key):
     assert_equal_tree(during.output, want, what="tl.when")
     extracted = tl.extract(model, IDS, ["blocks.0.resid_pre"])["blocks.0.resid_pre"]
     assert torch.equal(extracted, trace.find_sites(tl.module("blocks.0.resid_pre")).first().out)
+
+
+def test_fork_edit_of_a_block_output_reaches_the_next_resid_pre():
+    _, model, _, _, trace = family_state("llama")
+    by_module = trace.fork().do(tl.module("blocks.0.resid_post"), tl.scale(0.5))
+    by_input = trace.fork().do(tl.module("blocks.1.resid_pre"), tl.scale(0.5))
+    half = trace["blocks.0.resid_post"].out * 0.5
+    assert torch.equal(by_module.find_sites(tl.module("blocks.1.resid_pre")).first().out, half)
+    assert torch.equal(by_input.find_sites(tl.module("blocks.1.resid_pre")).first().out, half)
+    assert_equal_tree(by_module.output, by_input.output, what="same edit, two names")
+
+
+def test_one_canonical_intervention_serves_two_families():
+    """The When keeps the canonical name; each capture binds it to its own model."""
+    step = tl.when(tl.module("blocks.1.mlp"), tl.zero_ablate())
+    for key in ("gpt2", "llama"):
+        fam, model, *_ = family_state(key)
+        want = _plain(model, [(f"{fam.block.format(i=1)}.{fam.mlp}", "out", _zero_first)])
+        assert_equal_tree(tl.trace(model, IDS, intervene=step).output, want, what=key)
+    assert step.site.path == "blocks.1.mlp"
+
+
+def test_views_follow_changes_to_the_block_list():
+    torch.manual_seed(0)
+    model = TinyTransformer().eval()
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(SiteNotFoundError, match="3 blocks"):
+        tl.trace(model, ids).find_sites(tl.module("blocks.3"))
+    model.layers.append(Block())
+    trace = tl.trace(model, ids)
+    assert trace["blocks.3"].record.address == "layers.3"
+
+
+def test_resolving_canonical_names_does_not_keep_the_model_alive():
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = TinyTransformer().eval()
+    trace = tl.trace(model, torch.tensor([[1, 2]]))
+    trace["blocks.0.mlp"]
+    view = tl.arch(model)
+    ref = weakref.ref(model)
+    del model, trace
+    gc.collect()
+    assert ref() is None
+    with pytest.raises(SiteNotFoundError, match="no model"):
+        view.module("blocks.0.mlp")
 
 
 # -- sites a model does not have -----------------------------------------------------------

@@ -274,10 +274,10 @@ def test_save_keeps_only_matching_ops_and_still_records_the_graph(tiny_gpt2):
         assert torch.equal(trace[label].out, full[label].out)
     assert torch.equal(trace["transformer.h.1"].out, full["transformer.h.1"].out)
     with pytest.raises(ValueNotSavedError) as err:
-        trace["layer_norm_1"].out
+        _ = trace["layer_norm_1"].out
     assert err.value.remedy and "save=" in err.value.remedy
     with pytest.raises(ValueNotSavedError):
-        trace["transformer.h.0"].out
+        _ = trace["transformer.h.0"].out
     assert trace["linear_1"].parents == full["linear_1"].parents
     assert trace["layer_norm_1"].children == full["layer_norm_1"].children
     assert_equal_tree(trace.output, full.output)
@@ -288,7 +288,7 @@ def test_save_a_list_of_labels(small_mlp, mlp_input):
     assert [op.label for op in trace.ops if op.saved] == ["input_0", "relu_1", "linear_2"]
     assert torch.equal(trace["act"].out, torch.relu(small_mlp.fc1(mlp_input)).detach())
     with pytest.raises(ValueNotSavedError):
-        trace["fc1"].out
+        _ = trace["fc1"].out
 
 
 @pytest.mark.xfail(strict=True, reason=(

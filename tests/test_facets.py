@@ -202,6 +202,15 @@ def test_module_sites_reach_the_facet(gpt2_traces):
         assert torch.equal(f.pattern, op_facets.pattern)
     found = trace.find_sites(tl.module("transformer.h.1.attn")).first().facets
     assert found.label == trace.find_sites(tl.func(SDPA))[1].label
+    # the output projection, whose input is the merged head outputs, reaches it too
+    assert trace["transformer.h.1.attn.c_proj"].facets.label == found.label
+
+
+def test_output_projection_of_an_eager_model_reaches_its_softmax(gpt2_traces):
+    _, eager_trace = gpt2_traces
+    f = eager_trace["transformer.h.1.attn.c_proj"].facets
+    softmax = eager_trace.find_sites(tl.func("softmax") & tl.in_module("transformer.h.1.attn")).first()
+    assert f.kind == "eager" and f.label == softmax.label
 
 
 def test_canonical_blocks_attn_reaches_the_facet(gpt2, gpt2_traces):
@@ -256,6 +265,7 @@ def test_facets_are_read_only(gpt2_traces):
     assert type(copy_) is torch.Tensor
     copy_[0] = 0.0
     assert type(f.pattern * 2) is torch.Tensor
+    assert type(copy.deepcopy(f.pattern)) is torch.Tensor
 
 
 # -- laziness ------------------------------------------------------------------------------------

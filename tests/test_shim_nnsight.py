@@ -16,9 +16,8 @@ import warnings
 import nnsight as real_nnsight
 import pytest
 import torch
-import transformers
-
 import torchlens_shims.nnsight as shim
+import transformers
 from torchlens_shims.nnsight import errors
 
 warnings.filterwarnings("ignore", message=".*Model config.*")
@@ -29,7 +28,7 @@ ATOL = 1e-5
 
 # -- models and tokenizers ------------------------------------------------------------------------
 WORDS = (
-    "<unk> <eos> <pad> The E ##iff ##el Tower is in the city of Paris London Madison Square Garden "
+    "<unk> <eos> <pad> The Eiffel Tower is in the city of Paris London Madison Square Garden "
     "_ a b c d hello world cat dog sat on mat".split()
 )
 
@@ -43,7 +42,7 @@ def local_tokenizer() -> transformers.PreTrainedTokenizerFast:
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _gpt2(n_layer: int = 3, n_embd: int = 32) -> transformers.GPT2LMHeadModel:
     torch.manual_seed(0)
     config = transformers.GPT2Config(
@@ -52,7 +51,7 @@ def _gpt2(n_layer: int = 3, n_embd: int = 32) -> transformers.GPT2LMHeadModel:
     return transformers.GPT2LMHeadModel(config).eval()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _llama() -> transformers.LlamaForCausalLM:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
@@ -232,8 +231,7 @@ def test_submodules_come_before_their_block_and_writes_bind_too():
         with model.trace(IDS):
             mlp = model.transformer.h[0].mlp.output.save()
             block = model.transformer.h[0].output.save()
-            root_in = None
-        return mlp, block, root_in
+        return mlp, block
 
     check(idiom)
     model = shim.NNsight(gpt2())
@@ -257,7 +255,7 @@ def test_model_output_logits_after_deep_reads():
 
 
 def test_wrapper_tree_navigation_and_print():
-    for name, lib in LIBS.items():
+    for lib in LIBS.values():
         model = lib.NNsight(gpt2())
         assert len(model.transformer.h) == 3
         assert [b.path for b in model.transformer.h] == [f"model.transformer.h.{i}" for i in range(3)]
@@ -282,7 +280,7 @@ def test_save_outside_a_trace_raises():
 def test_reading_outside_a_trace_raises():
     model = shim.NNsight(gpt2())
     with pytest.raises(errors.NotInterleavingError):
-        model.transformer.h[0].output  # noqa: B018
+        model.transformer.h[0].output  # noqa: B018 - the read itself must raise
 
 
 def test_errors_in_body_and_forward_leave_no_hooks():
@@ -290,7 +288,7 @@ def test_errors_in_body_and_forward_leave_no_hooks():
     with pytest.raises(ZeroDivisionError):
         with model.trace(IDS):
             model.transformer.h[1].output.save()
-            1 / 0
+            1 / 0  # noqa: B018
     assert_clean(model._module)
     with pytest.raises(IndexError):
         with model.trace(torch.tensor([[60, 61, 99]])):  # id 99 is outside the embedding
@@ -343,8 +341,8 @@ def test_logit_lens_calls_a_module_off_the_record():
 def test_gradients_with_backward_block():
     def idiom(nnsight, model):
         with model.trace(IDS):
-            hidden = model.transformer.h[-1].output
             first = model.transformer.h[0].output
+            hidden = model.transformer.h[-1].output
             metric = model.output.logits[0, -1, 5]
             with metric.backward():
                 grad = hidden.grad.clone().save()
@@ -441,7 +439,11 @@ def test_scan_reports_shapes():
             dtype = nnsight.save(str(model.output.logits.dtype))
         return size, shape, dtype
 
-    assert check(idiom) == (32, (1, 6, 32), "torch.float32")
+    got = check(idiom, wrap="TransformersModel", tokenizer=local_tokenizer())
+    assert got == (32, (1, 6, 32), "torch.float32")
+    with shim.NNsight(gpt2()).scan(IDS):  # the shim's plain wrapper scans too
+        width = shim.save(IDS.shape[-1])
+    assert width == 6
 
 
 def test_trace_false_and_direct_call():
@@ -450,6 +452,24 @@ def test_trace_false_and_direct_call():
         out = model.trace(IDS, trace=False)
         assert out.logits.shape == (1, 6, 64)
         assert model(IDS).logits.shape == (1, 6, 64)
+
+
+def test_source_operations_read_and_edit():
+    def idiom(nnsight, model):
+        with model.trace(IDS):
+            act = model.transformer.h[0].mlp.source.self_act_0.output.save()
+            model.transformer.h[0].mlp.source.self_c_proj_0.output[:] = 0
+            attn_in = model.transformer.h[1].attn.source.attention_interface_1.inputs[0][1].save()
+            attn = model.transformer.h[1].attn.source.attention_interface_1.output[0].save()
+            logits = model.output.logits.save()
+        return act, attn_in, attn, logits
+
+    check(idiom)
+    nn_source = real_nnsight.NNsight(gpt2()).transformer.h[0].attn.source
+    tl_source = shim.NNsight(gpt2()).transformer.h[0].attn.source
+    assert list(tl_source) == list(nn_source.compiled.names)
+    with pytest.raises(errors.SourceNotAvailableError):
+        tl_source.no_such_op_0  # noqa: B018 - the lookup itself must raise
 
 
 # -- priority 2: invokes -------------------------------------------------------------------------------
@@ -474,7 +494,7 @@ def test_nnsight_base_refuses_several_invokes_like_nnsight():
 def test_invokes_are_one_batch_scoped_per_invoke():
     def idiom(nnsight, model):
         with model.trace() as tracer:
-            with tracer.invoke("The E ##iff ##el Tower is in the city of"):
+            with tracer.invoke("The Eiffel Tower is in the city of"):
                 model.transformer.h[1].output[:, -1, :] = 0
                 first = model.transformer.h[1].output.save()
                 first_logits = model.output.logits.save()
@@ -512,7 +532,7 @@ def test_cross_invoke_values_and_barrier():
     def idiom(nnsight, model):
         with model.trace() as tracer:
             barrier = tracer.barrier(2)
-            with tracer.invoke("The E ##iff ##el Tower"):
+            with tracer.invoke("The Eiffel Tower"):
                 clean = model.transformer.h[0].output[:, -1, :]
                 barrier()
             with tracer.invoke("hello world cat dog"):
@@ -530,14 +550,14 @@ def test_cross_invoke_read_without_barrier_behaves_as_in_nnsight():
         model = lib.TransformersModel(gpt2(), tokenizer=local_tokenizer())
         try:
             with model.trace() as tracer:
-                with tracer.invoke("The E ##iff ##el Tower"):
+                with tracer.invoke("The Eiffel Tower"):
                     clean = model.transformer.h[0].output[:, -1, :]
                 with tracer.invoke("hello world cat dog"):
                     model.transformer.h[0].output[:, -1, :] = clean
                     patched = model.output.logits.save()
             outcomes[name] = ("ok", patched)
         except Exception as error:  # noqa: BLE001 - comparing what each library does
-            outcomes[name] = (type(error).__bases__[-1].__name__ if name == "shim" else type(error).__name__,)
+            outcomes[name] = (type(error).__name__,)
     assert outcomes["nnsight"][0] == outcomes["shim"][0]
     if outcomes["nnsight"][0] == "ok":
         assert_same(outcomes["nnsight"][1], outcomes["shim"][1])
@@ -581,17 +601,17 @@ def test_barrier_count_too_high_is_reported():
 # -- priority 3/4: generation, TransformersModel ------------------------------------------------------------
 def test_generate_with_iter_and_result():
     def idiom(nnsight, model):
-        with model.generate("The E ##iff ##el Tower", max_new_tokens=3, min_new_tokens=3, do_sample=False) as tracer:
+        with model.generate("The Eiffel Tower", max_new_tokens=3, min_new_tokens=3, do_sample=False) as tracer:
             picks = nnsight.save([])
             hidden = nnsight.save([])
-            for step in tracer.iter[:3]:
-                picks.append(model.output.logits[0, -1].argmax(dim=-1))
+            for step in tracer.iter[:3]:  # noqa: B007 - as nnsight code writes it
                 hidden.append(model.transformer.h[0].output[0, -1])
+                picks.append(model.output.logits[0, -1].argmax(dim=-1))
             ids = tracer.result.save()
         return picks, hidden, ids
 
     picks, _, ids = check(idiom, wrap="TransformersModel", tokenizer=local_tokenizer())
-    assert len(picks) == 3 and ids.shape == (1, 8)
+    assert len(picks) == 3 and ids.shape == (1, 6)
 
 
 def test_generate_loop_that_outruns_warns_and_keeps_values():
@@ -600,7 +620,7 @@ def test_generate_loop_that_outruns_warns_and_keeps_values():
             warnings.simplefilter("always")
             with model.generate("hello world", max_new_tokens=2, min_new_tokens=2, do_sample=False) as tracer:
                 picks = nnsight.save([])
-                for step in tracer.iter[:4]:
+                for step in tracer.iter[:4]:  # noqa: B007 - as nnsight code writes it
                     picks.append(model.output.logits[0, -1].argmax())
                 after = nnsight.save("after")  # noqa: F841 - never runs: the loop was cut short
         reached = [str(w.message).split(":")[0] for w in caught if "never reached" in str(w.message)]
@@ -613,14 +633,13 @@ def test_generate_loop_that_outruns_warns_and_keeps_values():
 def test_generate_all_steps_and_batched_generation():
     def idiom(nnsight, model):
         with model.generate(max_new_tokens=3, do_sample=False) as tracer:
-            with tracer.invoke("The E ##iff ##el Tower is in"):
+            with tracer.invoke("The Eiffel Tower is in"):
                 steps = nnsight.save([])
-                for step in tracer.all():
+                for step in tracer.all():  # noqa: B007 - as nnsight code writes it
                     steps.append(model.transformer.h[1].output[:, -1, :])
-                ids_a = tracer.result.save()
             with tracer.invoke("hello"):
                 ids_b = tracer.result.save()
-        return len(steps) >= 3, steps[:3], ids_a, ids_b
+        return len(steps), steps, ids_b
 
     check(idiom, wrap="TransformersModel", tokenizer=local_tokenizer())
 
@@ -648,16 +667,16 @@ def test_language_model_is_a_deprecated_alias():
 def test_llama_reads_edits_and_left_padded_invokes():
     def idiom(nnsight, model):
         with model.trace() as tracer:
-            with tracer.invoke("The E ##iff ##el Tower is in the city of"):
+            with tracer.invoke("The Eiffel Tower is in the city of"):
                 norm = model.model.layers[0].input_layernorm.output.save()
                 model.model.layers[0].output[:, -1, :] *= 2
-                layer1 = model.model.layers[1].output.save()
                 attn = model.model.layers[1].self_attn.output[0].save()
+                layer1 = model.model.layers[1].output.save()
                 logits = model.output.logits.save()
             with tracer.invoke("hello"):
                 short = model.model.layers[1].output[:, -1].save()
                 short_logits = model.output.logits[:, -1].save()
-        return norm, layer1, attn, logits, short, short_logits
+        return norm, attn, layer1, logits, short, short_logits
 
     got = check(idiom, make_model=llama, wrap="TransformersModel", tokenizer=local_tokenizer())
     # The left-padded short prompt sees its own positions: same as tracing it alone.
@@ -671,7 +690,7 @@ def test_llama_generate():
     def idiom(nnsight, model):
         with model.generate("hello world", max_new_tokens=2, do_sample=False) as tracer:
             layers = nnsight.save([])
-            for step in tracer.iter[:2]:
+            for step in tracer.iter[:2]:  # noqa: B007 - as nnsight code writes it
                 layers.append(model.model.layers[1].output[0, -1])
             ids = tracer.result.save()
         return layers, ids
@@ -687,7 +706,7 @@ def _minilm_path():
     return pathlib.Path(gt.__file__).parent / "model"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _minilm():
     return transformers.BertModel.from_pretrained(_minilm_path()).eval()
 
@@ -759,6 +778,6 @@ def test_block_shape_errors():
         exec("with model.trace(IDS):\n    model.output.save()\n", {"model": model, "IDS": IDS})
     with pytest.raises(errors.IterStepError):
         with model.trace(IDS) as tracer:
-            for step in tracer.iter[[-1]]:
+            for _step in tracer.iter[[-1]]:
                 pass
     assert_clean(model._module)

@@ -47,7 +47,7 @@ def test_every_module_output_equals_a_plain_hook_read(zoo_case, zoo_traces):
             key = _module_key(trace, address, len(outs), i)
             assert_equal_tree(trace[key].out, want, what=f"{case.name}:{key}")
             checked += 1
-    assert checked == len(trace.modules) or case.name in ("tiny_gpt2", "gpt2_small")  # tied wte/lm_head
+    assert checked == len(trace.modules)
     assert_equal_tree(trace.output, out, what=f"{case.name}: final output")
 
 

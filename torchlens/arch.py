@@ -5,8 +5,8 @@ each family's module paths. An adapter (a plugin, see ``torchlens.hookspecs``) m
 per family, to one of three kinds of site:
 
 * a module's output — ``blocks.{i}`` / ``blocks.{i}.resid_post`` (the block), ``blocks.{i}.attn``
-  and ``blocks.{i}.mlp`` (the sublayer whose output is added to the residual stream), ``embed``
-  (token embedding), ``unembed`` (the LM head);
+  (the attention module) and ``blocks.{i}.mlp`` (the MLP, whose output is added to the
+  residual stream), ``embed`` (token embedding), ``unembed`` (the LM head);
 * a module's input — ``blocks.{i}.resid_pre``: after capture, the op that produced the
   block's hidden-state input (so a fork's edit reaches every reader of it); during capture,
   the output of the module that produced it (the previous block, or the embedding stage);
@@ -21,6 +21,7 @@ per family, to one of three kinds of site:
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -55,10 +56,14 @@ def is_canonical(name: str) -> bool:
 
 
 def _first_tensor(args: Any, kwargs: Any) -> torch.Tensor | None:
-    for value in (*(args or ()), *(kwargs or {}).values()):
-        if isinstance(value, torch.Tensor):
-            return value
-    return None
+    """A block's hidden-state input: its first positional tensor, else ``hidden_states=``."""
+    args, kwargs = args or (), kwargs or {}
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0]
+    for key in ("hidden_states", "x", "input", "inputs_embeds"):
+        if isinstance(kwargs.get(key), torch.Tensor):
+            return kwargs[key]
+    return next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
 
 
 def _calls(trace: Trace, address: str, pass_index: int | None, site: str) -> list[ModuleCall]:
@@ -300,7 +305,7 @@ class Layout:
             d_model=d_model,
             blocks=blocks,
             targets=targets,
-            model=model,
+            model_ref=weakref.ref(model),
         )
 
 
@@ -343,7 +348,8 @@ class ArchView:
     d_model: int | None
     blocks: list[str]
     targets: dict[str, Selector | str] = field(repr=False)
-    model: nn.Module | None = field(default=None, repr=False)
+    # weak: views are cached per model (weak keys), and a strong back-reference would pin it
+    model_ref: weakref.ref | None = field(default=None, repr=False)
 
     def names(self, kind: str | None = None) -> list[str]:
         """Canonical names this model has; ``kind`` ('mlp', 'resid_post' ...) keeps one per block."""
@@ -401,7 +407,11 @@ class ArchView:
         Raises:
             SiteNotFoundError: as ``resolve``.
         """
-        return self.model.get_submodule(split_pass(self.resolve(name))[0])
+        model = self.model_ref() if self.model_ref is not None else None
+        if model is None:
+            raise SiteNotFoundError(f"this view of {self.adapter!r} holds no model to look {name!r} up in",
+                                    site=name, remedy="Call tl.arch(model) again on a live model.")
+        return model.get_submodule(split_pass(self.resolve(name))[0])
 
     def __repr__(self) -> str:
         return (f"ArchView(adapter={self.adapter!r}, model_type={self.model_type!r}, n_layers={self.n_layers}, "

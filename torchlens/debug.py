@@ -292,8 +292,10 @@ def compare(a: Any, b: Any, *, atol: float = 1e-5, rtol: float = 1e-4) -> Compar
     """Align two traces (or a trace and a fork) op by op and report where they differ.
 
     Args:
-        a, b: traces or forks (captured, replayed, or loaded with ``tl.load_trace``).
-        atol, rtol: an element differs when ``|a - b| > atol + rtol * |b|``.
+        a: a trace or fork (captured, replayed, or loaded with ``tl.load_trace``).
+        b: the trace or fork to compare it with.
+        atol: absolute tolerance: an element differs when ``|a - b| > atol + rtol * |b|``.
+        rtol: relative tolerance, in the same rule.
 
     Returns:
         a Comparison: ``only_in_a`` / ``only_in_b`` (op labels and module ``address:pass``),

@@ -29,6 +29,9 @@ _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scal
 # Ops an eager attention puts between its softmax and the matmul with v.
 _PASSTHROUGH = frozenset({"to", "type", "float", "half", "bfloat16", "dropout", "contiguous", "clone"})
 _MATMULS = frozenset({"matmul", "bmm", "einsum"})
+# Ops that only rearrange the merged head outputs on their way to the output projection.
+_LAYOUT = frozenset({"view", "reshape", "transpose", "permute", "contiguous", "flatten", "unflatten", "clone",
+                     "to", "type"})
 _INPLACE_DUNDERS = frozenset(
     {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
      "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
@@ -61,6 +64,12 @@ class ReadOnlyTensor(torch.Tensor):
             )
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> torch.Tensor:  # a copy is an ordinary, writable tensor
+        return self.as_subclass(torch.Tensor).clone()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:  # pickled / torch.save'd as a plain tensor
+        return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
 
 
 def read_only(t: torch.Tensor) -> ReadOnlyTensor:
@@ -419,8 +428,49 @@ def attention_facets(trace: Any, ops: list[Op] | None = None) -> list[_Facets]:
     return found
 
 
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    if isinstance(value, dict):
+        return _first_tensor(list(value.values()))
+    return None
+
+
+def _attention_feeding(trace: Any, call: ModuleCall) -> _Facets | None:
+    """The attention whose merged head outputs are this module's input (an output
+    projection: GPT-2's ``c_proj``, Llama's ``o_proj``, BERT's ``attention.output.dense``,
+    which is what some adapters name ``blocks.{i}.attn``). Only layout ops (reshape,
+    transpose ...) may lie between them, so an MLP after the residual add does not qualify."""
+    tensor = _first_tensor((call.args, call.kwargs))
+    ref = trace._ref_for(tensor, call.op_start) if tensor is not None else None
+    if ref is None or ref.elem is not None:
+        return None
+    trace._ensure_graph()
+    op = trace.ops[ref.index]
+    for _ in range(12):
+        if op.func_name == SDPA:
+            return FusedAttentionFacets(trace, op)
+        if op.func_name in _MATMULS:  # eager: the matmul of pattern and v
+            first = op.parent_refs[0] if op.parent_refs else None
+            cur = trace.ops[first.index] if first is not None else None
+            while cur is not None and cur.func_name in _PASSTHROUGH and cur.parent_refs:
+                cur = trace.ops[cur.parent_refs[0].index]
+            return facets_of_op(trace, cur) if cur is not None and cur.func_name == "softmax" else None
+        if op.func_name not in _LAYOUT or not op.parent_refs:
+            return None
+        op = trace.ops[op.parent_refs[0].index]
+    return None
+
+
 def facets_of_call(trace: Any, call: ModuleCall) -> _Facets | None:
     found = attention_facets(trace, trace.ops[call.op_start:call.op_end])
+    if not found:
+        return _attention_feeding(trace, call)
     if len(found) > 1:
         raise AmbiguousSiteError(
             f"module {call.key} runs {len(found)} attention ops ({[f.label for f in found][:8]}); "

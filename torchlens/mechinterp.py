@@ -30,6 +30,7 @@ from .facets import SDPA, _Facets, attention_facets, expand_kv, facets_for_site,
 from .helpers import Helper
 
 WHATS = ("output", "pattern", "scores")
+_FACET_OF = {"output": "head_out", "pattern": "pattern", "scores": "scores"}
 
 
 # -- the edit ---------------------------------------------------------------------------------
@@ -89,7 +90,10 @@ class HeadPatch(Helper):
 
     def _value(self, ctx: Any) -> torch.Tensor | None:
         if isinstance(self.value, Trace):  # resolved per op: the same op of another run
-            donor = facets_of_op(self.value, self.value[ctx.label].record)
+            site = self.value[ctx.label]
+            if site.record.func_name != SDPA:  # an eager op: its own head slice is the donor
+                return site.out.select(-3, self.head).clone()
+            donor = facets_of_op(self.value, site.record)
             if donor is None:
                 raise SiteNotFoundError(f"{ctx.label} of the source trace is not an attention op", site=ctx.label)
             return _donor_slice(donor, self.what, self.head)
@@ -165,7 +169,7 @@ def _check_what(what: Any) -> str:
 
 
 def _donor_slice(facets: _Facets, what: str, head: int) -> torch.Tensor:
-    attr = {"output": "head_out", "pattern": "pattern", "scores": "scores"}[what]
+    attr = _FACET_OF[what]
     if head >= facets.n_heads:
         raise InvalidArgumentError(f"the source attention {facets.label} has only {facets.n_heads} heads")
     return getattr(facets, attr).select(-3, head).as_subclass(torch.Tensor).clone()
@@ -298,9 +302,7 @@ def patch_head(trace: Trace, layer: Any, head: int, source: Any = None, what: st
         raise InvalidArgumentError(
             f"source= is None (zero-ablate), a trace or a tensor; got {type(source).__name__}")
     if value is not None:
-        ref = {"output": facets.head_out, "pattern": facets.pattern, "scores": None}[what]
-        if ref is None:
-            ref = facets.scores
+        ref = getattr(facets, _FACET_OF[what])
         _check_broadcast(value, ref.select(-3, head).shape, facets.label, what)
     fork = trace.fork(name or f"{trace.name}/patch_head[{layer}.{head}.{what}]")
     edit = HeadPatch(head, what, value)

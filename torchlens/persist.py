@@ -264,9 +264,11 @@ def read_manifest(d: SavedDir, kind: str) -> dict[str, Any]:
         raise fail(f"{d.path} was written in format {version} by a newer TorchLens "
                    f"({manifest.get('torchlens_version')!r:.40}); this one reads up to {FORMAT_VERSION}",
                    FormatVersionError, version=version)
-    if manifest.get("kind") != kind:
-        other = {"trace": "tl.load_trace", "recipe": "tl.load_intervention"}.get(manifest.get("kind"), "")
-        raise fail(f"{d.path} holds a {manifest.get('kind')!r:.40}, not a {kind}" + (f"; use {other}" if other else ""))
+    found = manifest.get("kind")
+    if found != kind:
+        other = {"trace": "tl.load_trace", "recipe": "tl.load_intervention"}.get(found, "") if isinstance(
+            found, str) else ""
+        raise fail(f"{d.path} holds a {str(found)[:40]!r}, not a {kind}" + (f"; use {other}" if other else ""))
     return manifest
 
 
@@ -343,16 +345,16 @@ def dumps_manifest(manifest: dict[str, Any]) -> str:
     def one(v: Any) -> str:
         return json.dumps(v, allow_nan=False, separators=(", ", ": "))
 
-    fields = []
+    parts = []
     for key, value in manifest.items():
-        if isinstance(value, list) and value:
+        if isinstance(value, list) and value and not all(isinstance(x, (str, int, float)) for x in value):
             body = "[\n" + ",\n".join(f"  {one(x)}" for x in value) + "\n ]"
-        elif isinstance(value, dict) and value:
+        elif isinstance(value, dict) and len(value) > 1:
             body = "{\n" + ",\n".join(f"  {one(k)}: {one(v)}" for k, v in value.items()) + "\n }"
         else:
             body = one(value)
-        fields.append(f" {one(key)}: {body}")
-    return "{\n" + ",\n".join(fields) + "\n}\n"
+        parts.append(f" {one(key)}: {body}")
+    return "{\n" + ",\n".join(parts) + "\n}\n"
 
 
 def _write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
@@ -626,11 +628,18 @@ class Decoder:
 
 # -- functions by qualified name, from an allowlist -----------------------------------------
 
-_FACTORIES = frozenset({
-    "arange", "tensor", "as_tensor", "scalar_tensor", "zeros", "ones", "full", "empty", "empty_strided", "eye",
-    "linspace", "logspace", "range", "tril_indices", "triu_indices", "rand", "randn", "randint", "randperm",
-    "normal", "zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like", "randint_like",
-})
+# Tensor-creating functions a TorchFunctionMode sees but torch lists as "ignored" (not overridable).
+_FACTORIES = {
+    "torch": frozenset({
+        "arange", "tensor", "as_tensor", "scalar_tensor", "zeros", "ones", "full", "empty", "empty_strided",
+        "empty_permuted", "eye", "linspace", "logspace", "range", "tril_indices", "triu_indices", "rand", "randn",
+        "randint", "randperm", "normal", "rand_like", "randn_like", "randint_like", "as_strided", "fill", "vander",
+        "hann_window", "hamming_window", "bartlett_window", "blackman_window", "kaiser_window",
+    }),
+    "torch.Tensor": frozenset({
+        "new_empty", "new_empty_strided", "new_full", "new_ones", "new_tensor", "new_zeros", "unflatten",
+    }),
+}
 _DENIED = frozenset({
     "register_hook", "register_post_accumulate_grad_hook", "apply_", "map_", "map2_", "__setstate__",
     "__reduce__", "__reduce_ex__", "__deepcopy__", "module_load", "set_", "share_memory_", "storage",
@@ -673,7 +682,7 @@ def function_table() -> tuple[dict[str, Any], dict[Any, str]]:
                 continue
             for name, fn in found:
                 try:
-                    ok = fn in allowed or (prefix == "torch" and attr in _FACTORIES)
+                    ok = fn in allowed or attr in _FACTORIES.get(prefix, ())
                 except TypeError:
                     continue
                 if ok:
@@ -758,7 +767,7 @@ def save_trace(trace: Any, path: Any, selector: Any = None, overwrite: bool = Fa
         base._ensure_graph()
     keep = None if selector is None else _keep_set(trace, as_selector(selector).match(trace))
     table = TensorTable()
-    arg_names = _tensor_names(trace.model)
+    arg_names = _tensor_names(trace.model) or getattr(base, "_saved_names", {})
 
     def put_as(stem: str) -> Callable[[torch.Tensor], dict]:
         return lambda t: {"tensor": table.put(t, arg_names.get(id(t), stem))}
@@ -925,61 +934,106 @@ def load_trace(path: Any) -> Any:
     The loaded trace has no model (``trace.model is None``); ``trace.run(model)`` re-runs
     the stored inputs on a model you pass.
 
+    Args:
+        path: the directory ``trace.save`` wrote.
+
+    Returns:
+        a Trace, or a Fork (whose ``parent`` is the loaded base trace) if a fork was saved.
+
     Raises:
-        RecipeFormatError (or a subclass): the directory is malformed, hostile, or newer.
+        RecipeFormatError: the directory is malformed, hostile or newer (the subclasses
+            FormatVersionError and UnsafePathError say which).
     """
+    check_path_arg(path)
     with SavedDir(path) as d:
         manifest = read_manifest(d, "trace")
         tensors = read_tensors(d, manifest)
+    return guarded(_build_trace, manifest, tensors)
+
+
+def guarded(build: Callable[..., Any], *args: Any) -> Any:
+    """Run a loader; a slip past the field checks still surfaces as a RecipeFormatError.
+
+    The error then carries ``unexpected`` (the original exception type), which the fuzz
+    tests treat as a bug: every malformed input should be caught by a named check.
+    """
     try:
-        return _build_trace(manifest, tensors)
+        return build(*args)
     except RecursionError:
-        raise fail("the saved trace is nested too deeply") from None
+        raise fail("the save is nested too deeply") from None
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError) as exc:
+        if isinstance(exc, RecipeFormatError):
+            raise
+        raise fail(f"the save is malformed: {type(exc).__name__}: {str(exc)[:200]}",
+                   unexpected=type(exc).__name__) from exc
+
+
+_TRACE_KEYS = {"format", "kind", "format_version", "torchlens_version", "fingerprint", "name", "engine", "complete",
+               "ops", "calls", "input_layers", "output_layers", "call_args", "output", "output_refs", "data_reads",
+               "stale", "edits", "steps", "unsaved_steps", "fork", "tensors", "files"}
+_OP_KEYS = {"label", "func", "func_name", "module", "pass", "flags", "source", "args", "out"}
+_CALL_KEYS = {"address", "pass", "type", "start", "end", "out_refs", "out", "skeleton"}
+_FORK_KEYS = {"name", "values", "subst", "overrides", "recipe", "unsaved_steps", "edits"}
+
+
+def fields(obj: Any, required: set[str], where: str, optional: set[str] = frozenset()) -> dict[str, Any]:
+    """``obj`` as a dict with exactly the ``required`` keys (plus any of ``optional``)."""
+    if not isinstance(obj, dict):
+        raise fail(f"{where} must be an object")
+    missing, extra = required - set(obj), set(obj) - required - optional
+    if missing or extra:
+        raise fail(f"{where}: missing fields {sorted(missing)[:5]}, unknown fields {sorted(extra)[:5]}")
+    return obj
 
 
 def _build_trace(m: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Any:
     from .core.trace import Fork, Trace
     from .recipes import check_fingerprint_dict, decode_steps
 
+    fields(m, _TRACE_KEYS, "the manifest")
     base = Trace(None)
-    base.fingerprint = check_fingerprint_dict(m.get("fingerprint"))
+    base.fingerprint = check_fingerprint_dict(m["fingerprint"])
     base.name = _str(m, "name", "manifest")
     base.engine = _str(m, "engine", "manifest", 100)
     base.complete = _get(m, "complete", bool, "manifest")
     dec = Decoder(tensors)
     ops_json = _get(m, "ops", list, "manifest")
     for i, entry in enumerate(ops_json):
-        base._add_op(_decode_op(i, entry, base, dec))
+        base._add_op(_decode_op(i, entry, dec))
     if len(base._labels) != len(base.ops):
         raise fail("op labels are not unique")
     n = len(base.ops)
     for i, entry in enumerate(_get(m, "calls", list, "manifest")):
-        base._add_call(_decode_call(i, entry, base, dec, n))
+        base._add_call(_decode_call(i, entry, dec, n))
     base.input_layers = _labels(m, "input_layers", base)
     base.output_layers = _labels(m, "output_layers", base)
-    base.steps, base.unsaved_steps = decode_steps(m.get("steps"), m.get("unsaved_steps"), dec, "capture")
+    steps, base.unsaved_steps = decode_steps(m["steps"], m["unsaved_steps"], dec, "capture")
+    base.steps = [w for w in steps if w is not None]
     for i, entry in enumerate(ops_json):
         if base.ops[i].flags & EDIT:
-            _attach_edit(base.ops[i], entry.get("edit"), base)
-    dec.on_ref = None
-    call_args = dec.value(m.get("call_args"), "call_args")
-    if not (isinstance(call_args, tuple) and len(call_args) == 2 and isinstance(call_args[1], dict)):
+            _attach_edit(base.ops[i], entry.get("edit"), base, steps)
+    call_args = dec.value(m["call_args"], "call_args")
+    if not (isinstance(call_args, tuple) and len(call_args) == 2 and isinstance(call_args[0], tuple)
+            and isinstance(call_args[1], dict) and all(isinstance(k, str) for k in call_args[1])):
         raise fail("call_args must be (args, kwargs)")
-    base.args, base.kwargs = tuple(call_args[0]) if isinstance(call_args[0], (tuple, list)) else (), call_args[1]
-    base._output_raw = dec.value(m.get("output"), "output")
-    base._output_refs = _refs(m.get("output_refs"), "output_refs", n)
+    base.args, base.kwargs = call_args
+    base._output_raw = dec.value(m["output"], "output")
+    base._output_refs = _refs(m["output_refs"], "output_refs", n)
     base.data_reads = [_data_read(r, n) for r in _get(m, "data_reads", list, "manifest")]
-    base._stale = {_int(i, "stale", 0, n): _int(p, "stale", 0, n) for i, p in _pairs(m.get("stale"), "stale")}
-    base.edits = _edits(m.get("edits"))
+    base._stale = {_int(i, "stale", 0, n - 1): _int(p, "stale", 0, n) for i, p in _pairs(m["stale"], "stale")}
+    base.edits = _edits(m["edits"])
+    _check_refs(base)
+    # a re-save of this trace names parameters as the original save did
+    base._saved_names = {id(t): k for k, t in tensors.items() if k.startswith(("param/", "buffer/"))}
     base._graph_ready = False
     base._ensure_graph()
-    fork_json = m.get("fork")
-    if fork_json is None:
+    if m["fork"] is None:
         dec.check_all_used()
         return base
+    fork_json = fields(m["fork"], _FORK_KEYS, "fork")
     fork = Fork(base, _str(fork_json, "name", "fork"))
     fork._values = {_int(i, "fork value", 0, n - 1): dec.value(v, f"fork value {i}")
-                    for i, v in _pairs(fork_json.get("values"), "fork values")}
+                    for i, v in _pairs(fork_json["values"], "fork values")}
     fork._subst = {}
     for item in _get(fork_json, "subst", list, "fork"):
         if not (isinstance(item, list) and len(item) == 3):
@@ -988,15 +1042,43 @@ def _build_trace(m: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Any:
                                                               dec.value(item[2], "fork subst"))
     keys = {c.key for c in base.calls}
     fork._overrides = {}
-    for key, v in _pairs(fork_json.get("overrides"), "fork overrides"):
-        if key not in keys:
-            raise fail(f"fork override names unknown module call {key!r:.80}")
+    for key, v in _pairs(fork_json["overrides"], "fork overrides"):
+        if not isinstance(key, str) or key not in keys:
+            raise fail(f"fork override names unknown module call {str(key)[:80]!r}")
         fork._overrides[key] = dec.value(v, f"fork override {key}")
-    fork.recipe, fork.unsaved_steps = decode_steps(fork_json.get("recipe"), fork_json.get("unsaved_steps"), dec,
-                                                   "replay")
-    fork.edits = _edits(fork_json.get("edits"))
+    recipe, fork.unsaved_steps = decode_steps(fork_json["recipe"], fork_json["unsaved_steps"], dec, "replay")
+    fork.recipe = [s for s in recipe if s is not None]
+    fork.edits = _edits(fork_json["edits"])
     dec.check_all_used()
     return fork
+
+
+def _check_refs(base: Any) -> None:
+    """Every reference must name an op whose stored value has that shape of output."""
+
+    def check(ref: Ref | None, what: str) -> None:
+        if ref is None:
+            return
+        op = base.ops[ref.index]
+        if not op.saved:
+            return
+        out = op._out
+        ok = isinstance(out, torch.Tensor) if ref.elem is None else (
+            isinstance(out, (tuple, list)) and ref.elem < len(out) and isinstance(out[ref.elem], torch.Tensor))
+        if not ok:
+            raise fail(f"{what} refers to {op.label}" + ("" if ref.elem is None else f"[{ref.elem}]")
+                       + ", which holds no such tensor")
+
+    for op in base.ops:
+        for ref in op.parent_refs or ():
+            check(ref, f"op {op.label}")
+    for call in base.calls:
+        for ref in call.out_refs:
+            check(ref, f"module call {call.key}")
+    for ref in base._output_refs:
+        check(ref, "the model output")
+    for read in base.data_reads:
+        check(read[1], "a data read")
 
 
 def _pairs(value: Any, what: str) -> list[list[Any]]:
@@ -1036,31 +1118,35 @@ def _source(entry: dict, where: str) -> tuple[Any, int]:
     return SourceLocation(src[0][:4096]), _int(src[1], f"{where}: source line", 0, 1 << 31)
 
 
-def _decode_op(i: int, entry: Any, base: Any, dec: Decoder) -> Op:
+def _decode_op(i: int, entry: Any, dec: Decoder) -> Op:
     where = f"op {i}"
+    fields(entry, _OP_KEYS, where, {"edit"})
     label = _str(entry, "label", where, 500)
-    flags = _int(_get(entry, "flags", int, where), f"{where}: flags", 0, 63)
+    flags = _int(entry["flags"], f"{where}: flags", 0, 63)
+    if ("edit" in entry) != bool(flags & EDIT):
+        raise fail(f"{where}: edit metadata and the edit flag disagree")
     name = _get(entry, "func", (str, type(None)), where)
     func = None
     if name is not None:
         if not _QUALNAME.match(name):
-            raise fail(f"{where}: malformed function name {name!r:.80}")
+            raise fail(f"{where}: malformed function name {name[:80]!r}")
         func = function_table()[0].get(name)
     if func is None and not flags & (INPUT | EDIT):
         flags |= NOT_REPLAYABLE
     code, lineno = _source(entry, where)
-    module = _str(entry, "module", where, 1000)
-    op = Op(i, label, func, _str(entry, "func_name", where, 200), None, module,
-            _int(entry.get("pass"), f"{where}: pass", 1, 1 << 31), code, lineno, None, None, flags)
-    out = entry.get("out")
-    if out is None:
+    op = Op(i, label, func, _str(entry, "func_name", where, 200), None, _str(entry, "module", where, 1000),
+            _int(entry["pass"], f"{where}: pass", 1, 1 << 31), code, lineno, None, None, flags)
+    if entry["out"] is None:
         op.saved = False
     else:
-        dec.on_ref = None
-        op._out = dec.value(out, f"{where} output")
+        op._out = dec.value(entry["out"], f"{where} output")
+        out = op._out
+        if not (isinstance(out, torch.Tensor) or (
+                isinstance(out, (tuple, list)) and all(isinstance(t, (torch.Tensor, type(None))) for t in out))):
+            raise fail(f"{where}: an op's output is a tensor or a sequence of tensors")
     if flags & INPUT:
-        if out is None:
-            raise fail(f"{where}: an input's value is always stored")
+        if entry["out"] is None or entry["args"] is not None:
+            raise fail(f"{where}: an input has a stored value and no arguments")
         op.args_spec, op.parent_refs = None, []
         return op
 
@@ -1070,7 +1156,10 @@ def _decode_op(i: int, entry: Any, base: Any, dec: Decoder) -> Op:
         return Ref(index, elem)
 
     dec.on_ref = on_ref
-    structure = dec.value(entry.get("args"), f"{where} arguments")
+    try:
+        structure = dec.value(entry["args"], f"{where} arguments")
+    finally:
+        dec.on_ref = None
     if not (isinstance(structure, tuple) and len(structure) == 2 and isinstance(structure[0], tuple)
             and isinstance(structure[1], dict) and all(isinstance(k, str) for k in structure[1])):
         raise fail(f"{where}: arguments must be (args, kwargs)")
@@ -1079,25 +1168,24 @@ def _decode_op(i: int, entry: Any, base: Any, dec: Decoder) -> Op:
         op.flags |= NOT_REPLAYABLE
     op.args_spec = (leaves, spec)
     op.parent_refs = [leaf for leaf in leaves if type(leaf) is Ref]
-    dec.on_ref = None
     return op
 
 
-def _decode_call(i: int, entry: Any, base: Any, dec: Decoder, n: int) -> ModuleCall:
+def _decode_call(i: int, entry: Any, dec: Decoder, n: int) -> ModuleCall:
     where = f"module call {i}"
-    start = _int(entry.get("start"), f"{where}: start", 0, n)
-    end = _int(entry.get("end"), f"{where}: end", start, n)
-    call = ModuleCall(_str(entry, "address", where, 1000), _int(entry.get("pass"), f"{where}: pass", 1, 1 << 31),
+    fields(entry, _CALL_KEYS, where)
+    start = _int(entry["start"], f"{where}: start", 0, n)
+    end = _int(entry["end"], f"{where}: end", start, n)
+    call = ModuleCall(_str(entry, "address", where, 1000), _int(entry["pass"], f"{where}: pass", 1, 1 << 31),
                       _str(entry, "type", where, 200), None, None, start)
     call.op_end = end
-    call.out_refs = _refs(entry.get("out_refs"), f"{where} out_refs", max(end, 1))
-    out, skeleton = entry.get("out"), entry.get("skeleton")
-    dec.on_ref = None
+    call.out_refs = _refs(entry["out_refs"], f"{where} out_refs", end)
+    out, skeleton = entry["out"], entry["skeleton"]
     if out is not None:
         call._out = dec.value(out, f"{where} output")
         leaves, call.out_spec = flatten(call._out)
     elif skeleton is not None:
-        leaves, call.out_spec = flatten(dec.value(skeleton, f"{where} skeleton"))
+        leaves, call.out_spec = flatten(Decoder({}).value(skeleton, f"{where} skeleton"))
     else:
         leaves = [None] * len(call.out_refs)
     if len(leaves) != len(call.out_refs):
@@ -1128,14 +1216,13 @@ def _edits(value: Any) -> list[Any]:
     return out
 
 
-def _attach_edit(op: Op, meta: Any, base: Any) -> None:
+def _attach_edit(op: Op, meta: Any, base: Any, steps: list[Any]) -> None:
     """Give a loaded capture-time edit op a function: the saved edit, or a refusing stand-in."""
     from .capture.recorder import EditApplier
     from .edits import EditContext
 
     where = f"edit op {op.label}"
-    if not isinstance(meta, dict):
-        raise fail(f"{where}: missing edit metadata")
+    fields(meta, {"step", "target", "ctx", "skeleton"}, where)
     target = _get(meta, "target", dict, where)
     record: Any = None
     if isinstance(target.get("module"), str):
@@ -1151,8 +1238,8 @@ def _attach_edit(op: Op, meta: Any, base: Any) -> None:
     step = meta.get("step")
     skeleton = meta.get("skeleton")
     spec = None if skeleton is None else flatten(Decoder({}).value(skeleton, where))[1]
-    if type(step) is int and 0 <= step < len(base.steps):
-        op.func = EditApplier(base.steps[step], spec, ctx)
+    if type(step) is int and 0 <= step < len(steps) and steps[step] is not None:
+        op.func = EditApplier(steps[step], spec, ctx)
     else:
         op.func = UnavailableEdit(ctx)
         op.flags |= NOT_REPLAYABLE

@@ -14,6 +14,7 @@ import os
 import sys
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,9 @@ _lock = threading.RLock()
 _pm: pluggy.PluginManager | None = None
 _failures: dict[tuple[str, str], PluginInfo] = {}
 _cache: dict[str, Any] = {}
+# model -> (structure token, ArchView): canonical names are resolved on every lookup that
+# misses a real address, and building a view walks the model; cleared with _cache.
+_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _HOOK_KINDS = (("torchlens_engines", "engine"), ("torchlens_adapters", "adapter"),
                ("torchlens_choose_adapter", "adapter"), ("torchlens_helpers", "helpers"),
                ("torchlens_facets", "facet"))
@@ -75,11 +79,21 @@ def _manager() -> pluggy.PluginManager:
                 _fail(name, "import", exc, dist)
                 continue
             _check_unknown_hooks(pm, obj, name)
-        if os.environ.get("TORCHLENS_TRACE_HOOKS"):
-            pm.trace.root.setwriter(lambda s: sys.stderr.write(s))
-            pm.enable_tracing()
         _pm = pm
         return pm
+
+
+def _call(hook_name: str, impl: Any, **kwargs: Any) -> Any:
+    """Call one plugin's hook implementation; with TORCHLENS_TRACE_HOOKS set, print the call.
+
+    TorchLens calls implementations one by one (not through ``pm.hook``) so that one
+    raising plugin can be skipped without losing the others' results.
+    """
+    result = impl.function(**kwargs)
+    if os.environ.get("TORCHLENS_TRACE_HOOKS"):
+        shown = ", ".join(f"{k}={type(v).__name__}" for k, v in kwargs.items())
+        sys.stderr.write(f"torchlens hook {hook_name}({shown}) [{impl.plugin_name}] -> {result!r}\n")
+    return result
 
 
 def _check_unknown_hooks(pm: pluggy.PluginManager, plugin: Any, name: str) -> None:
@@ -103,6 +117,7 @@ def reload() -> None:
     with _lock:
         _pm = None
         _cache.clear()
+        _views.clear()
         _failures.clear()
         importlib.invalidate_caches()
 
@@ -113,12 +128,18 @@ def register(plugin: Any, name: str | None = None) -> None:
     pm.register(plugin, name=name)
     _check_unknown_hooks(pm, plugin, name or pm.get_name(plugin) or repr(plugin))
     _cache.clear()
+    _views.clear()
 
 
 def unregister(plugin: Any = None, name: str | None = None) -> None:
     """Remove a plugin registered with ``register`` (or an entry point's, by name)."""
-    _manager().unregister(plugin=plugin, name=name)
+    pm = _manager()
+    gone = name or (pm.get_name(plugin) if plugin is not None else None)
+    pm.unregister(plugin=plugin, name=name)
+    for key in [k for k in _failures if k[0] == gone]:
+        del _failures[key]
     _cache.clear()
+    _views.clear()
 
 
 def _collect(hook_name: str, registration_order: bool = False) -> list[tuple[str, Any]]:
@@ -132,8 +153,7 @@ def _collect(hook_name: str, registration_order: bool = False) -> list[tuple[str
     found: list[tuple[str, Any]] = []
     for impl in impls if registration_order else reversed(impls):
         try:
-            result = impl.function()
-            items = list(result or ())
+            items = list(_call(hook_name, impl) or ())
         except Exception as exc:  # noqa: BLE001
             _fail(impl.plugin_name, hook_name, exc)
             continue
@@ -242,7 +262,7 @@ def _adapter_for(model: Any) -> tuple[Any | None, str]:
     pm = _manager()
     for impl in reversed(pm.hook.torchlens_choose_adapter.get_hookimpls()):
         try:
-            chosen = impl.function(model=model)
+            chosen = _call("torchlens_choose_adapter", impl, model=model)
         except Exception as exc:  # noqa: BLE001
             _fail(impl.plugin_name, "torchlens_choose_adapter", exc)
             continue
@@ -310,11 +330,42 @@ def canonical_selector(model: Any, path: str) -> Any | None:
 
     if model is None or not is_canonical(path):
         return None
+    view = _cached_view(model)
+    return None if view is None else view.selector(path)
+
+
+def _cached_view(model: Any) -> Any | None:
+    """The model's view, rebuilt when its config object or block list changed."""
+    try:
+        hit = _views.get(model)
+    except TypeError:  # not weak-referenceable
+        hit = None
+    if hit is not None and hit[0] == _view_token(model, hit[1]):
+        return hit[1]
     try:
         view = arch_view(model)
     except (UnsupportedModelError, PluginError):
-        return None
-    return view.selector(path)
+        view = None
+    try:
+        _views[model] = (_view_token(model, view), view)
+    except TypeError:
+        pass
+    return view
+
+
+def _view_token(model: Any, view: Any) -> tuple:
+    """What a cached view depends on, cheap to recompute (no walk over every module)."""
+    token: tuple = (id(getattr(model, "config", None)),)
+    if view is not None and view.blocks:
+        container = view.blocks[0].rpartition(".")[0]
+        try:
+            blocks = model.get_submodule(container) if container else model
+        except AttributeError:
+            return (*token, None)
+        token += (id(blocks), len(blocks._modules))
+    else:
+        token += (len(model._modules),)
+    return token
 
 
 def resolve_canonical(model: Any, path: str) -> str | None:
@@ -338,7 +389,9 @@ def facets_for(site: Any) -> Any:
     """The first facet object a plugin offers for ``site`` (a raising plugin is skipped)."""
     for impl in reversed(_manager().hook.torchlens_facets.get_hookimpls()):
         try:
-            result = impl.function(site=site)
+            result = _call("torchlens_facets", impl, site=site)
+        except TorchLensError:
+            raise  # a typed answer from the plugin (ambiguous site ...) is for the user
         except Exception as exc:  # noqa: BLE001
             _fail(impl.plugin_name, "torchlens_facets", exc)
             continue

@@ -44,6 +44,7 @@ from .persist import (
     TensorTable,
     encode,
     fail,
+    guarded,
     read_file_entry,
     read_manifest,
     read_tensors,
@@ -633,11 +634,16 @@ def load_intervention(path: Any, *, allow_pickle: bool = False, check_fingerprin
     code when loaded and is refused unless ``allow_pickle=True``.
 
     Args:
+        path: the ``.tlspec/`` directory.
+        allow_pickle: consent to run the pickled code of a ``level="pickle"`` recipe.
         check_fingerprint: the default for ``apply`` / ``as_whens``: refuse a different model.
 
+    Returns:
+        the Recipe.
+
     Raises:
-        RecipeFormatError (or a subclass: FormatVersionError, UnsafePathError,
-        RecipeHelperError): the directory is malformed, hostile or newer.
+        RecipeFormatError: the directory is malformed, hostile or newer (the subclasses
+            FormatVersionError, UnsafePathError and RecipeHelperError say which).
         PickleNotAllowedError: the recipe holds pickled code and ``allow_pickle`` is false.
     """
     from .persist import check_path_arg
@@ -663,19 +669,21 @@ def load_intervention(path: Any, *, allow_pickle: bool = False, check_fingerprin
     if raw is not None:
         obj = pickle.loads(raw)  # noqa: S301 - only with allow_pickle=True, which the caller chose
         pickled = obj if isinstance(obj, list) else None
+    return guarded(_build_recipe, m, tensors, pickled, d.path, check_fingerprint)
+
+
+def _build_recipe(m: dict[str, Any], tensors: dict[str, torch.Tensor], pickled: list[Any] | None, path: Path,
+                  check_fingerprint: bool) -> Recipe:
     fp = check_fingerprint_dict(m.get("fingerprint"))
     dec = Decoder(tensors)
     steps_json = m.get("steps")
     if not isinstance(steps_json, list):
         raise fail("manifest 'steps' must be a list")
-    try:
-        steps = [decode_step(s, dec, pickled, f"step {k}") for k, s in enumerate(steps_json)]
-    except RecursionError:
-        raise fail("the recipe is nested too deeply") from None
+    steps = [decode_step(s, dec, pickled, f"step {k}") for k, s in enumerate(steps_json)]
     dec.check_all_used()
     version = m.get("torchlens_version")
-    return Recipe(steps, fp, level=level, torchlens_version=version if isinstance(version, str) else None,
-                  format_version=m["format_version"], path=d.path, check_fingerprint=check_fingerprint)
+    return Recipe(steps, fp, level=m["level"], torchlens_version=version if isinstance(version, str) else None,
+                  format_version=m["format_version"], path=path, check_fingerprint=check_fingerprint)
 
 
 __all__ = ["Recipe", "RecipeStep", "StoredSource", "fingerprint", "load_intervention", "save_intervention",

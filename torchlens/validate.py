@@ -120,6 +120,17 @@ def validate(trace, *, atol: float = 1e-5, rerun: bool = True) -> ValidationRepo
 
 
 def _validate(trace, *, atol: float, rerun: bool) -> ValidationReport:
+    from .core.trace import Trace
+    from .errors import InvalidArgumentError
+
+    if not isinstance(trace, Trace):
+        raise InvalidArgumentError(f"validate() takes a Trace from tl.trace, got {type(trace).__name__}")
+    if trace.engine == "hooks":
+        raise InvalidArgumentError(
+            "this trace was captured with module hooks only, so it has no op graph to replay",
+            remedy="Capture with tl.trace(model, x) and no backend='hooks' (and no module-only save= with "
+                   "intervene=), so every op is recorded.",
+        )
     trace._ensure_graph()
     values: dict[int, Any] = {}
     report = ValidationReport(len(trace.ops), 0, atol=atol)

@@ -153,27 +153,43 @@ class Trace:
             return self.ops[index].out
         return v
 
-    def _resolve_ref(self, ref: Ref | None, raw: Any, at: int | None = None) -> Any:
-        """The value ``ref`` names as seen by a reader at op position ``at`` (None: before any
-        module edit of a fork replaced it; ``len(ops)``: after the forward)."""
+    def _resolve_ref(self, ref: Ref | None, raw: Any, reader: ModuleCall | None = None,
+                     final: bool = False) -> Any:
+        """The value ``ref`` names as ``reader`` (a module returning it) or, with ``final``,
+        as everything after the forward sees it."""
         if ref is None:
             return raw
-        v = self.value(ref.index) if at is None else self._value_at(ref.index, at)
+        v = self._value_at(ref.index, reader) if reader is not None or final else self.value(ref.index)
         return v if ref.elem is None else v[ref.elem]
 
-    def _value_at(self, index: int, at: int) -> Any:
-        # A module edit on a fork replaces what readers after the module see (``_subst``),
-        # not the producing op's own value; reads after that point must show the edit.
+    def _value_at(self, index: int, reader: ModuleCall | None) -> Any:
+        # A module edit on a fork replaces what readers after that module see (``_subst``),
+        # not the producing op's own value: the model output and modules returning after the
+        # edited one (or enclosing it) see the edit; a submodule that returned first does not.
         sub = getattr(self, "_subst", None)
         if sub:
             found = sub.get(index)
-            if found is not None and found[0] <= at:
+            if found is not None and (reader is None or found[0] < reader.op_end
+                                      or (found[0] == reader.op_end and self._encloses_edit(reader, index))):
                 return found[1]
         return self.value(index)
 
+    def _encloses_edit(self, reader: ModuleCall, index: int) -> bool:
+        """Whether ``reader`` returned after the edited module that replaced op ``index``."""
+        for key in self._module_overrides():
+            address, pass_index = key.rsplit(":", 1)
+            calls = self._calls_by_address.get(address, ())
+            edited = calls[int(pass_index) - 1] if 0 < int(pass_index) <= len(calls) else None
+            if edited is None or not any(r is not None and r.index == index for r in edited.out_refs):
+                continue
+            inside = reader.address == "" or edited.address.startswith(reader.address + ".")
+            if inside and reader.op_start <= edited.op_start:
+                return True
+        return False
+
     def _read(self, record: Op | ModuleCall) -> Any:
         if isinstance(record, Op):
-            return self._value_at(record.index, len(self.ops))
+            return self._value_at(record.index, None)
         return self._module_out(record)
 
     def _module_out(self, call: ModuleCall) -> Any:
@@ -182,7 +198,7 @@ class Trace:
             return override
         raw = call._out
         if raw is None and call.out_refs:
-            leaves = [self._resolve_ref(r, None, call.op_end) for r in call.out_refs]
+            leaves = [self._resolve_ref(r, None, call) for r in call.out_refs]
             return unflatten(leaves, call.out_spec)
         if not call.out_refs:
             return raw
@@ -192,7 +208,7 @@ class Trace:
         for i, ref in enumerate(call.out_refs):
             if ref is None:
                 continue
-            v = self._resolve_ref(ref, raw_leaves[i], call.op_end)
+            v = self._resolve_ref(ref, raw_leaves[i], call)
             if v is not raw_leaves[i]:
                 raw_leaves[i] = v
                 changed = True
@@ -209,7 +225,7 @@ class Trace:
         leaves, spec = flatten(self._output_raw)
         for i, ref in enumerate(self._output_refs):
             if ref is not None:
-                leaves[i] = self._resolve_ref(ref, leaves[i], len(self.ops))
+                leaves[i] = self._resolve_ref(ref, leaves[i], final=True)
         return unflatten(leaves, spec)
 
     @property
@@ -275,6 +291,17 @@ class Trace:
                 return calls[0]
             if 1 <= pass_index <= len(calls):
                 return calls[pass_index - 1]
+        if self.model is not None:
+            from ..plugins import canonical_selector
+
+            target = canonical_selector(self.model, key)
+            if target is not None:
+                found = target.match(self)
+                if len(found) == 1:
+                    return found[0]
+                raise AmbiguousSiteError(
+                    f"{key!r} matches {len(found)} sites; use find_sites to get them all", site=key
+                )
         pool = [*self._calls_by_address, *self._labels]
         raise SiteNotFoundError(
             f"{key!r} is neither an op label nor a module address of this trace; nearest: {nearest(key, pool)}",

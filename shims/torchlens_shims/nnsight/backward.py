@@ -158,14 +158,26 @@ def _make_backward() -> Any:
 _backward = _make_backward()
 
 
-def ensure_installed() -> None:
-    """Put the shim's ``Tensor.backward`` on top (again, if something replaced it)."""
+def install() -> Any:
+    """Put the shim's ``Tensor.backward`` on top; return what it displaced (to `restore`)."""
     global _displaced
     current = torch.Tensor.backward
     if current is _backward:
-        return
+        return None
     _displaced = current
     torch.Tensor.backward = _backward
+    return current
 
 
-ensure_installed()
+def restore(previous: Any) -> None:
+    """Undo a per-run `install` that displaced another library's wrapper (real nnsight's)."""
+    if previous is not None and previous is not _TORCH_BACKWARD and torch.Tensor.backward is _backward:
+        torch.Tensor.backward = previous
+
+
+# Alone, the shim keeps its wrapper installed (``with loss.backward():`` then works
+# anywhere). Beside real nnsight, whose wrapper finds its caller by frame depth and
+# so cannot be called through another wrapper, the shim's is only on top while a
+# shim trace runs.
+if torch.Tensor.backward is _TORCH_BACKWARD:
+    install()

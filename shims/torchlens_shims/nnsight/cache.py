@@ -15,6 +15,8 @@ import torch
 
 from .util import map_tensors
 
+CPU = torch.device("cpu")
+
 if TYPE_CHECKING:
     from .envoy import Envoy
 
@@ -42,7 +44,7 @@ class Cache:
         self,
         model: Envoy,
         modules: list[Any] | None = None,
-        device: Any = torch.device("cpu"),
+        device: Any = CPU,
         dtype: Any = None,
         detach: bool = True,
         include_output: bool = True,

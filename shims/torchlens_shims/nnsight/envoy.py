@@ -335,14 +335,14 @@ class Envoy:
         if tree.run is not None:
             raise InvokeError("this model is already running a trace; a trace cannot start inside another")
         saving.ensure_mounted()
-        from .backward import ensure_installed
+        from . import backward
 
-        ensure_installed()
         hooksets = [tree.hookset(self._module, self.path)]
         hooksets += [tree.hookset(module, path) for module, path in self._standalone_modules()]
         run = Run([edit.spawn() for edit in self._edits] + list(workers or ()), batcher, hooksets)
         result = None
         entered: list = []
+        displaced = backward.install()
         try:
             for hooks in hooksets:
                 hooks.__enter__()
@@ -369,6 +369,7 @@ class Envoy:
                 finally:
                     for hooks in reversed(entered):
                         hooks.__exit__(None, None, None)
+                    backward.restore(displaced)
         return result
 
     # -- plain module behaviour ----------------------------------------------------------

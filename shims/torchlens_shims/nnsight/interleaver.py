@@ -20,14 +20,13 @@ gates are all removed when the run ends, whatever happened inside it.
 
 from __future__ import annotations
 
-import sys
 import threading
 import warnings
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from greenlet import GreenletExit, getcurrent
+from greenlet import GreenletExit
 from torch import nn
 
 from torchlens.capture.hooks import ModuleHooks
@@ -57,17 +56,21 @@ class Run:
         self.suspended = 0
         self.thread = threading.get_ident()
         self.hooksets = list(hooksets)
-        self.hooked: set[int] = set()
+        self.hooked: set[str] = set()  # locations whose module hook is attached
         self.attached: list[ModuleHooks] = []
         self.deliver: dict[int, str] = {}
+        self.stack: list[int] = []  # modules whose forward is running (pushed by their gates)
+        self.hooked_mid_call: set[int] = set()  # modules first hooked while their forward ran
+        self.skipping: int | None = None  # module whose skip check is serving a block
 
     def ensure(self, location: str) -> None:
         """Make sure the module behind ``location`` (if it is one) is hooked for this run."""
+        if location in self.hooked:
+            return
         for hookset in self.hooksets:
             site = hookset.sites.get(location)
             if site is not None:
-                if id(site.module) not in self.hooked:
-                    hookset.attach(self, site)
+                hookset.attach(self, site, location)
                 return
 
     def detach(self) -> None:
@@ -81,6 +84,7 @@ class Run:
                 error = error or exc
         self.hooked.clear()
         self.deliver.clear()
+        self.hooked_mid_call.clear()
         if error is not None:
             raise error
 
@@ -207,16 +211,17 @@ def _dangling(worker: Worker) -> tuple[BaseException, str | None]:
 class Site:
     """One module of a hook set, the locations it serves, and its reusable hooks and gate."""
 
-    __slots__ = ("module", "input", "output", "skip", "hooks", "gate", "gated")
+    __slots__ = ("module", "input", "output", "skip", "hooks_in", "hooks_out", "gate", "body")
 
     def __init__(self, module: nn.Module, location: str) -> None:
         self.module = module
         self.input = f"{location}.input"
         self.output = f"{location}.output"
         self.skip = f"{location}.skip"
-        self.hooks: ModuleHooks | None = None
+        self.hooks_in: ModuleHooks | None = None
+        self.hooks_out: ModuleHooks | None = None
         self.gate: Callable | None = None
-        self.gated: tuple = ()
+        self.body: Callable | None = None  # what the gate runs: the forward, or its sourced copy
 
 
 class Tree:
@@ -226,6 +231,17 @@ class Tree:
         self.envoys: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self.run: Run | None = None
         self._hooksets: dict[int, HookSet] = {}
+        # id(module) -> (bound recompiled forward, its Compiled), see source.py
+        self.sourced: dict[int, tuple[Any, Any]] = {}
+
+    def source_installed(self, module: nn.Module) -> None:
+        """A module was just sourced: if a run is going, its gate runs the new body from now on."""
+        if self.run is None:
+            return
+        for hooks in self._hooksets.values():
+            for site in hooks.all_sites:
+                if site.module is module and site.body is not None:
+                    site.body = self.sourced[id(module)][0]
 
     def hookset(self, module: nn.Module, path: str) -> HookSet:
         """The (cached) hook set for ``module`` addressed as ``path``, rebuilt if the tree changed."""
@@ -251,7 +267,7 @@ class HookSet:
             self.sites[site.output] = site
         # Each module's children as they were, to notice a tree edited since.
         self._shape = [(site.module._modules, tuple(site.module._modules.values())) for site in self.all_sites]
-        self._saved: list[tuple[nn.Module, bool, Any]] = []
+        self._saved: list[tuple[Site, bool, Any]] = []
 
     def current(self) -> bool:
         """Whether no module of the tree gained, lost or swapped a child since this was built."""
@@ -263,59 +279,70 @@ class HookSet:
     def __enter__(self) -> HookSet:
         tree = self.tree
         saved = self._saved
+        sourced = tree.sourced
         try:
             for site in self.all_sites:
                 module = site.module
                 own = module.__dict__
                 previous = own.get("forward")
-                had = previous is not None or "forward" in own
-                saved.append((module, had, previous))
-                # Reuse the gate while it still wraps the forward the module has now.
-                key = (previous, type(module).forward)
-                if site.gate is None or site.gated[0] is not key[0] or site.gated[1] is not key[1]:
-                    site.gate = _gate(tree, site.skip, id(module), module.forward)
-                    site.gated = key
-                own["forward"] = site.gate
+                saved.append((site, previous is not None or "forward" in own, previous))
+                forward = module.forward
+                entry = sourced.get(id(module)) if sourced else None
+                site.body = forward if entry is None else entry[0]
+                gate = site.gate
+                if gate is None:
+                    gate = site.gate = _gate(tree, site)
+                gate.__wrapped__ = forward  # generate() reads the forward's signature
+                own["forward"] = gate
         except BaseException:
             self.__exit__(None, None, None)
             raise
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for submodule, had, previous in reversed(self._saved):
+        for site, had, previous in reversed(self._saved):
             if had:
-                submodule.__dict__["forward"] = previous
+                site.module.__dict__["forward"] = previous
             else:
-                submodule.__dict__.pop("forward", None)
+                site.module.__dict__.pop("forward", None)
+            site.body = None
         self._saved.clear()
 
-    def attach(self, run: Run, site: Site) -> None:
-        """Hook ``site``'s module now, starting its counts where its gate has them."""
+    def attach(self, run: Run, site: Site, location: str) -> None:
+        """Hook ``site``'s input or output now, starting its count where the gate has it."""
         module = site.module
-        run.hooked.add(id(module))
+        mid = id(module)
+        run.hooked.add(location)
         done = run.counts.get(site.skip, 0)
-        stage = _gate_stage(id(module))
-        if stage == 0:  # inside its skip check: input passed, output to come
-            inputs, outputs = done + 1, done
-        elif stage == 1:  # inside its forward
-            inputs, outputs = done, done - 1
+        if run.skipping == mid:  # inside its skip check: input passed, output to come
+            running, inputs, outputs = True, done + 1, done
+        elif mid in run.stack:  # inside its forward
+            running, inputs, outputs = True, done, done - 1
         else:
-            inputs = outputs = done
-        run.counts[site.input] = inputs
-        run.counts[site.output] = outputs
-        fast = not _has_hooks(module)
-        hooks = site.hooks
-        if hooks is None:
-            hooks = site.hooks = ModuleHooks(module)
-            hooks.on_input("", _pre_hook(self.tree, site.input))
-            hooks.on_output("", _post_hook(self.tree, site.output))
+            running, inputs, outputs = False, done, done
+        # Did this call of the module take PyTorch's fast path (no hooks when it began)?
+        fast = running and (mid in run.hooked_mid_call or not _has_hooks(module))
+        if running:
+            run.hooked_mid_call.add(mid)
+        if location == site.input:
+            run.counts[location] = inputs
+            hooks = site.hooks_in
+            if hooks is None:
+                hooks = site.hooks_in = ModuleHooks(module)
+                hooks.on_input("", _pre_hook(self.tree, location))
+        else:
+            run.counts[location] = outputs
+            hooks = site.hooks_out
+            if hooks is None:
+                hooks = site.hooks_out = ModuleHooks(module)
+                hooks.on_output("", _post_hook(self.tree, location))
+            if fast:
+                # Its forward is running on PyTorch's fast path: no post hook will
+                # fire for this call, so the gate hands the output over itself.
+                run.deliver[mid] = location
         hooks.reset_counts()
         hooks.__enter__()
         run.attached.append(hooks)
-        if stage in (0, 1) and fast:
-            # Its forward is running on PyTorch's fast path: no post hook will
-            # fire for this call, so the gate hands the output over itself.
-            run.deliver[id(module)] = site.output
 
 
 def _has_hooks(module: nn.Module) -> bool:
@@ -356,48 +383,32 @@ def _post_hook(tree: Tree, location: str) -> Callable:
     return on_output
 
 
-def _gate(tree: Tree, skip: str, mid: int, forward: Callable) -> Callable:
+def _gate(tree: Tree, site: Site) -> Callable:
     get_ident = threading.get_ident
+    skip = site.skip
+    mid = id(site.module)
 
     def gate(*args: Any, **kwargs: Any) -> Any:
         run = tree.run
         if run is None or run.suspended or run.thread != get_ident():
-            return forward(*args, **kwargs)
-        stage = 0  # noqa: F841 - read by _gate_stage through the frame
-        output = run.handle(skip, NO_SKIP)
-        stage = 1  # noqa: F841
+            return site.body(*args, **kwargs)
+        if skip in run.parked:
+            run.skipping = mid
+            output = run.handle(skip, NO_SKIP)
+            run.skipping = None
+        else:  # nobody skips it: just count the visit
+            counts = run.counts
+            counts[skip] = counts.get(skip, 0) + 1
+            output = NO_SKIP
         if output is NO_SKIP:
-            output = forward(*args, **kwargs)
-        stage = 2  # noqa: F841
+            stack = run.stack
+            stack.append(mid)
+            output = site.body(*args, **kwargs)
+            stack.pop()
         if run.deliver:
             location = run.deliver.pop(mid, None)
             if location is not None:
                 output = run.handle(location, output)
         return output
 
-    gate.__wrapped__ = forward  # generate() reads the forward's signature
-    gate._tl_gate_id = mid
     return gate
-
-
-def _gate_code() -> Any:
-    return _gate(None, "", 0, None).__code__
-
-
-_GATE_CODE = _gate_code()
-
-
-def _gate_stage(mid: int) -> int | None:
-    """Where the model side is in module ``mid``'s gate right now (``None``: not in it)."""
-    glet = getcurrent()
-    while getattr(glet, "shim_worker", None) is not None and glet.parent is not None:
-        glet = glet.parent
-    frame = glet.gr_frame if glet is not getcurrent() else sys._getframe()
-    while frame is not None:
-        if frame.f_code is _GATE_CODE:
-            names = frame.f_locals
-            if names.get("mid") == mid:
-                stage = names.get("stage")
-                return stage if stage in (0, 1) else None
-        frame = frame.f_back
-    return None

@@ -115,7 +115,8 @@ def _load_local(repo_id: str, task: str | None, revision: str | None, kwargs: di
             "feature-extraction",
         )
     auto = getattr(transformers, _TASK_AUTO.get(task, "AutoModel"))
-    load = {k: v for k, v in kwargs.items() if k in ("dtype", "torch_dtype", "attn_implementation", "trust_remote_code")}
+    wanted = ("dtype", "torch_dtype", "attn_implementation", "trust_remote_code")
+    load = {k: v for k, v in kwargs.items() if k in wanted}
     module = auto.from_pretrained(repo_id, revision=revision, local_files_only=True, **load)
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(repo_id, revision=revision, local_files_only=True)

@@ -21,8 +21,6 @@ import warnings
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from . import saving, worker
 from .barrier import Barrier
 from .blocks import (
@@ -37,7 +35,7 @@ from .blocks import (
     shared_store,
     snapshot,
 )
-from .cache import Cache, CacheView
+from .cache import CPU, Cache, CacheView
 from .errors import CacheOrderError, InvokeError, IterStepError, OutOfOrderError
 from .interleaver import EarlyStopException
 from .served import Served
@@ -239,7 +237,7 @@ class InterleavingTracer(Tracer):
     def cache(
         self,
         modules: list[Any] | None = None,
-        device: Any = torch.device("cpu"),
+        device: Any = CPU,
         dtype: Any = None,
         detach: bool = True,
         include_output: bool = True,
