@@ -291,10 +291,6 @@ def test_save_a_list_of_labels(small_mlp, mlp_input):
         _ = trace["fc1"].out
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "core/records.py: Op has no '_shape_cache' slot, so an op dropped by save= reports shape None and "
-    "dtype None although the graph is recorded; fix: add '_shape_cache'/'_dtype_cache' to Op.__slots__ "
-    "and set them in Trace._finish before clearing op._out"))
 def test_unsaved_op_keeps_its_shape_and_dtype(small_mlp, mlp_input):
     trace = tl.trace(small_mlp, mlp_input, save="fc2")
     assert trace["linear_1"].shape == (3, 6)

@@ -84,10 +84,23 @@ def fix_checksum(path, manifest: dict | None = None) -> dict:
 # -- round trips ---------------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def saved_zoo(zoo_traces, tmp_path_factory):
+    """name -> (case, trace, loaded trace): each zoo trace saved and loaded once per module."""
+    cache: dict = {}
+
+    def get(name: str):
+        if name not in cache:
+            case, trace = zoo_traces(name)
+            cache[name] = (case, trace, tl.load_trace(trace.save(tmp_path_factory.mktemp(name) / "t")))
+        return cache[name]
+
+    return get
+
+
 @pytest.mark.parametrize("name", ROUND_TRIP_ZOO)
-def test_zoo_round_trip_reads_and_replays_identically(name, zoo_traces, tmp_path):
-    case, trace = zoo_traces(name)
-    loaded = tl.load_trace(trace.save(tmp_path / "t"))
+def test_zoo_round_trip_reads_and_replays_identically(name, saved_zoo):
+    case, trace, loaded = saved_zoo(name)
     assert type(loaded) is tl.Trace and loaded.model is None
     assert [op.label for op in loaded.ops] == [op.label for op in trace.ops]
     for a, b in zip(loaded.ops, trace.ops):
@@ -110,9 +123,8 @@ def test_zoo_round_trip_reads_and_replays_identically(name, zoo_traces, tmp_path
     assert tl.validate(loaded).divergences == tl.validate(trace, rerun=False).divergences == []
 
 
-def test_loaded_read_equals_a_plain_forward_hook(minilm, tmp_path):
-    trace = tl.trace(minilm.model, *minilm.args, **minilm.kwargs)
-    loaded = tl.load_trace(trace.save(tmp_path / "minilm"))
+def test_loaded_read_equals_a_plain_forward_hook(minilm, saved_zoo):
+    _, _, loaded = saved_zoo("minilm")
     seen, out = hook_reads(minilm.model, minilm.args, minilm.kwargs)
     assert_equal_tree(loaded["encoder.layer.4.output"].out, seen["encoder.layer.4.output"][0])
     assert torch.equal(loaded.output.last_hidden_state, out.last_hidden_state)
@@ -146,6 +158,18 @@ def test_a_fork_of_a_loaded_trace_saves_again(mlp, x, tmp_path):
     with torch.no_grad():
         assert torch.allclose(again.output, mlp.fc2(torch.relu(mlp.fc1(x)) * 2.0), atol=1e-6)
     assert tl.debug.compare(again, fork).same
+
+
+def test_a_fork_reexecuted_with_the_model_saves_as_its_own_run(mlp, x, tmp_path):
+    fork = tl.trace(mlp, x).fork().do("act", tl.scale(3.0), model=mlp, inputs=x)
+    loaded = tl.load_trace(fork.save(tmp_path / "f"))
+    with torch.no_grad():
+        want = mlp.fc2(torch.relu(mlp.fc1(x)) * 3.0)
+    assert torch.allclose(loaded.output, want, atol=1e-6) and tl.debug.compare(loaded, fork).same
+    assert [w.edit for w in loaded.steps] == [tl.scale(3.0)]
+    edited = loaded.fork().do(tl.func("linear") & tl.in_module("fc1"), tl.scale(0.0))  # the edit op replays
+    with torch.no_grad():
+        assert torch.allclose(edited.output, mlp.fc2(torch.zeros(3, 6)), atol=1e-6)
 
 
 def test_partial_and_save_limited_traces_round_trip(mlp, x, tmp_path):

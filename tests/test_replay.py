@@ -347,12 +347,6 @@ def test_check_true_passes_when_replay_is_exact(tiny_gpt2):
                           edited_forward(model, "transformer.h.0", lambda o: o * 0.5, (ids,)).logits, atol=ATOL)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "capture/recorder.py Recorder._before_inplace: after an in-place op snapshots the op whose output "
-    "*is* the target (op._out = clone), that op stays in self.storage under the target's storage key; "
-    "the next in-place op on the same tensor (here g[:, :2] = 0.5 after g += h) sees op._out is not "
-    "target and sets ALIAS_MUTATION, so replay refuses a graph it could reproduce exactly. Fix: drop "
-    "ops whose _out was the target from self.storage[key] when snapshotting them."))
 def test_replay_through_a_chain_of_in_place_ops(inplace_net):
     model, (x,) = inplace_net.model, inplace_net.args
     trace = tl.trace(model, x)

@@ -87,22 +87,11 @@ def test_describe_is_readable():
     assert (tl.module("m") | tl.func("f")).describe() == "(module('m') | func('f'))"
 
 
-IN_MODULE_PASS_BUG = (
-    "core/selectors.py InModule.matches_op: for an op in a *submodule* of the address "
-    "(op.module != address) the pass test is skipped ('or op.module != self._address'), so "
-    "in_module('block:2') matches block.1's op of pass 1 during capture while find_sites does not. "
-    "Fix: check that the op lies inside the N-th call of the address (e.g. via "
-    "op.trace._calls_by_address[address][N-1].op_start <= op.index while that call is open)."
-)
-
-
-@pytest.mark.xfail(strict=True, reason=IN_MODULE_PASS_BUG)
 def test_in_module_with_a_pass_matches_only_that_pass_during_capture(shared_trace):
     ops = {op.label: op for op in shared_trace.ops}
     assert not tl.in_module("block:2").matches_op(ops["tanh_1"])
 
 
-@pytest.mark.xfail(strict=True, reason=IN_MODULE_PASS_BUG)
 def test_capture_time_edit_inside_one_pass_agrees_with_find_sites(shared_twice, shared_trace):
     site = tl.in_module("block:2") & tl.func("tanh")
     assert shared_trace.find_sites(site).labels == ["tanh_2"]

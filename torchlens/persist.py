@@ -728,9 +728,23 @@ class UnavailableEdit:
 
 
 def _root(trace: Any) -> Any:
-    while getattr(trace, "parent", None) is not None and trace.parent is not trace:
+    """The trace whose records a fork shares (a fork re-executed with ``model=`` owns new ones)."""
+    while getattr(trace, "parent", None) is not None and trace.parent.ops is trace.ops:
         trace = trace.parent
     return trace
+
+
+def _capture_whens(base: Any) -> list[Any]:
+    """The capture-time edits of the run: ``base.steps`` plus any edit op's own ``When``
+    (a fork re-executed with ``model=`` ran its replay steps as capture-time edits)."""
+    whens = list(base.steps)
+    seen = {id(w) for w in whens}
+    for op in base.ops:
+        when = getattr(op.func, "when", None) if op.flags & EDIT else None
+        if when is not None and id(when) not in seen:
+            seen.add(id(when))
+            whens.append(when)
+    return whens
 
 
 def _tensor_names(model: Any) -> dict[int, str]:
@@ -772,10 +786,11 @@ def save_trace(trace: Any, path: Any, selector: Any = None, overwrite: bool = Fa
     def put_as(stem: str) -> Callable[[torch.Tensor], dict]:
         return lambda t: {"tensor": table.put(t, arg_names.get(id(t), stem))}
 
-    step_index = {id(w): k for k, w in enumerate(base.steps)}
+    whens = _capture_whens(base)
+    step_index = {id(w): k for k, w in enumerate(whens)}
     ops = [_encode_op(op, put_as, keep, step_index) for op in base.ops]
     calls = [_encode_call(c, put_as, keep) for c in base.calls]
-    steps, unsaved = encode_steps([("capture", w.site, w.edit) for w in base.steps], trace, table, "trace")
+    steps, unsaved = encode_steps([("capture", w.site, w.edit) for w in whens], base, table, "trace")
     manifest: dict[str, Any] = {
         "kind": "trace",
         "torchlens_version": _version(),

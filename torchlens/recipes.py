@@ -278,6 +278,12 @@ def _contexts(record: Any, site: str) -> list[EditContext]:
 
 def _record_source(helper: Helper, param: str, records: list[tuple[Any, Any]], site: str) -> StoredSource:
     """Run ``helper`` once per matched site with its trace parameter wrapped, keeping what it read."""
+    if not records:
+        raise NotPortableError(
+            f"{helper!r} at {site}: no edited site's value could be read in this trace, so what the source "
+            "provides there cannot be recorded",
+            remedy="Save from a trace that keeps the edited sites' values (captured without save=).",
+        )
     rec = _SourceRecorder(helper.params()[param])
     probe = type(helper)(**{**helper.params(), param: rec})
     for record, value in records:
@@ -375,7 +381,14 @@ def encode_step(phase: str, site: Any, edit: Any, trace: Any, table: TensorTable
             matched = sel.match(trace)
         except TorchLensError:
             matched = []
-        records = [(r, trace._read(r)) for r in matched if not getattr(r, "flags", 0) & EDIT]
+        records = []
+        for r in matched:
+            if getattr(r, "flags", 0) & EDIT:
+                continue
+            try:
+                records.append((r, trace._read(r)))
+            except TorchLensError:  # a value the capture did not keep
+                continue
     return {"phase": phase, "site": selector_to_dict(sel),
             "edit": encode_edit(edit, records, sel.describe(), table, stem, pickles)}
 

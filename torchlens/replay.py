@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .core.records import ALIAS_MUTATION, EDIT, INPLACE, INPUT, NOT_REPLAYABLE, RANDOM, ModuleCall, Op, Ref
+from .core.records import EDIT, INPLACE, INPUT, NOT_REPLAYABLE, RANDOM, ModuleCall, Op, Ref
 from .core.selectors import Selector, as_selector
 from .core.tree import describe_shape, flatten, tensor_leaves, unflatten
 from .edits import AppliedEdit, EditContext, When, apply_edit, check_edit, count_changed
@@ -66,8 +66,6 @@ def execute(op: Op, args: tuple, kwargs: dict) -> Any:
 def refuse_reason(op: Op) -> str | None:
     if op.flags & RANDOM:
         return f"op {op.label} ({op.func_name}) at {op.source} draws random numbers"
-    if op.flags & ALIAS_MUTATION:
-        return f"op {op.label} ({op.func_name}) at {op.source} mutates memory that other recorded tensors view"
     if op.flags & NOT_REPLAYABLE or op.func is None:
         return f"op {op.label} ({op.func_name}) at {op.source} cannot be re-issued from its recorded arguments"
     return None
@@ -93,6 +91,10 @@ class _Target:
 def do_on_fork(fork, site: Any, edit: Any, *, model=None, inputs=None, check: bool = False):
     check_edit(edit)
     selector = as_selector(site)
+    if fork.model is not None:
+        from .capture.request import normalize
+
+        selector = normalize(fork.model, selector)  # same meaning as in tl.when (every pass of a module)
     if (model is None) != (inputs is None):
         raise InvalidArgumentError(
             "do(..., model=, inputs=) needs both the model and its inputs to re-execute",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.records import INPUT, Op
+from ..core.records import INPUT, OPEN, Op
 from ..core.trace import Trace
 from ..core.tree import flatten
 from ..edits import AppliedEdit, EditContext, When, apply_edit, count_changed
@@ -147,6 +147,9 @@ class FunctionModeEngine:
                 output = model(*request.args, **request.kwargs)
             except StopCapture:
                 trace.complete = False
+        for call in trace.calls:  # calls a stopped (until=) forward never finished
+            if call.op_end == OPEN:
+                call.op_end = len(trace.ops)
         trace._stale = recorder.stale
         trace.grad = request.grad
         trace.steps = list(request.intervene)

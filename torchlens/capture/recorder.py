@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..core.records import ALIAS_MUTATION, EDIT, INPLACE, RANDOM, ModuleCall, Op
+from ..core.records import ALIAS_MUTATION, EDIT, INPLACE, OPEN, RANDOM, ModuleCall, Op
 from ..core.trace import Trace
 from ..core.tree import flatten, unflatten
 from ..edits import AppliedEdit, EditContext, When, apply_edit, count_changed
@@ -223,23 +223,25 @@ class Recorder(TorchFunctionMode):
         if not key:
             return False
         aliased = False
-        for index in self.storage.get(key, ()):
-            op = self.ops[index]
+        ops = self.ops
+        for index in self.storage.pop(key, ()):
+            # Each op sharing this memory keeps a private copy of its value as it was; it no
+            # longer shares the memory, so it leaves the index.
+            op = ops[index]
             out = op._out
             if isinstance(out, Tensor):
+                op._out = out.clone()
                 is_target = out is target
-                if not op.snapshotted or is_target:
-                    op._out = out.clone()
-                    op.snapshotted = True
-                if not is_target:
-                    aliased = True
-                    self.stale.setdefault(index, len(self.ops))
             elif isinstance(out, (tuple, list)):
-                op._out = type(out)(x.clone() if isinstance(x, Tensor) else x for x in out) if type(out) in (
-                    tuple, list) else out
-                op.snapshotted = True
+                op._out = type(out)(x.clone() if isinstance(x, Tensor) else x for x in out) \
+                    if type(out) in (tuple, list) else out
+                is_target = False
+            else:
+                continue
+            op.snapshotted = True
+            if not is_target:
                 aliased = True
-                self.stale.setdefault(index, len(self.ops))
+                self.stale.setdefault(index, len(ops))
         return aliased
 
     # -- capture-time edits --------------------------------------------------------------------
@@ -281,6 +283,7 @@ class Recorder(TorchFunctionMode):
     # -- module hook callbacks -----------------------------------------------------------------
     def enter_module(self, info, args, kwargs) -> None:
         call = ModuleCall(info.address, info.pass_index, type(info.module).__name__, args, kwargs, len(self.ops))
+        call.op_end = OPEN
         self.trace._add_call(call)
         self.stack.append(call)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -36,6 +38,10 @@ class CaptureRequest:
         parts = ["every op" if self.record_ops else "module outputs"]
         parts += [s.describe() for s in self.selectors()]
         return ", ".join(parts)
+
+
+# How op labels look (``linear_3``, ``scaled_dot_product_attention_1``, ``input_0``, ``input_ids``).
+_OP_LABEL = re.compile(r"^(?:[A-Za-z0-9_]+_\d+|input_.+)$")
 
 
 def real_address(model: nn.Module, path: str) -> tuple[str, int | None]:
@@ -113,7 +119,18 @@ def normalize(model: nn.Module, selector: Selector) -> Selector:
         try:
             real_address(model, selector.label)
         except LookupError:
-            return selector
+            if _OP_LABEL.match(selector.label):
+                return selector  # an op label: known once the op runs
+            from ..errors import SiteNotFoundError
+            from .names import nearest
+
+            names = [n for n, _ in model.named_modules() if n]
+            raise SiteNotFoundError(
+                f"{selector.label!r} is neither a module of {type(model).__name__} nor an op label; "
+                f"nearest modules: {nearest(selector.label, names)}",
+                site=selector.label,
+                candidates=nearest(selector.label, names),
+            ) from None
         return ModuleOutput(selector.label)
     if isinstance(selector, _Or):
         return _Or(normalize(model, selector.a), normalize(model, selector.b))

@@ -22,6 +22,8 @@ EDIT = 8  # an edit applied during capture (its func re-applies the edit)
 ALIAS_MUTATION = 16  # mutated storage that other recorded tensors view
 NOT_REPLAYABLE = 32  # cannot be re-issued from recorded arguments
 
+OPEN = 1 << 62  # ModuleCall.op_end while the call is still running
+
 
 class _TraceLink:
     """Records point back at their trace weakly: no reference cycle, so a dropped trace
@@ -74,6 +76,7 @@ class Op(_TraceLink):
         "parent_refs",
         "children_idx",
         "snapshotted",
+        "_meta",
     )
 
     def __init__(self, index, label, func, func_name, out, module, module_pass, code, lineno, args, kwargs, flags):
@@ -95,6 +98,7 @@ class Op(_TraceLink):
         self.parent_refs: list[Ref] | None = None
         self.children_idx: list[int] | None = None
         self.snapshotted = False
+        self._meta = None  # (shape, dtype) kept when the value itself is dropped
 
     # -- values ------------------------------------------------------------------
     @property
@@ -111,10 +115,18 @@ class Op(_TraceLink):
         return describe_shape(self._out) if self.saved else self._meta_shape()
 
     def _meta_shape(self):
-        return getattr(self, "_shape_cache", None)
+        return self._meta[0] if self._meta else None
+
+    def drop_value(self) -> None:
+        """Forget the output (``save=`` excluded it) but keep its shape and dtype."""
+        self._meta = (self.shape, self.dtype)
+        self.saved = False
+        self._out = None
 
     @property
     def dtype(self) -> torch.dtype | None:
+        if not self.saved:
+            return self._meta[1] if self._meta else None
         out = self._out
         if isinstance(out, torch.Tensor):
             return out.dtype

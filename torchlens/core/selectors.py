@@ -130,7 +130,16 @@ class InModule(Selector):
     def matches_op(self, op: Op) -> bool:
         if not self._inside(op.module):
             return False
-        return self._pass is None or op.module_pass == self._pass or op.module != self._address
+        if self._pass is None:
+            return True
+        if op.module == self._address:
+            return op.module_pass == self._pass
+        # An op of a submodule: inside the wanted pass when it ran during that call.
+        calls = op.trace._calls_by_address.get(self._address, ())
+        if len(calls) < self._pass:
+            return False
+        call = calls[self._pass - 1]
+        return call.op_start <= op.index < call.op_end
 
     def match(self, trace: Trace) -> list[Record]:
         address, pass_index = split_pass(trace.resolve_path(self.path))

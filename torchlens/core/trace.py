@@ -135,8 +135,7 @@ class Trace:
                     keep.update(id(self.ops[ref.index]) for ref in r.out_refs if ref is not None)
             for op in self.ops:
                 if id(op) not in keep and not op.flags & INPUT:
-                    op.saved = False
-                    op._out = None
+                    op.drop_value()
             for call in self.calls:
                 if id(call) not in keep:
                     call._out = None

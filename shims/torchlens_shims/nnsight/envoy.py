@@ -393,11 +393,11 @@ class Envoy:
         """Call the module; inside a trace, off the record unless ``hook=True``."""
         run = self._tree.run
         if run is not None and not hook:
-            run.suspended += 1
+            owner, run.owner = run.owner, None
             try:
                 return self._module(*args, **kwargs)
             finally:
-                run.suspended -= 1
+                run.owner = owner
         return self._module(*args, **kwargs)
 
     def __iter__(self) -> Iterator[Envoy]:

@@ -53,8 +53,10 @@ class Run:
         self.counts: dict[str, int] = {}
         self.parked: set[str] = set()
         self.observers: dict[str, list] = {}
-        self.suspended = 0
         self.thread = threading.get_ident()
+        # The thread whose module calls this run serves: its own, or none while a
+        # block calls a module off the record (`Envoy.__call__`).
+        self.owner: int | None = self.thread
         self.hooksets = list(hooksets)
         self.hooked: set[str] = set()  # locations whose module hook is attached
         self.attached: list[ModuleHooks] = []
@@ -361,9 +363,11 @@ def _has_hooks(module: nn.Module) -> bool:
 
 
 def _pre_hook(tree: Tree, location: str) -> Callable:
+    get_ident = threading.get_ident
+
     def on_input(info: Any, args: tuple, kwargs: dict) -> Any:
         run = tree.run
-        if run is None or run.suspended or run.thread != threading.get_ident():
+        if run is None or run.owner != get_ident():
             return None
         value = (args, kwargs)
         result = run.handle(location, value)
@@ -373,9 +377,11 @@ def _pre_hook(tree: Tree, location: str) -> Callable:
 
 
 def _post_hook(tree: Tree, location: str) -> Callable:
+    get_ident = threading.get_ident
+
     def on_output(info: Any, args: tuple, kwargs: dict, output: Any) -> Any:
         run = tree.run
-        if run is None or run.suspended or run.thread != threading.get_ident():
+        if run is None or run.owner != get_ident():
             return None
         result = run.handle(location, output)
         return None if result is output else result
@@ -387,20 +393,21 @@ def _gate(tree: Tree, site: Site) -> Callable:
     get_ident = threading.get_ident
     skip = site.skip
     mid = id(site.module)
+    no_skip = NO_SKIP
 
     def gate(*args: Any, **kwargs: Any) -> Any:
         run = tree.run
-        if run is None or run.suspended or run.thread != get_ident():
+        if run is None or run.owner != get_ident():
             return site.body(*args, **kwargs)
         if skip in run.parked:
             run.skipping = mid
-            output = run.handle(skip, NO_SKIP)
+            output = run.handle(skip, no_skip)
             run.skipping = None
         else:  # nobody skips it: just count the visit
             counts = run.counts
             counts[skip] = counts.get(skip, 0) + 1
-            output = NO_SKIP
-        if output is NO_SKIP:
+            output = no_skip
+        if output is no_skip:
             stack = run.stack
             stack.append(mid)
             output = site.body(*args, **kwargs)

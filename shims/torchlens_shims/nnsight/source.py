@@ -209,7 +209,7 @@ def make_op(envoy: Envoy) -> Any:
 
     def op(label: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         run = tree.run
-        if run is None or run.suspended or run.thread != get_ident():
+        if run is None or run.owner != get_ident():
             return fn(*args, **kwargs)
         where = locations.get(label)
         if where is None:
