@@ -110,8 +110,14 @@ def _family_order(classes: list[type], root: type) -> list[type]:
     return ordered + [c for c in classes if c not in ordered]
 
 
-def render() -> str:
-    """The generated part of the errors page (Markdown)."""
+def render(include_shims: bool = True) -> str:
+    """The generated part of the errors page (Markdown).
+
+    Args:
+        include_shims: also import the shims and list the errors they add. Importing the
+            nnsight shim changes global state (it mounts ``.save`` on objects), so tests
+            running inside a shared interpreter pass False.
+    """
     from torchlens.errors import TorchLensError, all_error_classes
 
     classes = _family_order(all_error_classes(), TorchLensError)
@@ -120,7 +126,7 @@ def render() -> str:
     lines += ["", "## Details", ""]
     for cls in classes:
         lines += _section(cls, TorchLensError)
-    shims, failed = _shim_classes(TorchLensError, classes)
+    shims, failed = _shim_classes(TorchLensError, classes) if include_shims else ([], [])
     if shims or failed:
         lines += ["## Errors the shims add", "",
                   "The nnsight and baukit shims raise the errors above, plus these, which keep the "

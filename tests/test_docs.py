@@ -219,7 +219,7 @@ def _gen_errors():
 def test_errors_page_lists_every_error_class() -> None:
     from torchlens.errors import all_error_classes
 
-    text = _gen_errors().render()
+    text = _gen_errors().render(include_shims=False)
     for cls in all_error_classes():
         assert f"### {cls.__name__}\n" in text, f"{cls.__name__} is missing from the errors page"
         if cls.remedy:
@@ -238,7 +238,7 @@ def test_errors_page_picks_up_a_new_class() -> None:
         "remedy": "Do the new thing instead.",
     })
     try:
-        text = _gen_errors().render()
+        text = _gen_errors().render(include_shims=False)
         assert "### BrandNewError\n" in text and "Do the new thing instead." in text
     finally:
         del new  # drop the class so later all_error_classes() calls do not see it
@@ -272,15 +272,19 @@ def test_built_errors_page_has_every_class(built_site) -> None:
     from torchlens.errors import all_error_classes
 
     proc, site = built_site
-    assert proc.returncode == 0, "the site did not build"
+    if proc.returncode != 0:
+        pytest.skip("the site did not build; test_mkdocs_build_strict says why")
     html = (site / "errors" / "index.html").read_text(encoding="utf-8")
     for cls in all_error_classes():
         assert f'id="{cls.__name__.lower()}"' in html, f"{cls.__name__} has no section on the built errors page"
+    assert 'id="errors-the-shims-add"' in html, "the shims' errors are missing from the errors page"
+    assert "could not be imported while building this page" not in html, "a shim failed to import during the build"
 
 
 def test_built_api_page_documents_the_entry_points(built_site) -> None:
     proc, site = built_site
-    assert proc.returncode == 0, "the site did not build"
+    if proc.returncode != 0:
+        pytest.skip("the site did not build; test_mkdocs_build_strict says why")
     html = (site / "api" / "index.html").read_text(encoding="utf-8")
     for name in ("torchlens.trace", "torchlens.extract", "torchlens.Trace", "torchlens.Fork",
                  "torchlens.when", "torchlens.validate.validate"):

@@ -218,8 +218,10 @@ def test_selector_limited_save_keeps_only_those_values(tiny_gpt2, tmp_path):
     loaded = tl.load_trace(part)
     assert_equal_tree(loaded["transformer.h.1"].out, trace["transformer.h.1"].out)
     assert torch.equal(loaded[loaded.input_layers[0]].out, tiny_gpt2.args[0])
+    norm = trace.find_sites(tl.func("layer_norm")).first()
     with pytest.raises(ValueNotSavedError):
-        _ = loaded[trace.find_sites(tl.func("layer_norm")).first().label].out
+        _ = loaded[norm.label].out
+    assert (loaded[norm.label].shape, loaded[norm.label].dtype) == (tuple(norm.out.shape), norm.out.dtype)
     with pytest.raises(ReplayNotExactError, match="cannot be re-issued"):  # ln_f's weights were not saved
         loaded.fork().do("transformer.h.1", tl.scale(0.5))
     with pytest.raises(ValueNotSavedError):  # nor were the values upstream of the kept block

@@ -289,8 +289,6 @@ def test_fingerprint_mismatch_lists_differences_and_can_be_overridden(gpt2, tmp_
     assert len(lenient.as_whens(bigger)) == 1
 
 
-@pytest.mark.xfail(reason="needs api._as_whens to pass the model to recipe.as_whens (integration request)",
-                   strict=False)
 def test_capture_with_a_recipe_checks_the_fingerprint(mlp, x, tmp_path):
     recipe = tl.load_intervention(tl.trace(mlp, x).fork().do("act", tl.scale(2.0)).save_intervention(tmp_path / "r"))
     other = torch.nn.Sequential()

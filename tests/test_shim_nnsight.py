@@ -655,6 +655,53 @@ def test_direct_generate_and_tokenizer():
     assert_same(outs["nnsight"], outs["shim"])
 
 
+def test_pipe_runs_the_pipeline_around_the_model():
+    def idiom(nnsight, model):
+        with model.pipe("hello world", max_new_tokens=2, do_sample=False) as tracer:
+            hidden = model.transformer.h[0].output.save()
+            records = tracer.result.save()
+        direct = model.pipe("cat sat", max_new_tokens=1, do_sample=False)
+        return hidden, records, direct
+
+    _, records, _ = check(idiom, wrap="TransformersModel", tokenizer=local_tokenizer())
+    assert records[0]["generated_text"].startswith("hello world")
+
+
+def test_invoke_with_encodings_and_deprecated_forms():
+    def idiom(nnsight, model):
+        with model.trace() as tracer:
+            with tracer.invoke(input_ids=IDS, attention_mask=torch.ones_like(IDS)):
+                a = model.transformer.h[0].output.save()
+            with tracer.invoke({"input_ids": torch.tensor([[9, 10]])}):
+                b = model.output.logits.save()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with model.generate("hello", max_new_tokens=2, do_sample=False) as tracer:
+                steps = nnsight.save([])
+                with tracer.iter[:2]:
+                    steps.append(model.transformer.h[0].output[0, -1])
+                final = model.generator.output.save()
+        return a, b, steps, final
+
+    check(idiom, wrap="TransformersModel", tokenizer=local_tokenizer())
+
+
+def test_closures_and_nested_functions_in_the_body():
+    def idiom(nnsight, model):
+        factor = 3.0
+        layers = [0, 2]
+
+        def outer():
+            with model.trace(IDS):
+                picked = nnsight.save([model.transformer.h[i].output[0, -1, :2] * factor for i in layers])
+                total = (lambda xs: sum(x.sum() for x in xs))(picked).save()
+            return picked, total, factor
+
+        return outer()
+
+    check(idiom)
+
+
 def test_language_model_is_a_deprecated_alias():
     with pytest.warns(shim.NNsightDeprecationWarning):
         model = shim.LanguageModel(gpt2(), tokenizer=local_tokenizer())
@@ -716,8 +763,10 @@ def test_minilm_real_weights(monkeypatch):
     path = _minilm_path()
     tok = transformers.AutoTokenizer.from_pretrained(path)
     enc = dict(tok(["a cat sat on the mat"], return_tensors="pt"))
+    wrapped = {}
 
     def idiom(nnsight, model):
+        wrapped[nnsight.__name__] = model
         with model.trace(**enc):
             emb = model.embeddings.output.save()
             attn = model.encoder.layer[2].attention.output.save()
@@ -729,8 +778,8 @@ def test_minilm_real_weights(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         check(idiom, make_model=lambda: copy.deepcopy(_minilm()))
-        nn_model, tl_model = real_nnsight.NNsight(copy.deepcopy(_minilm())), shim.NNsight(copy.deepcopy(_minilm()))
-    assert repr(nn_model) == repr(tl_model)
+    tl_model = wrapped["torchlens_shims.nnsight"]
+    assert repr(wrapped["nnsight"]) == repr(tl_model)
     assert tl_model.encoder.layer[0].E_output.path == "model.encoder.layer.0.output"
 
 

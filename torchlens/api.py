@@ -38,16 +38,17 @@ def check_model(model: Any) -> nn.Module:
     return model
 
 
-def _as_whens(intervene: Any) -> list[When]:
+def _as_whens(intervene: Any, model: nn.Module | None = None) -> list[When]:
+    """Capture-time edits from a When, a list of them, or a loaded recipe (checked against ``model``)."""
     if intervene is None:
         return []
     if hasattr(intervene, "as_whens"):  # a saved recipe
-        return list(intervene.as_whens())
+        return list(intervene.as_whens(model))
     items = intervene if isinstance(intervene, (list, tuple)) else [intervene]
     whens = []
     for item in items:
         if hasattr(item, "as_whens"):
-            whens.extend(item.as_whens())
+            whens.extend(item.as_whens(model))
         elif isinstance(item, When):
             whens.append(When(item.site, item.edit))  # fresh copy: 'fired' is per capture
         else:
@@ -115,10 +116,14 @@ def trace(
         the Trace.
 
     Raises:
-        UnsupportedModelError, SiteNotFoundError, EditNotAppliedError, InvalidArgumentError.
+        UnsupportedModelError: the model is not an eager nn.Module (compiled, scripted, a wrapper).
+        SiteNotFoundError: a site names no module or op of the model.
+        EditNotAppliedError: an edit's site never fired during the forward.
+        InvalidArgumentError: ``save=`` or ``intervene=`` has the wrong type.
+        FingerprintMismatchError: a loaded recipe was saved for a different model.
     """
     model = check_model(model)
-    whens = _as_whens(intervene)
+    whens = _as_whens(intervene, model)
     for w in whens:
         w.site = normalize(model, w.site)
     saved = _as_save(save)
@@ -139,7 +144,7 @@ def trace(
 def trace_until(model: nn.Module, args: tuple, kwargs: dict, until: Any, intervene: Any = None) -> Trace:
     """Record the forward and stop right after ``until`` fires (a partial trace)."""
     model = check_model(model)
-    whens = _as_whens(intervene)
+    whens = _as_whens(intervene, model)
     for w in whens:
         w.site = normalize(model, w.site)
     request = CaptureRequest(model, args, kwargs, intervene=whens, until=normalize(model, as_selector(until)))

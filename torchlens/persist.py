@@ -798,6 +798,7 @@ def save_trace(trace: Any, path: Any, selector: Any = None, overwrite: bool = Fa
         "name": base.name,
         "engine": base.engine,
         "complete": base.complete,
+        "grad": bool(getattr(base, "grad", False)),
         "ops": ops,
         "calls": calls,
         "input_layers": list(base.input_layers),
@@ -864,6 +865,8 @@ def _encode_op(op: Op, put_as: Callable, keep: set[int] | None, step_index: dict
             entry["out"] = encode(op._out, put_as(f"op/{op.label}"))
         except NotPortableError:
             entry["out"] = None
+    if entry["out"] is None and op.shape is not None:  # keep what a dropped value looked like
+        entry["meta"] = encode((op.shape, op.dtype), lambda t: None, strict=False)
     if op.flags & EDIT:
         entry["edit"] = _encode_edit_op(op, step_index)
     return entry
@@ -1005,12 +1008,13 @@ def _build_trace(m: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Any:
     from .core.trace import Fork, Trace
     from .recipes import check_fingerprint_dict, decode_steps
 
-    fields(m, _TRACE_KEYS, "the manifest")
+    fields(m, _TRACE_KEYS, "the manifest", {"grad"})
     base = Trace(None)
     base.fingerprint = check_fingerprint_dict(m["fingerprint"])
     base.name = _str(m, "name", "manifest")
     base.engine = _str(m, "engine", "manifest", 100)
     base.complete = _get(m, "complete", bool, "manifest")
+    base.grad = m.get("grad", False) is True
     dec = Decoder(tensors)
     ops_json = _get(m, "ops", list, "manifest")
     for i, entry in enumerate(ops_json):
@@ -1135,7 +1139,7 @@ def _source(entry: dict, where: str) -> tuple[Any, int]:
 
 def _decode_op(i: int, entry: Any, dec: Decoder) -> Op:
     where = f"op {i}"
-    fields(entry, _OP_KEYS, where, {"edit"})
+    fields(entry, _OP_KEYS, where, {"edit", "meta"})
     label = _str(entry, "label", where, 500)
     flags = _int(entry["flags"], f"{where}: flags", 0, 63)
     if ("edit" in entry) != bool(flags & EDIT):
@@ -1153,6 +1157,8 @@ def _decode_op(i: int, entry: Any, dec: Decoder) -> Op:
             _int(entry["pass"], f"{where}: pass", 1, 1 << 31), code, lineno, None, None, flags)
     if entry["out"] is None:
         op.saved = False
+        if "meta" in entry:
+            op._meta = _meta(Decoder({}).value(entry["meta"], f"{where} meta"), where)
     else:
         op._out = dec.value(entry["out"], f"{where} output")
         out = op._out
@@ -1184,6 +1190,18 @@ def _decode_op(i: int, entry: Any, dec: Decoder) -> Op:
     op.args_spec = (leaves, spec)
     op.parent_refs = [leaf for leaf in leaves if type(leaf) is Ref]
     return op
+
+
+def _meta(value: Any, where: str) -> tuple[Any, torch.dtype | None]:
+    """(shape, dtype) of a value that was not saved: a shape is a tuple of ints, or of such tuples."""
+
+    def is_shape(s: Any) -> bool:
+        return isinstance(s, tuple) and all(type(d) is int and d >= 0 for d in s)
+
+    if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], (torch.dtype, type(None)))
+            and (is_shape(value[0]) or (isinstance(value[0], tuple) and all(is_shape(s) for s in value[0])))):
+        raise fail(f"{where}: meta must be (shape, dtype)")
+    return value[0], value[1]
 
 
 def _decode_call(i: int, entry: Any, dec: Decoder, n: int) -> ModuleCall:

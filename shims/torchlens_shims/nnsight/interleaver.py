@@ -371,7 +371,10 @@ def _pre_hook(tree: Tree, location: str) -> Callable:
             return None
         value = (args, kwargs)
         result = run.handle(location, value)
-        return None if result is value else result
+        if result is value:
+            return None
+        new_args, new_kwargs = result  # any pair, as nnsight unpacks it
+        return tuple(new_args), dict(new_kwargs)
 
     return on_input
 
