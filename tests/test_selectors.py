@@ -97,3 +97,18 @@ def test_capture_time_edit_inside_one_pass_agrees_with_find_sites(shared_twice, 
     assert shared_trace.find_sites(site).labels == ["tanh_2"]
     edited = tl.trace(shared_twice.model, *shared_twice.args, intervene=tl.when(site, tl.scale(0.0)))
     assert [e.label for e in edited.edits] == ["tanh_2"]
+
+
+def test_asking_for_softmax_on_a_fused_attention_model_names_the_fused_kernel():
+    import transformers
+
+    from torchlens.errors import FusedKernelError
+
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8)
+    cfg._attn_implementation = "sdpa"
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    trace = tl.trace(model, torch.tensor([[1, 2, 3]]))
+    with pytest.raises(FusedKernelError) as info:
+        trace.find_sites(tl.func("softmax"))
+    assert "eager" in info.value.remedy
+    assert trace.find_sites(tl.func("scaled_dot_product_attention")).first().out.shape == (1, 2, 3, 8)

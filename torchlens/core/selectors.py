@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..capture.names import nearest
-from ..errors import EmptySelectionError, InvalidArgumentError, SiteNotFoundError
+from ..errors import EmptySelectionError, FusedKernelError, InvalidArgumentError, SiteNotFoundError
 from .records import ModuleCall, Op
 
 if TYPE_CHECKING:
@@ -163,6 +163,10 @@ class InModule(Selector):
     __repr__ = describe
 
 
+# Ops an eager attention runs that a fused SDPA kernel keeps inside itself.
+_INSIDE_FUSED_ATTENTION = frozenset({"softmax", "matmul", "bmm", "baddbmm", "masked_fill"})
+
+
 class Func(Selector):
     """Ops by function name (``'softmax'`` matches ``F.softmax`` and ``Tensor.softmax``)."""
 
@@ -178,6 +182,14 @@ class Func(Selector):
         found = [op for op in trace.ops if op.func_name == self.name]
         if not found:
             names = {op.func_name for op in trace.ops}
+            if self.name in _INSIDE_FUSED_ATTENTION and "scaled_dot_product_attention" in names:
+                raise FusedKernelError(
+                    f"no {self.name!r} op ran: this model computes attention with one fused "
+                    "scaled_dot_product_attention op, whose scores and softmax never exist as tensors",
+                    site=self.name,
+                    remedy="Read them as facets (site.facets.pattern), patch heads with "
+                    "torchlens.mechinterp.patch_head, or re-capture with attn_implementation='eager'.",
+                )
             raise SiteNotFoundError(
                 f"no op calls {self.name!r} in this trace; nearest: {nearest(self.name, names)}",
                 site=self.name,
