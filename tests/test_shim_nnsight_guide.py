@@ -227,60 +227,63 @@ def test_remote_example_is_refused(models):
             pass
 
 
-# -- The migration seed fence, with its import rewritten ----------------------------------------------------
+# -- The migration seed fence, then both libraries in one process ------------------------------------------
+ORDER_CHECK = """
+import torch, transformers
+import nnsight
+from torchlens_shims.nnsight.errors import SaveOutsideTraceError
+shim = sys.modules["torchlens_shims.nnsight"]
+cfg = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=32, n_positions=8)
+ids = torch.tensor([[1, 2, 3]])
+grads = []
+for lib in (nnsight, shim, nnsight, shim):
+    torch.manual_seed(0)
+    model = lib.NNsight(transformers.GPT2LMHeadModel(cfg).eval())
+    with model.trace(ids):
+        h = model.transformer.h[0].output
+        metric = model.output.logits[0, -1, 3]
+        with metric.backward():
+            g = h.grad.save()
+    grads.append(g)
+assert all(torch.allclose(grads[0], x) for x in grads)
+x = torch.ones(2, requires_grad=True)
+(x * 2).sum().backward()
+assert x.grad.tolist() == [2.0, 2.0]
+try:
+    torch.zeros(1).save()
+except (SaveOutsideTraceError, ValueError):
+    print("ORDER=ok")
+"""
+
+
 def test_seed_fence_passes_with_the_import_rewritten(tmp_path):
+    """The fence runs on the shim alone; then, in the same process, real nnsight is loaded
+    *after* the shim (both mount ``.save`` and wrap ``Tensor.backward``) and both still work."""
     if not SEED_FENCE.exists():
         pytest.skip("seed fence not present")
     text = SEED_FENCE.read_text()
     assert "from nnsight import" in text
     script = tmp_path / "fence.py"
     script.write_text(text.replace("from nnsight import", "from torchlens_shims.nnsight import"))
+    (tmp_path / "order.py").write_text("import sys\n" + ORDER_CHECK)
     runner = (
-        "import json, runpy, sys\n"
+        "import json, runpy, sys, warnings\n"
+        "warnings.filterwarnings('ignore')\n"
         "namespace = runpy.run_path(sys.argv[1])\n"
         "print('RESULT=' + json.dumps(namespace['RESULT']))\n"
         "assert 'nnsight' not in sys.modules, 'real nnsight was imported'\n"
+        "runpy.run_path(sys.argv[2])\n"
     )
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     python = str(PYTHON) if PYTHON.exists() else sys.executable
-    done = subprocess.run([python, "-c", runner, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run(
+        [python, "-c", runner, str(script), str(tmp_path / "order.py")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     line = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT=")][-1]
     assert json.loads(line[len("RESULT="):]) == [[1, 4, 32], True]
-
-
-def test_shim_loaded_before_real_nnsight_keeps_both_working(tmp_path):
-    """Both libraries mount ``.save`` and wrap ``Tensor.backward``; either import order works."""
-    script = tmp_path / "order.py"
-    script.write_text(
-        "import warnings\n"
-        "warnings.filterwarnings('ignore')\n"
-        "import torch, transformers\n"
-        "import torchlens_shims.nnsight as shim\n"
-        "import nnsight\n"
-        "from torchlens_shims.nnsight.errors import SaveOutsideTraceError\n"
-        "cfg = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=32, n_positions=8)\n"
-        "ids = torch.tensor([[1, 2, 3]])\n"
-        "grads = []\n"
-        "for lib in (nnsight, shim, nnsight, shim):\n"
-        "    torch.manual_seed(0)\n"
-        "    model = lib.NNsight(transformers.GPT2LMHeadModel(cfg).eval())\n"
-        "    with model.trace(ids):\n"
-        "        h = model.transformer.h[0].output\n"
-        "        metric = model.output.logits[0, -1, 3]\n"
-        "        with metric.backward():\n"
-        "            g = h.grad.save()\n"
-        "    grads.append(g)\n"
-        "assert all(torch.allclose(grads[0], x) for x in grads)\n"
-        "x = torch.ones(2, requires_grad=True)\n"
-        "(x * 2).sum().backward()\n"
-        "assert x.grad.tolist() == [2.0, 2.0]\n"
-        "try:\n"
-        "    torch.zeros(1).save()\n"
-        "except (SaveOutsideTraceError, ValueError):\n"
-        "    print('OK')\n"
-    )
-    python = str(PYTHON) if PYTHON.exists() else sys.executable
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([python, str(script)], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-3000:]
+    assert "ORDER=ok" in done.stdout

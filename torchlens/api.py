@@ -28,10 +28,10 @@ def check_model(model: Any) -> nn.Module:
             remedy="Pass model._orig_mod (the eager module torch.compile wrapped).",
         )
     if not isinstance(model, nn.Module):
-        inner = getattr(model, "_model", None)
+        attr = next((a for a in ("_module", "_model") if isinstance(getattr(model, a, None), nn.Module)), None)
         hint = (
-            "Pass the wrapped module (for an nnsight wrapper: model._model)."
-            if isinstance(inner, nn.Module)
+            f"Pass the module it wraps: model.{attr} (an nnsight wrapper keeps it there)."
+            if attr
             else "Wrap the callable in an nn.Module."
         )
         raise UnsupportedModelError(f"expected a torch.nn.Module, got {type(model).__name__}", remedy=hint)

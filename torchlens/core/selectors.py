@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..capture.names import nearest
-from ..errors import EmptySelectionError, FusedKernelError, InvalidArgumentError, SiteNotFoundError
+from ..errors import EmptySelectionError, FusedKernelError, InvalidArgumentError, SiteError, SiteNotFoundError
 from .records import ModuleCall, Op
 
 if TYPE_CHECKING:
@@ -256,8 +256,18 @@ class _Or(Selector):
         return self.a.matches_op(op) or self.b.matches_op(op)
 
     def match(self, trace: Trace) -> list[Record]:
+        # A union fails only when both sides find nothing (then with the first side's error).
+        parts: list[Record] = []
+        first_error: SiteError | None = None
+        for side in (self.a, self.b):
+            try:
+                parts.extend(side.match(trace))
+            except SiteError as exc:
+                first_error = first_error or exc
+        if not parts and first_error is not None:
+            raise first_error
         seen: dict[int, Record] = {}
-        for r in [*self.a.match(trace), *self.b.match(trace)]:
+        for r in parts:
             seen.setdefault(id(r), r)
         return list(seen.values())
 

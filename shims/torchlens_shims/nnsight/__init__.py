@@ -14,7 +14,7 @@ from __future__ import annotations
 # classes before `.save` is mounted on `object`: pybind11 refuses a module
 # function named like an attribute every object has, and anyio refuses
 # unannotated public attributes on its classes.
-import torch  # noqa: F401
+import torch
 import transformers  # noqa: F401
 
 try:  # pragma: no cover - optional
@@ -22,11 +22,20 @@ try:  # pragma: no cover - optional
 except ImportError:  # pragma: no cover
     pass
 
-from typing import Any
+from typing import Any  # noqa: E402
 
 
 class NNsightDeprecationWarning(FutureWarning):
     """The category of every deprecation the shim repeats from nnsight."""
+
+
+class Object(torch.Tensor):
+    """Type-hint name for a value read inside a trace (it *is* the tensor at run time)."""
+
+    def save(self, _: Any = None) -> Object:
+        from .saving import mark
+
+        return mark(self)
 
 
 from . import saving  # noqa: E402
@@ -70,6 +79,7 @@ __all__ = [
     "LanguageModel",
     "NNsight",
     "NNsightDeprecationWarning",
+    "Object",
     "OutOfOrderError",
     "TransformersModel",
     "VLLM",

@@ -23,14 +23,14 @@ from typing import Any
 
 import torch
 
-from . import saving, worker
+from . import worker
 from .batching import Batcher
 from .blocks import find_block
-from .errors import BatchingNotSupportedError, InvokeError, RemoteUnsupportedError
-from .interleaver import EarlyStopException, Run, Tree
+from .errors import BatchingNotSupportedError, RemoteUnsupportedError
+from .interleaver import Tree
 from .served import Served
 from .tracer import EditingTracer, InterleavingTracer, ScanningTracer, Tracer
-from .util import first_input, map_tensors, replace_first_input
+from .util import first_input, replace_first_input
 
 
 def _check_remote(kwargs: dict) -> None:
@@ -322,55 +322,9 @@ class Envoy:
         **kwargs: Any,
     ) -> Any:
         """Run ``fn`` (the model call) with the blocks as workers; return what it returned."""
-        if batcher is None:
-            batcher = self._batcher_class(self, kwargs)
-        batcher.add(*args, **kwargs)
-        args, kwargs = batcher.assemble(fn)
-        device = self.device
-        if device is not None:
-            args, kwargs = map_tensors((args, kwargs), lambda tensor: tensor.to(device))
-        if isinstance(fn, str):
-            fn = getattr(self._module, fn)
-        tree = self._tree
-        if tree.run is not None:
-            raise InvokeError("this model is already running a trace; a trace cannot start inside another")
-        saving.ensure_mounted()
-        from . import backward
+        from .driver import drive
 
-        hooksets = [tree.hookset(self._module, self.path)]
-        hooksets += [tree.hookset(module, path) for module, path in self._standalone_modules()]
-        run = Run([edit.spawn() for edit in self._edits] + list(workers or ()), batcher, hooksets)
-        result = None
-        entered: list = []
-        displaced = backward.install()
-        try:
-            for hooks in hooksets:
-                hooks.__enter__()
-                entered.append(hooks)
-            tree.run = run
-            try:
-                run.start()
-                try:
-                    result = fn(*args, **kwargs)
-                    run.handle("result", result)
-                except EarlyStopException:
-                    pass
-                tree.run = None
-                run.finish()
-            except EarlyStopException:
-                pass
-        finally:
-            tree.run = None
-            try:
-                run.cancel()
-            finally:
-                try:
-                    run.detach()
-                finally:
-                    for hooks in reversed(entered):
-                        hooks.__exit__(None, None, None)
-                    backward.restore(displaced)
-        return result
+        return drive(self, fn, args, kwargs, workers=workers, batcher=batcher)
 
     # -- plain module behaviour ----------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
