@@ -526,3 +526,43 @@ def small_mlp() -> nn.Module:
 @pytest.fixture
 def mlp_input() -> torch.Tensor:
     return torch.randn(3, 4, generator=torch.Generator().manual_seed(11))
+
+
+# -- fixtures and helpers shared by test_compare, test_recipes and test_persist ---------------
+
+
+@pytest.fixture(scope="module")
+def mlp() -> nn.Module:
+    """A seeded SmallMLP, one per test module (the saved-trace and recipe tests edit its sites)."""
+    torch.manual_seed(0)
+    return SmallMLP().eval()
+
+
+@pytest.fixture(scope="module")
+def x() -> torch.Tensor:
+    """The input ``mlp`` is run on."""
+    return torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module")
+def gpt2() -> nn.Module:
+    """A 2-layer random-weight GPT-2 (a module's own ``gpt2`` fixture takes precedence)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def manifest_of(path: pathlib.Path) -> dict:
+    """The parsed ``manifest.json`` of a save directory."""
+    import json
+
+    return json.loads((path / "manifest.json").read_text())
+
+
+def rewrite(path: pathlib.Path, manifest: dict) -> None:
+    """Replace a save directory's ``manifest.json`` (to build hostile directories)."""
+    import json
+
+    (path / "manifest.json").write_text(json.dumps(manifest))

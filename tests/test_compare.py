@@ -10,32 +10,12 @@ import json
 
 import pytest
 import torch
-import transformers
-from conftest import SmallMLP
 from torch import nn
 
 import torchlens as tl
 from torchlens.errors import InvalidArgumentError
 
 IDS = torch.tensor([[1, 2, 3, 4, 5]])
-
-
-@pytest.fixture(scope="module")
-def mlp():
-    torch.manual_seed(0)
-    return SmallMLP().eval()
-
-
-@pytest.fixture(scope="module")
-def x():
-    return torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
-
-
-@pytest.fixture(scope="module")
-def gpt2():
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
-    return transformers.GPT2LMHeadModel(config).eval()
 
 
 @pytest.fixture(scope="module")

@@ -21,12 +21,12 @@ import time
 
 import pytest
 import torch
-from conftest import SmallMLP, assert_equal_tree, hook_reads
+from conftest import assert_equal_tree, hook_reads, manifest_of, rewrite
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import torchlens as tl
-from torchlens import persist
+from torchlens import ondisk, persist
 from torchlens.core.records import NOT_REPLAYABLE
 from torchlens.errors import (
     FormatVersionError,
@@ -41,25 +41,6 @@ from torchlens.errors import (
 
 ROUND_TRIP_ZOO = ["tiny_gpt2", "tiny_llama", "minilm", "cnn", "shared_twice", "inplace_net", "control_flow",
                   "tuple_out", "dict_out"]
-
-
-@pytest.fixture(scope="module")
-def mlp():
-    torch.manual_seed(0)
-    return SmallMLP().eval()
-
-
-@pytest.fixture(scope="module")
-def x():
-    return torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
-
-
-def manifest_of(path) -> dict:
-    return json.loads((path / "manifest.json").read_text())
-
-
-def rewrite(path, manifest: dict) -> None:
-    (path / "manifest.json").write_text(json.dumps(manifest))
 
 
 def rewrite_tensors(path, tensors: dict, manifest: dict | None = None, declared: dict | None = None) -> dict:
@@ -247,7 +228,7 @@ def test_overwrite_and_interrupted_trace_save(mlp, x, tmp_path, monkeypatch):
     with pytest.raises(RecipeExistsError):
         trace.save(path)
     trace.save(path, overwrite=True)
-    monkeypatch.setattr(persist, "_write_manifest", lambda *a: (_ for _ in ()).throw(OSError("disk full")))
+    monkeypatch.setattr(ondisk, "_write_manifest", lambda *a: (_ for _ in ()).throw(OSError("disk full")))
     with pytest.raises(OSError, match="disk full"):
         trace.save(tmp_path / "u")
     assert sorted(os.listdir(tmp_path)) == ["t"] and tl.load_trace(path).ops

@@ -15,10 +15,10 @@ import pickle
 import pytest
 import torch
 import transformers
-from conftest import SmallMLP, assert_equal_tree, edited_forward
+from conftest import assert_equal_tree, edited_forward, manifest_of, rewrite
 
 import torchlens as tl
-from torchlens import persist
+from torchlens import ondisk
 from torchlens.errors import (
     FingerprintMismatchError,
     InvalidArgumentError,
@@ -32,39 +32,12 @@ from torchlens.errors import (
 from torchlens.helpers import Helper
 from torchlens.recipes import Recipe, StoredSource, selector_from_dict, selector_to_dict
 
-
-@pytest.fixture(scope="module")
-def mlp():
-    torch.manual_seed(0)
-    return SmallMLP().eval()
-
-
-@pytest.fixture(scope="module")
-def x():
-    return torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
-
-
-@pytest.fixture(scope="module")
-def gpt2():
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
-    return transformers.GPT2LMHeadModel(config).eval()
-
-
 IDS = torch.tensor([[1, 2, 3, 4, 5]])
 OTHER_IDS = torch.tensor([[9, 8, 7, 6, 5]])
 
 
 def double(activation, *, ctx):  # module level, so level="pickle" can store it
     return activation * 2
-
-
-def manifest_of(path) -> dict:
-    return json.loads((path / "manifest.json").read_text())
-
-
-def rewrite(path, manifest: dict) -> None:
-    (path / "manifest.json").write_text(json.dumps(manifest))
 
 
 # -- round trips ---------------------------------------------------------------------------------
@@ -375,12 +348,12 @@ def test_interrupted_save_leaves_nothing_that_loads(mlp, x, tmp_path, monkeypatc
     def boom(directory, manifest):
         raise KeyboardInterrupt  # e.g. Ctrl-C between the tensors and the manifest
 
-    monkeypatch.setattr(persist, "_write_manifest", boom)
+    monkeypatch.setattr(ondisk, "_write_manifest", boom)
     with pytest.raises(KeyboardInterrupt):
         fork.save_intervention(tmp_path / "r")
     assert os.listdir(tmp_path) == []
     # a hard kill cannot clean up: the temporary directory then has no manifest and never loads
-    monkeypatch.setattr(persist.shutil, "rmtree", lambda *a, **k: None)
+    monkeypatch.setattr(ondisk.shutil, "rmtree", lambda *a, **k: None)
     with pytest.raises(KeyboardInterrupt):
         fork.save_intervention(tmp_path / "r")
     (leftover,) = os.listdir(tmp_path)

@@ -270,6 +270,15 @@ def test_wrapper_tree_navigation_and_print():
     assert [layer.path for layer in llama_tl.model.layers] == ["model.model.layers.0", "model.model.layers.1"]
 
 
+def test_rename_aliases():
+    def idiom(nnsight, model):
+        with model.trace(IDS):
+            ffn = model.layers[0].ffn.output.save()
+        return ffn, model.layers[1].path
+
+    check(idiom, rename={"transformer.h": "layers", "mlp": "ffn"})
+
+
 def test_save_outside_a_trace_raises():
     with pytest.raises(errors.SaveOutsideTraceError):
         shim.save(torch.zeros(1))

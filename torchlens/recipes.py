@@ -8,12 +8,15 @@ a stranger cannot run code; ``level="pickle"`` may pickle plain functions, says 
 the manifest, and loading it needs ``allow_pickle=True``. A recipe remembers which model
 it was made for (class, ``config.model_type``, parameter names and shapes) and refuses a
 different one unless told ``check_fingerprint=False``.
+
+The parts a recipe is made of live in their own modules (their public names stay
+importable from here): :mod:`torchlens.selector_codec` (sites as JSON),
+:mod:`torchlens.fingerprints` (which model) and :mod:`torchlens.patch_sources` (what a
+``patch_from`` source provided); the directory itself is :mod:`torchlens.ondisk`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import numbers
 import pickle
 from collections.abc import Iterator
@@ -22,299 +25,45 @@ from typing import Any
 
 import torch
 
-from .core.selectors import Func, InModule, Label, ModuleOutput, Selector, _And, _Or
-from .core.tree import tensor_leaves
-from .edits import EditContext, When
+from .core.selectors import Label, Selector
+from .edits import When
 from .errors import (
-    FingerprintMismatchError,
     InvalidArgumentError,
     NotPortableError,
     PickleNotAllowedError,
     RecipeHelperError,
-    SiteNotFoundError,
     TorchLensError,
     UnknownHelperError,
 )
+from .fingerprints import (
+    check_fingerprint_dict,
+    check_model_fingerprint,
+    fingerprint,
+    fingerprint_of,
+)
+from .fingerprints import fingerprint_mismatch as fingerprint_mismatch  # re-exported: it lived here
+from .format_checks import fail, guarded
 from .helpers import Helper, helper_class
-from .persist import (
+from .ondisk import (
     FORMAT_VERSION,
-    MAX_DEPTH,
-    Decoder,
     SavedDir,
-    TensorTable,
-    encode,
-    fail,
-    guarded,
+    check_path_arg,
+    installed_version,
     read_file_entry,
     read_manifest,
     read_tensors,
     write_dir,
 )
+from .patch_sources import StoredSource, is_source, record_source
+from .selector_codec import selector_from_dict, selector_to_dict
+from .value_codec import Decoder, TensorTable, encode
 
 LEVELS = ("portable", "pickle")
 PICKLE_FILE = "code.pkl"
 _RECIPE_KEYS = {"format", "kind", "format_version", "torchlens_version", "level", "executes_code_on_load",
                 "fingerprint", "steps", "tensors", "files"}
 
-# -- selectors <-> JSON --------------------------------------------------------------------
-
-_LEAF_SELECTORS: dict[str, type] = {"module": ModuleOutput, "in_module": InModule, "func": Func, "label": Label}
-
-
-def selector_to_dict(sel: Selector) -> dict[str, Any]:
-    """The JSON form of a selector: ``{"module": path}``, ``{"and": [a, b]}`` ...
-
-    Raises:
-        NotPortableError: a selector class with no saved form (e.g. a plugin's own).
-    """
-    t = type(sel)
-    if t is ModuleOutput or t is InModule:
-        return {"module" if t is ModuleOutput else "in_module": sel.path}
-    if t is Func:
-        return {"func": sel.name}
-    if t is Label:
-        return {"label": sel.label}
-    if t is _And or t is _Or:
-        return {"and" if t is _And else "or": [selector_to_dict(sel.a), selector_to_dict(sel.b)]}
-    raise NotPortableError(f"selector {sel.describe()} ({t.__name__}) has no saved form",
-                           remedy="Use tl.module / tl.in_module / tl.func / labels, combined with & and |.")
-
-
-def selector_from_dict(d: Any, depth: int = 0) -> Selector:
-    """Rebuild a selector from its JSON form; anything else raises RecipeFormatError."""
-    if depth > MAX_DEPTH:
-        raise fail("a site selector is nested too deeply")
-    if not isinstance(d, dict) or len(d) != 1:
-        raise fail(f"a site must be an object with one key, got {str(d)[:80]}")
-    (kind, arg), = d.items()
-    if kind in _LEAF_SELECTORS:
-        if not isinstance(arg, str) or len(arg) > 1000:
-            raise fail(f"site {kind!r} takes a string of at most 1000 characters")
-        return _LEAF_SELECTORS[kind](arg)
-    if kind in ("and", "or"):
-        if not isinstance(arg, list) or len(arg) != 2:
-            raise fail(f"site {kind!r} takes a list of two sites")
-        a, b = (selector_from_dict(x, depth + 1) for x in arg)
-        return _And(a, b) if kind == "and" else _Or(a, b)
-    raise fail(f"unknown site kind {kind!r:.40}; known: {sorted([*_LEAF_SELECTORS, 'and', 'or'])}")
-
-
-# -- model fingerprints ----------------------------------------------------------------------
-
-
-def fingerprint(model: torch.nn.Module) -> dict[str, Any]:
-    """What identifies a model for a recipe: class, ``config.model_type``, parameter names and shapes."""
-    cls = type(model)
-    params = [[name, list(p.shape)] for name, p in model.named_parameters()]
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    return {
-        "class": f"{cls.__module__}.{cls.__qualname__}",
-        "model_type": None if model_type is None else str(model_type),
-        "params_sha256": _params_hash(params),
-        "params": params,
-    }
-
-
-def _params_hash(params: list) -> str:
-    return hashlib.sha256(json.dumps(params, separators=(",", ":")).encode()).hexdigest()
-
-
-def fingerprint_of(trace: Any) -> dict[str, Any] | None:
-    model = getattr(trace, "model", None)
-    if isinstance(model, torch.nn.Module):
-        return fingerprint(model)
-    return getattr(trace, "fingerprint", None)
-
-
-def check_fingerprint_dict(fp: Any) -> dict[str, Any] | None:
-    """Validate a stored fingerprint (its hash must match its parameter list)."""
-    if fp is None:
-        return None
-    if not isinstance(fp, dict) or set(fp) != {"class", "model_type", "params_sha256", "params"}:
-        raise fail("the model fingerprint is malformed")
-    params = fp["params"]
-    if not isinstance(fp["class"], str) or not isinstance(fp["model_type"], (str, type(None))) or not (
-        isinstance(params, list) and all(
-            isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], list)
-            and all(type(d) is int and d >= 0 for d in p[1]) for p in params)
-    ):
-        raise fail("the model fingerprint is malformed")
-    if _params_hash(params) != fp["params_sha256"]:
-        raise fail("the model fingerprint's hash does not match its parameter list")
-    return fp
-
-
-def fingerprint_mismatch(saved: dict[str, Any], actual: dict[str, Any]) -> list[str]:
-    """Human-readable differences between two fingerprints (empty when they agree)."""
-    out = []
-    for key, what in (("class", "model class"), ("model_type", "config.model_type")):
-        if saved[key] != actual[key]:
-            out.append(f"{what}: recipe {saved[key]!r}, model {actual[key]!r}")
-    if saved["params_sha256"] != actual["params_sha256"]:
-        a = {n: tuple(s) for n, s in saved["params"]}
-        b = {n: tuple(s) for n, s in actual["params"]}
-        missing = [n for n in a if n not in b]
-        extra = [n for n in b if n not in a]
-        shaped = [f"{n} {list(a[n])} vs {list(b[n])}" for n in a if n in b and a[n] != b[n]]
-        for label, items in (("missing from the model", missing), ("not in the recipe", extra),
-                             ("different shape", shaped)):
-            if items:
-                out.append(f"{len(items)} parameter(s) {label}: {items[:5]}" + (" ..." if len(items) > 5 else ""))
-        if not (missing or extra or shaped):
-            out.append("parameters are in a different order")
-    return out
-
-
-def check_model_fingerprint(saved: dict[str, Any] | None, actual: dict[str, Any] | None) -> None:
-    if saved is None or actual is None:
-        return
-    problems = fingerprint_mismatch(saved, actual)
-    if problems:
-        raise FingerprintMismatchError(
-            "the recipe was saved for a different model: " + "; ".join(problems), mismatches=problems
-        )
-
-
-# -- patch sources: the values a helper read from another trace ------------------------------
-
-
-def _selector_key(sel: Any) -> str:
-    return "selector:" + (sel.describe() if isinstance(sel, Selector) else repr(sel))
-
-
-class _Found:
-    def __init__(self, value: Any) -> None:
-        self.out = value
-
-    def first(self) -> _Found:
-        return self
-
-
-class StoredSource:
-    """What a ``patch_from`` / ``mean_ablate`` source trace provided, saved instead of the trace.
-
-    Answers the lookups the helper makes (``source[key].out``, ``find_sites(sel).first().out``,
-    how many passes a module ran) from the stored values only.
-    """
-
-    def __init__(self, values: dict[str, Any], passes: dict[str, int]) -> None:
-        self.values = values
-        self.passes = passes
-
-    def __getitem__(self, key: str) -> _Found:
-        if key not in self.values:
-            raise SiteNotFoundError(
-                f"the saved patch source holds no value for {key!r}; it holds {sorted(self.values)[:8]}",
-                site=key,
-                remedy="Re-save the recipe from a trace or fork where this edit reached that site.",
-            )
-        return _Found(self.values[key])
-
-    def find_sites(self, selector: Any, max_fanout: int | None = None) -> _Found:
-        return self[_selector_key(selector)]
-
-    @property
-    def _calls_by_address(self) -> dict[str, list[None]]:
-        return {a: [None] * n for a, n in self.passes.items()}
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, StoredSource) or other.passes != self.passes or other.values.keys() != \
-                self.values.keys():
-            return False
-        for k, v in self.values.items():
-            a, b = tensor_leaves(v), tensor_leaves(other.values[k])
-            if len(a) != len(b) or not all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b)):
-                return False
-        return True
-
-    __hash__ = object.__hash__
-
-    def __repr__(self) -> str:
-        return f"<saved patch source: {len(self.values)} value(s)>"
-
-
-class _PassProbe:
-    def __init__(self, rec: _SourceRecorder) -> None:
-        self.rec = rec
-
-    def get(self, address: str, default: Any = None) -> Any:
-        calls = self.rec.source._calls_by_address.get(address, default)
-        self.rec.passes[address] = len(calls or ())
-        return calls
-
-
-class _SourceRecorder:
-    """Wraps a source trace and remembers every value a helper reads from it."""
-
-    def __init__(self, source: Any) -> None:
-        self.source = source
-        self.values: dict[str, Any] = {}
-        self.passes: dict[str, int] = {}
-
-    def __getitem__(self, key: str) -> Any:
-        site = self.source[key]
-        self.values[key] = site.out
-        return site
-
-    def find_sites(self, selector: Any, max_fanout: int | None = None) -> Any:
-        found = self.source.find_sites(selector)
-        self.values[_selector_key(selector)] = found.first().out
-        return found
-
-    @property
-    def _calls_by_address(self) -> _PassProbe:
-        return _PassProbe(self)
-
-
-def _contexts(record: Any, site: str) -> list[EditContext]:
-    """The contexts a step's edit can see at ``record`` (replay and capture label modules differently)."""
-    from .core.records import ModuleCall
-
-    if isinstance(record, ModuleCall):
-        labels = dict.fromkeys([record.label, record.address])
-        return [EditContext(site, label, record.address, record.pass_index, record, None) for label in labels]
-    return [EditContext(site, record.label, record.module, record.module_pass, record, None)]
-
-
-def _record_source(helper: Helper, param: str, records: list[tuple[Any, Any]], site: str) -> StoredSource:
-    """Run ``helper`` once per matched site with its trace parameter wrapped, keeping what it read."""
-    if not records:
-        raise NotPortableError(
-            f"{helper!r} at {site}: no edited site's value could be read in this trace, so what the source "
-            "provides there cannot be recorded",
-            remedy="Save from a trace that keeps the edited sites' values (captured without save=).",
-        )
-    rec = _SourceRecorder(helper.params()[param])
-    probe = type(helper)(**{**helper.params(), param: rec})
-    for record, value in records:
-        first_error = None
-        ok = False
-        for ctx in _contexts(record, site):
-            try:
-                probe(_clone(value), ctx=ctx)
-                ok = True
-            except (TorchLensError, LookupError, AttributeError, TypeError, RuntimeError) as exc:
-                first_error = first_error or exc
-        if not ok and first_error is not None:
-            raise NotPortableError(
-                f"{helper!r} could not read its source at {getattr(record, 'label', record)}: {first_error}",
-                remedy="Check the edit works on the fork first; its source must have the site.",
-            ) from first_error
-    return StoredSource(rec.values, rec.passes)
-
-
-def _clone(value: Any) -> Any:
-    from .core.tree import flatten, unflatten
-
-    leaves, spec = flatten(value)
-    return unflatten([x.clone() if isinstance(x, torch.Tensor) else x for x in leaves], spec)
-
-
 # -- edits and steps <-> JSON ------------------------------------------------------------------
-
-
-def _is_source(value: Any) -> bool:
-    return isinstance(value, StoredSource) or (hasattr(value, "find_sites") and hasattr(value, "_calls_by_address"))
 
 
 def encode_edit(edit: Any, records: list[tuple[Any, Any]] | None, site: str, table: TensorTable, stem: str,
@@ -340,9 +89,9 @@ def encode_edit(edit: Any, records: list[tuple[Any, Any]] | None, site: str, tab
         for key, value in edit.params().items():
             if isinstance(value, Selector):
                 params[key] = {"selector": selector_to_dict(value)}
-            elif _is_source(value):
+            elif is_source(value):
                 if not isinstance(value, StoredSource):
-                    value = _record_source(edit, key, records or [], site)
+                    value = record_source(edit, key, records or [], site)
                 params[key] = {"source": {
                     "values": [[k, encode(v, lambda t, k=k, key=key: put(t, f"{stem}.{key}/{k}"))]
                                for k, v in sorted(value.values.items())],
@@ -374,7 +123,7 @@ def encode_step(phase: str, site: Any, edit: Any, trace: Any, table: TensorTable
                 pickles: list[Any] | None) -> dict[str, Any]:
     sel = site if isinstance(site, Selector) else Label(site)
     records = None
-    if trace is not None and isinstance(edit, Helper) and any(_is_source(v) for v in edit.params().values()):
+    if trace is not None and isinstance(edit, Helper) and any(is_source(v) for v in edit.params().values()):
         from .core.records import EDIT
 
         try:
@@ -594,8 +343,6 @@ def save_intervention(obj: Any, path: Any, level: str = "portable", overwrite: b
         NotPortableError: an edit holds code at the portable level, or cannot be stored.
         RecipeExistsError: ``path`` exists and ``overwrite`` is false.
     """
-    from .persist import check_path_arg
-
     check_path_arg(path)
     if level not in LEVELS:
         raise InvalidArgumentError(f"level must be one of {LEVELS}, got {level!r}")
@@ -627,11 +374,9 @@ def save_intervention(obj: Any, path: Any, level: str = "portable", overwrite: b
                 remedy="Define the edit function at module level (lambdas and local functions do not pickle), "
                        "or use a named helper.",
             ) from None
-    from .persist import _version
-
     manifest = {
         "kind": "recipe",
-        "torchlens_version": _version(),
+        "torchlens_version": installed_version(),
         "level": level,
         "executes_code_on_load": level == "pickle",
         "fingerprint": fp,
@@ -659,8 +404,6 @@ def load_intervention(path: Any, *, allow_pickle: bool = False, check_fingerprin
             FormatVersionError, UnsafePathError and RecipeHelperError say which).
         PickleNotAllowedError: the recipe holds pickled code and ``allow_pickle`` is false.
     """
-    from .persist import check_path_arg
-
     check_path_arg(path)
     with SavedDir(path) as d:
         m = read_manifest(d, "recipe")

@@ -17,40 +17,10 @@ from typing import Any
 from torchlens.errors import ShimUnsupportedError
 
 from . import nethook
-from .nethook import (
-    LayerNotFoundError,
-    StopForward,
-    Trace,
-    TraceDict,
-    get_module,
-    get_parameter,
-    hierarchical_subsequence,
-    invoke_with_optional_args,
-    module_names,
-    parameter_names,
-    recursive_copy,
-    replace_module,
-    set_requires_grad,
-    subsequence,
-)
+from .nethook import *  # noqa: F403 - the shim's names are exactly nethook's
+from .nethook import __all__ as _NETHOOK_NAMES
 
-__all__ = [
-    "LayerNotFoundError",
-    "StopForward",
-    "Trace",
-    "TraceDict",
-    "get_module",
-    "get_parameter",
-    "hierarchical_subsequence",
-    "invoke_with_optional_args",
-    "module_names",
-    "nethook",
-    "parameter_names",
-    "recursive_copy",
-    "replace_module",
-    "set_requires_grad",
-    "subsequence",
-]
+__all__ = ["nethook", *_NETHOOK_NAMES]
 
 # Names the real baukit package exports outside nethook.
 _NOT_PROVIDED = frozenset(
