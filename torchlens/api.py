@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .capture.request import CaptureRequest, normalize
+from .capture.request import CaptureRequest, normalize, split_inputs
 from .core.selectors import Selector, as_selector, split_pass
 from .core.trace import Trace
 from .edits import When
@@ -158,14 +158,6 @@ def trace_until(model: nn.Module, args: tuple, kwargs: dict, until: Any, interve
     return result
 
 
-def _call_inputs(x: Any) -> tuple[tuple, dict]:
-    if isinstance(x, dict):
-        return (), dict(x)
-    if isinstance(x, tuple):
-        return x, {}
-    return (x,), {}
-
-
 def extract(model: nn.Module, x: Any, sites: Any, *, grad: bool = False, backend: str | None = None) -> dict:
     """Read activations in one forward; module outputs are read with forward hooks only.
 
@@ -194,7 +186,7 @@ def extract(model: nn.Module, x: Any, sites: Any, *, grad: bool = False, backend
     union = None
     for sel in selectors.values():
         union = sel if union is None else union | sel
-    args, kwargs = _call_inputs(x)
+    args, kwargs = split_inputs(x)
     request = CaptureRequest(model, args, kwargs, record_ops=False, sites=union, save=union, grad=grad)
     if not request.module_only():
         request.record_ops = True

@@ -120,18 +120,11 @@ def do_on_fork(fork, site: Any, edit: Any, *, model=None, inputs=None, check: bo
     return fork
 
 
-def _inputs_to_call(inputs: Any) -> tuple[tuple, dict]:
-    if isinstance(inputs, dict):
-        return (), dict(inputs)
-    if isinstance(inputs, tuple):
-        return inputs, {}
-    return (inputs,), {}
-
-
 def _reexecute(fork, step: Step, model, inputs):
     from .api import trace as _trace
+    from .capture.request import split_inputs
 
-    args, kwargs = _inputs_to_call(inputs)
+    args, kwargs = split_inputs(inputs)
     recipe = [*fork.recipe, step]
     steps = list(fork.steps) + [s.as_when() for s in recipe]
     fresh = _trace(model, *args, intervene=steps, **kwargs)

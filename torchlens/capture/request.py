@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
@@ -41,6 +42,16 @@ class CaptureRequest:
 
 # How op labels look (``linear_3``, ``scaled_dot_product_attention_1``, ``input_0``, ``input_ids``).
 _OP_LABEL = re.compile(r"^(?:[A-Za-z0-9_]+_\d+|input_.+)$")
+
+
+def split_inputs(x: Any) -> tuple[tuple, dict]:
+    """How a user's ``x`` / ``inputs=`` is passed to the model: a dict as keywords, a tuple as
+    positional arguments, anything else as the single positional argument."""
+    if isinstance(x, dict):
+        return (), dict(x)
+    if isinstance(x, tuple):
+        return x, {}
+    return (x,), {}
 
 
 def real_address(model: nn.Module, path: str) -> tuple[str, int | None]:

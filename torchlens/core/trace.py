@@ -361,12 +361,10 @@ class Trace:
         model = model if model is not None else self.model
         if inputs is None:
             args, kwargs = self.args, self.kwargs
-        elif isinstance(inputs, dict):
-            args, kwargs = (), inputs
-        elif isinstance(inputs, tuple):
-            args, kwargs = inputs, {}
         else:
-            args, kwargs = (inputs,), {}
+            from ..capture.request import split_inputs
+
+            args, kwargs = split_inputs(inputs)
         return trace_until(model, args, kwargs, until, intervene=list(self.steps) or None)
 
     def validate(self, **kwargs: Any):
