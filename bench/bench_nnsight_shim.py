@@ -2,9 +2,13 @@
 
 GPT2Config() defaults with random weights, one CPU thread, seed 0, eval mode,
 ``ids = torch.arange(64)[None] % 50257``. For each case both tools run the same
-trace body; the median over ``--reps`` timed runs (after 2 warm-ups, tools
-interleaved run by run so drift hits both alike) is printed as one JSON line per
-tool and case, with the plain forward under ``torch.no_grad()`` as ``base_ms``.
+trace body; each of ``--reps`` repetitions (after 2 warm-ups) times the plain forward under
+``torch.no_grad()`` and then both tools back to back, alternating which goes
+first, so drift and load from elsewhere hit every side alike. One JSON line per
+tool and case gives the median ms, ``base_ms`` (median plain forward) and
+``ratio``, the median of the per-repetition ratios tool / plain forward; the
+shim's line adds ``vs_nnsight``, the median of the per-repetition ratios
+shim / nnsight (below 1: the shim was faster).
 
 Neither tool disables autograd inside a trace (nnsight leaves grad mode alone so
 ``.backward()`` works on what the body reads), so ``ratio`` includes the cost of
@@ -29,6 +33,7 @@ import torch
 import transformers
 
 warnings.filterwarnings("ignore")
+NNSIGHT, SHIM = "nnsight", "torchlens_shims.nnsight"
 NOTE = "trace runs with autograd on (as nnsight does); base_ms is the forward under torch.no_grad()"
 
 
@@ -146,7 +151,7 @@ def main() -> None:
     ref = reference(model, ids)
     tok = local_tokenizer()
     tools = {}
-    for name, lib in (("nnsight", nnsight), ("torchlens_shims.nnsight", shim)):
+    for name, lib in ((NNSIGHT, nnsight), (SHIM, shim)):
         own = copy.deepcopy(model)  # nnsight instruments the module it wraps; keep the tools apart
         tools[name] = make_cases(lib, lib.NNsight(own), lib.TransformersModel(own, tokenizer=tok), ids)
 
@@ -163,30 +168,36 @@ def main() -> None:
         for run in runners.values():  # second warm-up
             run()
         times: dict[str, list[float]] = {name: [] for name in runners}
-        order = list(runners)
+        ratios: dict[str, list[float]] = {name: [] for name in tools}
+        versus: list[float] = []
+        names = list(tools)
         for rep in range(reps):
-            # Rotate who goes first so load drifting over the run hits every tool alike.
-            for name in order[rep % len(order):] + order[: rep % len(order)]:
+            # Like common.measure: each rep times the plain forward and then both tools
+            # back to back (who goes first alternates), so a burst of load from
+            # elsewhere hits every side of a ratio instead of skewing one of them.
+            rep_ms = {}
+            for name in ["base"] + (names if rep % 2 == 0 else names[::-1]):
                 start = time.perf_counter()
                 runners[name]()
-                times[name].append((time.perf_counter() - start) * 1000)
+                rep_ms[name] = (time.perf_counter() - start) * 1000
+                times[name].append(rep_ms[name])
+            for name in tools:
+                ratios[name].append(rep_ms[name] / rep_ms["base"])
+            versus.append(rep_ms[SHIM] / rep_ms[NNSIGHT])
         base_ms = statistics.median(times["base"])
         for name in tools:
-            ms = statistics.median(times[name])
-            print(
-                json.dumps(
-                    {
-                        "tool": name,
-                        "case": case,
-                        "ms": round(ms, 2),
-                        "base_ms": round(base_ms, 2),
-                        "ratio": round(ms / base_ms, 3),
-                        "ok": bool(ok[name]),
-                        "note": NOTE,
-                    }
-                ),
-                flush=True,
-            )
+            row = {
+                "tool": name,
+                "case": case,
+                "ms": round(statistics.median(times[name]), 2),
+                "base_ms": round(base_ms, 2),
+                "ratio": round(statistics.median(ratios[name]), 3),
+                "ok": bool(ok[name]),
+                "note": NOTE,
+            }
+            if name == SHIM:
+                row["vs_nnsight"] = round(statistics.median(versus), 4)
+            print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

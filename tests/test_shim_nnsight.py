@@ -937,3 +937,26 @@ def test_block_shape_errors():
             for _step in tracer.iter[[-1]]:
                 pass
     assert_clean(model._module)
+
+
+
+def test_output_is_read_before_the_users_own_forward_hooks_as_in_nnsight():
+    """A user hook that rewrites a module's output runs after ``.output`` is handed over."""
+    got = {}
+    for name, lib in LIBS.items():
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)).eval()
+        handle = net[0].register_forward_hook(lambda m, i, o: o * 100)
+        x = torch.randn(3, 4)
+        wrapped = lib.NNsight(net)
+        with wrapped.trace(x):
+            first = wrapped[0].output.save()
+            out = wrapped.output.save()
+        handle.remove()
+        with torch.no_grad():
+            raw_first = net[0](x)
+            hooked_out = net[2](net[1](raw_first * 100))
+        assert torch.allclose(first, raw_first, atol=ATOL), name
+        assert torch.allclose(out, hooked_out, atol=ATOL), name
+        got[name] = (first, out)
+    assert all(torch.allclose(a, b, atol=ATOL) for a, b in zip(got["nnsight"], got["shim"]))

@@ -1,9 +1,13 @@
 """The model side of a run: module hooks hand each value to the parked workers.
 
 A `Run` owns the workers of one traced call and the per-location visit counts.
-A module's ``{path}.input`` / ``{path}.output`` reach `Run.handle` through
-TorchLens's `ModuleHooks` (pre and post callbacks), which serves the workers
-parked there and returns the value, replaced if a worker wrote it.
+A module's ``{path}.input`` reaches `Run.handle` through TorchLens's
+`ModuleHooks` (a pre callback); its ``{path}.output`` is handed over by its gate
+(below) as the forward returns — as real nnsight's controller does, inside the
+module's own hooks — so a read costs no hook and keeps the module on PyTorch's
+fast call path (a post hook is the fallback for a module whose gate was taken
+out of its slot). `Run.handle` serves the workers parked there and returns the
+value, replaced if a worker wrote it.
 
 Hooks are attached lazily, per module, the first time a block asks for one of
 its locations (or a cache subscribes to it): a hooked module leaves PyTorch's
@@ -38,6 +42,7 @@ if TYPE_CHECKING:
     from .batching import Batcher
 
 NO_SKIP = object()
+_ABSENT = object()
 
 
 class EarlyStopException(Exception):
@@ -46,6 +51,12 @@ class EarlyStopException(Exception):
 
 class Run:
     """The workers of one traced call, fed location by location."""
+
+    # Slots: every gate reads several of these on every module call.
+    __slots__ = (
+        "workers", "batcher", "counts", "parked", "observers", "thread", "owner", "hooksets",
+        "hooked", "attached", "deliver", "once", "stack", "hooked_mid_call", "skipping",
+    )
 
     def __init__(self, workers: list[Worker], batcher: Batcher | None, hooksets: list[HookSet] = ()) -> None:
         self.workers = workers
@@ -60,7 +71,10 @@ class Run:
         self.hooksets = list(hooksets)
         self.hooked: set[str] = set()  # locations whose module hook is attached
         self.attached: list[ModuleHooks] = []
+        # Modules whose gate hands their output over (id -> location); those in
+        # `once` only for the call running now (a post hook serves the rest).
         self.deliver: dict[int, str] = {}
+        self.once: set[int] = set()
         self.stack: list[int] = []  # modules whose forward is running (pushed by their gates)
         self.hooked_mid_call: set[int] = set()  # modules first hooked while their forward ran
         self.skipping: int | None = None  # module whose skip check is serving a block
@@ -86,6 +100,7 @@ class Run:
                 error = error or exc
         self.hooked.clear()
         self.deliver.clear()
+        self.once.clear()
         self.hooked_mid_call.clear()
         if error is not None:
             raise error
@@ -267,12 +282,21 @@ class HookSet:
             self.all_sites.append(site)
             self.sites[site.input] = site
             self.sites[site.output] = site
-        # Each module's children as they were, to notice a tree edited since.
-        self._shape = [(site.module._modules, tuple(site.module._modules.values())) for site in self.all_sites]
+        # Each module's children as they were, to notice a tree edited since. Most
+        # modules are leaves: for them "still no children" is one truth test, done
+        # for all of them at C speed by `any`, so only the rest keep a snapshot.
+        self._leaves = [site.module._modules for site in self.all_sites if not site.module._modules]
+        self._shape = [
+            (site.module._modules, tuple(site.module._modules.values()))
+            for site in self.all_sites
+            if site.module._modules
+        ]
         self._saved: list[tuple[Site, bool, Any]] = []
 
     def current(self) -> bool:
         """Whether no module of the tree gained, lost or swapped a child since this was built."""
+        if any(self._leaves):
+            return False
         for children, snapshot in self._shape:
             if len(children) != len(snapshot) or tuple(children.values()) != snapshot:
                 return False
@@ -281,14 +305,19 @@ class HookSet:
     def __enter__(self) -> HookSet:
         tree = self.tree
         saved = self._saved
+        append = saved.append
         sourced = tree.sourced
         try:
             for site in self.all_sites:
                 module = site.module
                 own = module.__dict__
-                previous = own.get("forward")
-                saved.append((site, previous is not None or "forward" in own, previous))
-                forward = module.forward
+                previous = own.get("forward", _ABSENT)
+                if previous is _ABSENT:
+                    append((site, False, None))
+                    forward = module.forward
+                else:
+                    append((site, True, previous))
+                    forward = previous
                 entry = sourced.get(id(module)) if sourced else None
                 site.body = forward if entry is None else entry[0]
                 gate = site.gate
@@ -303,10 +332,11 @@ class HookSet:
 
     def __exit__(self, *exc: object) -> None:
         for site, had, previous in reversed(self._saved):
+            own = site.module.__dict__
             if had:
-                site.module.__dict__["forward"] = previous
+                own["forward"] = previous
             else:
-                site.module.__dict__.pop("forward", None)
+                own.pop("forward", None)
             site.body = None
         self._saved.clear()
 
@@ -334,6 +364,11 @@ class HookSet:
                 hooks.on_input("", _pre_hook(self.tree, location))
         else:
             run.counts[location] = outputs
+            if module.__dict__.get("forward") is site.gate:
+                # The gate is in place: it hands every output over itself, which
+                # keeps the module on PyTorch's fast call path and costs no hook.
+                run.deliver[mid] = location
+                return
             hooks = site.hooks_out
             if hooks is None:
                 hooks = site.hooks_out = ModuleHooks(module)
@@ -342,6 +377,7 @@ class HookSet:
                 # Its forward is running on PyTorch's fast path: no post hook will
                 # fire for this call, so the gate hands the output over itself.
                 run.deliver[mid] = location
+                run.once.add(mid)
         hooks.reset_counts()
         hooks.__enter__()
         run.attached.append(hooks)
@@ -415,9 +451,13 @@ def _gate(tree: Tree, site: Site) -> Callable:
             stack.append(mid)
             output = site.body(*args, **kwargs)
             stack.pop()
-        if run.deliver:
-            location = run.deliver.pop(mid, None)
+        deliver = run.deliver
+        if deliver:
+            location = deliver.get(mid)
             if location is not None:
+                if mid in run.once:
+                    run.once.discard(mid)
+                    del deliver[mid]
                 output = run.handle(location, output)
         return output
 
