@@ -364,3 +364,16 @@ def test_seed_fences_pass_verbatim():
     torchlens_lines = [line for line in lines if "_torchlens" in line]
     assert len(torchlens_lines) == 3, proc.stdout
     assert all(line.startswith("PASS") for line in torchlens_lines), proc.stdout + proc.stderr
+
+
+def test_a_hooks_only_trace_refuses_replay_instead_of_a_silent_no_op():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)).eval()
+    x = torch.randn(2, 4)
+    trace = tl.trace(net, x, intervene=tl.when(tl.module("0"), tl.scale(2.0)), save=tl.module("0"))
+    assert trace.engine == "hooks" and trace.ops == []
+    with pytest.raises(tl.ReplayNotExactError) as info:
+        trace.fork().do(tl.module("1"), tl.zero_ablate())
+    assert "model=model" in info.value.remedy
+    redone = trace.fork().do(tl.module("1"), tl.zero_ablate(), model=net, inputs=x)
+    assert torch.allclose(redone.output, net[2](torch.zeros(2, 4)), atol=1e-6)

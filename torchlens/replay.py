@@ -102,6 +102,12 @@ def do_on_fork(fork, site: Any, edit: Any, *, model=None, inputs=None, check: bo
         )
     if model is not None:
         return _reexecute(fork, Step(selector, edit), model, inputs)
+    if fork.engine == "hooks":
+        raise ReplayNotExactError(
+            "this trace was served by module hooks alone and holds no op graph to replay",
+            remedy="Re-execute with do(site, edit, model=model, inputs=x), or capture with tl.trace(model, x) "
+            "(without a module-only save= next to intervene=) to get the graph.",
+        )
     records = selector.match(fork)
     if not records:
         from .errors import EmptySelectionError
