@@ -347,3 +347,22 @@ def test_capture_records_without_autograd_by_default(small_mlp, mlp_input):
     with_grad = tl.trace(small_mlp, mlp_input, grad=True)
     assert with_grad["linear_2"].out.requires_grad
     assert torch.equal(with_grad.output.detach(), trace.output)
+
+
+def test_forward_slots_give_every_slot_back_exactly_as_it_was():
+    from torchlens.capture.hooks import ForwardSlots
+
+    plain, patched = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    custom = patched.forward  # a bound method stored on the instance, as some libraries do
+    patched.__dict__["forward"] = custom
+    x = torch.randn(1, 2)
+    with pytest.raises(RuntimeError, match="boom"):
+        with ForwardSlots() as slots:
+            original = slots.install(plain, lambda *a: torch.zeros(1, 2))
+            assert slots.install(patched, lambda *a: torch.ones(1, 2)) is custom
+            assert torch.equal(plain(x), torch.zeros(1, 2)) and torch.equal(patched(x), torch.ones(1, 2))
+            assert torch.equal(original(x), torch.nn.functional.linear(x, plain.weight, plain.bias))
+            raise RuntimeError("boom")
+    assert "forward" not in plain.__dict__
+    assert patched.__dict__["forward"] is custom
+    assert torch.equal(plain(x), torch.nn.functional.linear(x, plain.weight, plain.bias))

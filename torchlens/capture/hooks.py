@@ -175,3 +175,44 @@ class ModuleHooks:
             return replaced
 
         return post_hook
+
+
+_NO_FORWARD = object()
+
+
+class ForwardSlots:
+    """Wrappers placed in modules' instance ``forward`` slot for one run, then restored.
+
+    Some interventions cannot be hooks: PyTorch chooses a module's ``forward`` before its
+    pre-hooks run, so a hook can neither skip a module nor read its output before the
+    user's own hooks do. A wrapper in the instance slot can. Like ``ModuleHooks``, this
+    is the one place that puts them in and takes them out: ``restore`` (or ``__exit__``)
+    gives every slot back exactly what it held — an instance attribute, or nothing.
+    """
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[nn.Module, Any]] = []
+
+    def install(self, module: nn.Module, wrapper: Callable[..., Any]) -> Callable[..., Any]:
+        """Put ``wrapper`` in ``module``'s forward slot; return the forward it stands in for."""
+        own = module.__dict__
+        previous = own.get("forward", _NO_FORWARD)
+        self._saved.append((module, previous))
+        forward = module.forward if previous is _NO_FORWARD else previous
+        own["forward"] = wrapper
+        return forward
+
+    def restore(self) -> None:
+        for module, previous in reversed(self._saved):
+            own = module.__dict__
+            if previous is _NO_FORWARD:
+                own.pop("forward", None)
+            else:
+                own["forward"] = previous
+        self._saved.clear()
+
+    def __enter__(self) -> ForwardSlots:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()

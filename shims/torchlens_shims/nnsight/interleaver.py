@@ -15,11 +15,12 @@ fast call path, so hooking all of a 12-layer model to read one block would cost
 more than the read. What makes lazy attachment exact is the *gate*: skipping a
 module cannot be done from a hook (PyTorch binds ``forward`` before the pre hooks
 run), so every module gets a pass-through gate in its instance ``forward`` slot
-for the run. The gate asks ``{path}.skip`` on every call — which also counts the
+for the run, placed by TorchLens's `ForwardSlots`. The gate asks ``{path}.skip`` on every call — which also counts the
 module's visits — so a module hooked late starts with the right visit counts,
 and a module asked for while its own forward is already running (fast path, no
-post hook to come) has its output handed over by its gate instead. Hooks and
-gates are all removed when the run ends, whatever happened inside it.
+post hook to come) has its output handed over by its gate instead. Hooks
+(`ModuleHooks`) and gates (`ForwardSlots`) are all removed when the run ends,
+whatever happened inside it: the shim itself never touches a module's hooks or slots.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from greenlet import GreenletExit
 from torch import nn
 
-from torchlens.capture.hooks import ModuleHooks
+from torchlens.capture.hooks import ForwardSlots, ModuleHooks
 
 from .errors import BarrierError, OutOfOrderError
 from .worker import BARRIER, Worker
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
     from .batching import Batcher
 
 NO_SKIP = object()
-_ABSENT = object()
 
 
 class EarlyStopException(Exception):
@@ -291,7 +291,7 @@ class HookSet:
             for site in self.all_sites
             if site.module._modules
         ]
-        self._saved: list[tuple[Site, bool, Any]] = []
+        self._slots = ForwardSlots()
 
     def current(self) -> bool:
         """Whether no module of the tree gained, lost or swapped a child since this was built."""
@@ -303,42 +303,28 @@ class HookSet:
         return True
 
     def __enter__(self) -> HookSet:
+        # TorchLens's slot layer puts the gates in and guarantees they all come out.
         tree = self.tree
-        saved = self._saved
-        append = saved.append
         sourced = tree.sourced
+        slots = self._slots
         try:
             for site in self.all_sites:
-                module = site.module
-                own = module.__dict__
-                previous = own.get("forward", _ABSENT)
-                if previous is _ABSENT:
-                    append((site, False, None))
-                    forward = module.forward
-                else:
-                    append((site, True, previous))
-                    forward = previous
-                entry = sourced.get(id(module)) if sourced else None
-                site.body = forward if entry is None else entry[0]
                 gate = site.gate
                 if gate is None:
                     gate = site.gate = _gate(tree, site)
+                forward = slots.install(site.module, gate)
+                entry = sourced.get(id(site.module)) if sourced else None
+                site.body = forward if entry is None else entry[0]
                 gate.__wrapped__ = forward  # generate() reads the forward's signature
-                own["forward"] = gate
         except BaseException:
             self.__exit__(None, None, None)
             raise
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for site, had, previous in reversed(self._saved):
-            own = site.module.__dict__
-            if had:
-                own["forward"] = previous
-            else:
-                own.pop("forward", None)
+        self._slots.restore()
+        for site in self.all_sites:
             site.body = None
-        self._saved.clear()
 
     def attach(self, run: Run, site: Site, location: str) -> None:
         """Hook ``site``'s input or output now, starting its count where the gate has it."""
