@@ -287,5 +287,5 @@ def test_built_api_page_documents_the_entry_points(built_site) -> None:
         pytest.skip("the site did not build; test_mkdocs_build_strict says why")
     html = (site / "api" / "index.html").read_text(encoding="utf-8")
     for name in ("torchlens.trace", "torchlens.extract", "torchlens.Trace", "torchlens.Fork",
-                 "torchlens.when", "torchlens.validate.validate"):
+                 "torchlens.when", "torchlens.validate"):
         assert f'id="{name}"' in html, f"{name} is missing from the API reference"

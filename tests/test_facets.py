@@ -16,7 +16,7 @@ import torch
 import transformers
 
 import torchlens as tl
-from torchlens import facets as facets_mod
+from torchlens.analysis import facets as facets_mod
 from torchlens.errors import (
     FacetReadOnlyError,
     FusedKernelError,

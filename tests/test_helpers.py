@@ -13,8 +13,8 @@ import torch
 from conftest import assert_equal_tree, edited_forward
 
 import torchlens as tl
+from torchlens.edit.helpers import helper_class
 from torchlens.errors import EditShapeError, InvalidArgumentError, UnknownHelperError
-from torchlens.helpers import helper_class
 
 
 def _relu(model, x):

@@ -348,7 +348,7 @@ def test_layers_by_index_canonical_name_module_and_label(spec, traces):
 
 
 def test_head_patch_is_a_registered_named_helper():
-    from torchlens.helpers import helper_class
+    from torchlens.edit.helpers import helper_class
 
     assert helper_class("patch_head") is mechinterp.HeadPatch
     edit = head_edit(2, torch.ones(3), "output")

@@ -26,7 +26,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import torchlens as tl
-from torchlens import ondisk, persist
 from torchlens.core.records import NOT_REPLAYABLE
 from torchlens.errors import (
     FormatVersionError,
@@ -38,6 +37,8 @@ from torchlens.errors import (
     UnsafePathError,
     ValueNotSavedError,
 )
+from torchlens.store import _ondisk as ondisk
+from torchlens.store import traces as persist
 
 ROUND_TRIP_ZOO = ["tiny_gpt2", "tiny_llama", "minilm", "cnn", "shared_twice", "inplace_net", "control_flow",
                   "tuple_out", "dict_out"]
@@ -122,7 +123,7 @@ def test_fork_round_trip_keeps_edits_and_can_continue(tiny_gpt2, tmp_path):
     assert torch.equal(loaded.output.logits, fork.output.logits)
     assert torch.equal(loaded.parent.output.logits, trace.output.logits)
     assert tl.debug.compare(loaded, fork).same and tl.debug.compare(loaded.parent, trace).same
-    assert [s.selector.describe() for s in loaded.recipe] == ["module('transformer.h.0')"]
+    assert [s.site.describe() for s in loaded.recipe] == ["module('transformer.h.0')"]
     more = fork.fork().do(tl.module("transformer.h.1.mlp"), tl.scale(0.0))
     assert torch.equal(loaded.fork().do(tl.module("transformer.h.1.mlp"), tl.scale(0.0)).output.logits,
                        more.output.logits)

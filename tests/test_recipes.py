@@ -18,7 +18,7 @@ import transformers
 from conftest import assert_equal_tree, edited_forward, manifest_of, rewrite
 
 import torchlens as tl
-from torchlens import ondisk
+from torchlens.edit.helpers import Helper
 from torchlens.errors import (
     FingerprintMismatchError,
     InvalidArgumentError,
@@ -29,8 +29,8 @@ from torchlens.errors import (
     RecipeHelperError,
     UnknownHelperError,
 )
-from torchlens.helpers import Helper
-from torchlens.recipes import Recipe, StoredSource, selector_from_dict, selector_to_dict
+from torchlens.store import _ondisk as ondisk
+from torchlens.store.recipes import Recipe, StoredSource, selector_from_dict, selector_to_dict
 
 IDS = torch.tensor([[1, 2, 3, 4, 5]])
 OTHER_IDS = torch.tensor([[9, 8, 7, 6, 5]])
@@ -90,7 +90,7 @@ def test_tensor_number_and_op_level_edits_round_trip(mlp, x, tmp_path):
     fork = trace.fork().do(tl.module("fc1"), torch.full((6,), 0.25)).do(relu_label, 3.0)
     fork.do(tl.in_module("fc2") & tl.func("linear"), tl.zero_ablate())
     recipe = tl.load_intervention(fork.save_intervention(tmp_path / "r"))
-    assert [s.site.describe() for s in recipe] == [s.selector.describe() for s in fork.recipe]
+    assert [s.site.describe() for s in recipe] == [s.site.describe() for s in fork.recipe]
     applied = recipe.apply(tl.trace(mlp, x))
     assert torch.equal(applied.output, fork.output)
     assert torch.equal(applied.output, torch.zeros(3, 3))  # fc2's linear was zeroed last

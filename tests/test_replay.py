@@ -6,6 +6,7 @@ a plain forward hook doing the same edit, and ``do(..., model=, inputs=)`` (re-e
 
 from __future__ import annotations
 
+import pathlib
 import subprocess
 import sys
 
@@ -25,7 +26,8 @@ from torch import nn
 import torchlens as tl
 from torchlens.errors import InvalidArgumentError, ReplayNotExactError, SiteNotFoundError
 
-SEED_DIR = "/work/shared/acceptance/seed_fences"
+SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared"  # beside the repository root
+SEED_DIR = str(SHARED / "acceptance" / "seed_fences")
 ATOL = 1e-5
 
 
@@ -358,7 +360,7 @@ def test_replay_through_a_chain_of_in_place_ops(inplace_net):
 
 
 def test_seed_fences_pass_verbatim():
-    proc = subprocess.run([sys.executable, "/work/shared/acceptance/run_fences.py", SEED_DIR],
+    proc = subprocess.run([sys.executable, str(SHARED / "acceptance" / "run_fences.py"), SEED_DIR],
                           capture_output=True, text=True, timeout=600)
     lines = proc.stdout.splitlines()
     torchlens_lines = [line for line in lines if "_torchlens" in line]

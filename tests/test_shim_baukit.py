@@ -38,16 +38,8 @@ from torchlens.errors import (
     TorchLensError,
 )
 
-_FENCE_PATH = "acceptance/seed_fences/baukit_guide_baukit.py"
-# shared/ sits beside the repository (CI lays a copy there); /work/shared on dev machines.
-FENCE = next(
-    (
-        shared / _FENCE_PATH
-        for shared in (pathlib.Path(__file__).resolve().parents[2] / "shared", pathlib.Path("/work/shared"))
-        if (shared / _FENCE_PATH).exists()
-    ),
-    pathlib.Path("/work/shared") / _FENCE_PATH,
-)
+# shared/ sits beside the repository root (CI lays a copy there); nowhere else.
+FENCE = pathlib.Path(__file__).resolve().parents[2] / "shared" / "acceptance/seed_fences/baukit_guide_baukit.py"
 IDS = torch.tensor([[3, 14, 15, 9, 26, 5, 35, 8]])
 
 

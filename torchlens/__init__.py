@@ -8,13 +8,17 @@ the recorded graph; ``tl.when`` edits during capture; ``tl.validate`` checks a c
 from importlib.metadata import PackageNotFoundError, version
 
 from . import debug, errors, mechinterp
+from ._services import install_services
 from .api import extract, trace
 from .arch import arch
 from .core.records import ModuleCall, Op
 from .core.selectors import Selector, func, in_module, module
 from .core.sites import Site, Sites
+from .core.steps import Step
 from .core.trace import Fork, Trace
-from .edits import AppliedEdit, EditContext, When, when
+from .edit.edits import AppliedEdit, EditContext, When, when
+from .edit.helpers import Helper, add, mean_ablate, noise, patch_from, register_helper, scale, zero_ablate
+from .edit.validate import ValidationReport, validate
 from .errors import (
     AmbiguousSiteError,
     EditNotAppliedError,
@@ -28,11 +32,11 @@ from .errors import (
     TorchLensError,
     UnsupportedModelError,
 )
-from .helpers import Helper, add, mean_ablate, noise, patch_from, register_helper, scale, zero_ablate
-from .persist import load_trace
 from .plugins import plugins
-from .recipes import Recipe, load_intervention
-from .validate import ValidationReport, validate
+from .store.recipes import Recipe, load_intervention
+from .store.traces import load_trace
+
+install_services()  # traces reach replay, saving, tables and facets through these
 
 try:
     __version__ = version("torchlens")
@@ -59,6 +63,7 @@ __all__ = [
     "Site",
     "SiteNotFoundError",
     "Sites",
+    "Step",
     "TorchLensError",
     "Trace",
     "UnsupportedModelError",

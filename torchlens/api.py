@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from .capture.request import CaptureRequest, normalize, split_inputs
-from .core.selectors import Selector, as_selector, split_pass
+from .arch.resolve import bind
+from .capture.request import CaptureRequest, module_address
+from .core.inputs import split_inputs
+from .core.selectors import Selector, as_selector
+from .core.steps import Step
 from .core.trace import Trace
-from .edits import When
-from .errors import AmbiguousSiteError, EditNotAppliedError, InvalidArgumentError, UnsupportedModelError
-from .plugins import choose_engine
+from .errors import (
+    AmbiguousSiteError,
+    EditNotAppliedError,
+    InvalidArgumentError,
+    SiteNotFoundError,
+    UnsupportedModelError,
+)
+from .plugins import choose_engine, engines
+
+__all__ = ["check_model", "extract", "rerun", "trace", "trace_until"]
 
 
 def check_model(model: Any) -> nn.Module:
@@ -38,7 +49,7 @@ def check_model(model: Any) -> nn.Module:
     return model
 
 
-def _as_whens(intervene: Any, model: nn.Module | None = None) -> list[When]:
+def _as_steps(intervene: Any, model: nn.Module | None = None) -> list[Step]:
     """Capture-time edits from a When, a list of them, or a loaded recipe (checked against ``model``)."""
     if intervene is None:
         return []
@@ -49,8 +60,8 @@ def _as_whens(intervene: Any, model: nn.Module | None = None) -> list[When]:
     for item in items:
         if hasattr(item, "as_whens"):
             whens.extend(item.as_whens(model))
-        elif isinstance(item, When):
-            whens.append(When(item.site, item.edit))  # fresh copy: 'fired' is per capture
+        elif isinstance(item, Step):
+            whens.append(item.for_capture())  # fresh copy: 'fired' is per capture
         else:
             raise InvalidArgumentError(
                 f"intervene= takes tl.when(site, edit), a list of them, or a loaded recipe; got {type(item).__name__}"
@@ -68,10 +79,10 @@ def _as_save(save: Any) -> Selector | None:
     )
 
 
-def _check_fired(whens: list[When], trace: Trace) -> None:
+def _check_fired(whens: list[Step], trace: Trace) -> None:
     for when in whens:
         if not when.fired:
-            fired = list(trace._calls_by_address) or [op.label for op in trace.ops[:20]]
+            fired = trace.module_addresses or [op.label for op in trace.ops[:20]]
             seen = f"modules that ran include {fired[:12]}"
             if not fired:  # the hooks engine observed only the edited modules, and none ran
                 seen = "none of the hooked modules ran (run tl.trace without backend='hooks' to list those that did)"
@@ -123,31 +134,41 @@ def trace(
         FingerprintMismatchError: a loaded recipe was saved for a different model.
     """
     model = check_model(model)
-    whens = _as_whens(intervene, model)
-    for w in whens:
-        w.site = normalize(model, w.site)
+    whens = _bound_steps(model, intervene)
     saved = _as_save(save)
     if saved is not None:
-        saved = normalize(model, saved)
-    request = CaptureRequest(model, args, kwargs, record_ops=backend != "hooks", intervene=whens,
-                             save=saved, grad=grad)
-    if whens and saved is not None and backend is None:
-        # An edit plus a module read needs no op graph: module hooks serve it at hook cost.
-        probe = CaptureRequest(model, args, kwargs, record_ops=False, sites=saved, intervene=whens)
-        if probe.module_only():
-            request = probe
-    elif backend == "hooks" and saved is not None:
-        request.sites = saved
+        saved = bind(model, saved)
+    request = CaptureRequest(model, args, kwargs, record_ops=True, intervene=whens, save=saved, grad=grad)
+    module_request = replace(request, record_ops=False, sites=saved, save=None)
+    if backend is None:
+        if whens and saved is not None and module_request.module_only():
+            # An edit plus a module read needs no op graph: module hooks serve it at hook cost.
+            request = module_request
+    else:
+        named = engines().get(backend)
+        if named is not None and not getattr(named, "records_ops", True):
+            request = module_request  # an engine that records module outputs only (a capability it declares)
     return _capture(request, backend)
+
+
+def _bound_steps(model: nn.Module, intervene: Any) -> list[Step]:
+    """Fresh capture-time steps, their sites resolved against ``model``."""
+    return [Step(bind(model, s.site), s.edit) for s in _as_steps(intervene, model)]
+
+
+def rerun(model: nn.Module, args: tuple, kwargs: dict, steps: list[Step], until: Selector | None = None) -> Trace:
+    """Capture ``model`` again on (args, kwargs) with ``steps`` applied during capture;
+    with ``until``, stop right after it (a partial trace)."""
+    if until is not None:
+        return trace_until(model, args, kwargs, until, intervene=steps or None)
+    return trace(model, *args, intervene=steps or None, **kwargs)
 
 
 def trace_until(model: nn.Module, args: tuple, kwargs: dict, until: Any, intervene: Any = None) -> Trace:
     """Record the forward and stop right after ``until`` fires (a partial trace)."""
     model = check_model(model)
-    whens = _as_whens(intervene, model)
-    for w in whens:
-        w.site = normalize(model, w.site)
-    request = CaptureRequest(model, args, kwargs, intervene=whens, until=normalize(model, as_selector(until)))
+    request = CaptureRequest(model, args, kwargs, intervene=_bound_steps(model, intervene),
+                             until=bind(model, as_selector(until)))
     result = _capture(request, None)
     if result.complete:
         raise EditNotAppliedError(
@@ -182,7 +203,7 @@ def extract(model: nn.Module, x: Any, sites: Any, *, grad: bool = False, backend
         raise InvalidArgumentError(f"sites must be a list or dict of sites, got {type(sites).__name__}")
     if not named:
         raise InvalidArgumentError("extract() needs at least one site")
-    selectors = {k: normalize(model, as_selector(v)) for k, v in named.items()}
+    selectors = {k: bind(model, as_selector(v)) for k, v in named.items()}
     union = None
     for sel in selectors.values():
         union = sel if union is None else union | sel
@@ -203,13 +224,9 @@ def extract(model: nn.Module, x: Any, sites: Any, *, grad: bool = False, backend
 
 
 def _module_value(result: Trace, path: str, key: str) -> Any:
-    from .capture.request import real_address
-
-    address, pass_index = real_address(result.model, path)
-    calls = result._calls_by_address.get(address, [])
+    address, pass_index = module_address(result.model, path)
+    calls = result.calls_of(address)
     if not calls:
-        from .errors import SiteNotFoundError
-
         raise SiteNotFoundError(f"module {address!r} exists but did not run in this forward", site=key,
                                 remedy="Check the model's forward: this module is skipped for this input.")
     if pass_index is None:
@@ -217,13 +234,9 @@ def _module_value(result: Trace, path: str, key: str) -> Any:
             passes = [f"{address}:{i + 1}" for i in range(len(calls))]
             raise AmbiguousSiteError(f"module {address!r} ran {len(calls)} times; say which pass: {passes}",
                                      site=key, passes=passes)
-        return result._module_out(calls[0])
+        return result.module_output(calls[0])
     if not 1 <= pass_index <= len(calls):
-        from .errors import SiteNotFoundError
-
         raise SiteNotFoundError(f"module {address!r} ran {len(calls)} time(s); there is no pass {pass_index}",
                                 site=key, remedy=f"Use a pass between 1 and {len(calls)}.")
-    return result._module_out(calls[pass_index - 1])
+    return result.module_output(calls[pass_index - 1])
 
-
-__all__ = ["trace", "extract", "trace_until", "check_model", "split_pass"]

@@ -7,12 +7,14 @@ import sys
 
 import torch
 
+import torchlens as tl
+
+from ._demo_model import TinyLM
+
+__all__ = ["demo", "main"]
+
 
 def demo() -> int:
-    import torchlens as tl
-
-    from .demo_model import TinyLM
-
     torch.manual_seed(0)
     model = TinyLM().eval()
     ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
@@ -49,8 +51,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         return demo()
     if args.command == "plugins":
-        import torchlens as tl
-
         for p in tl.plugins():
             print(f"{p.name:45s} {p.kind:18s} {p.version:10s} {p.origin}" + (f"  ERROR {p.error}" if p.error else ""))
         return 0

@@ -9,6 +9,16 @@ from __future__ import annotations
 
 from typing import Any
 
+__all__ = [
+    "AmbiguousSiteError", "CaptureError", "EditError", "EditNotAppliedError", "EditShapeError",
+    "EmptySelectionError", "FacetReadOnlyError", "FingerprintMismatchError", "FormatVersionError",
+    "FusedKernelError", "InvalidArgumentError", "NotPortableError", "OutOfOrderError", "PickleNotAllowedError",
+    "PluginError", "RecipeError", "RecipeExistsError", "RecipeFormatError", "RecipeHelperError", "ReplayError",
+    "ReplayNotExactError", "ShimUnsupportedError", "SiteError", "SiteNotFoundError", "StopCapture",
+    "TooManySitesError", "TorchLensError", "UnknownHelperError", "UnsafePathError", "UnsupportedModelError",
+    "ValueNotSavedError", "all_error_classes",
+]
+
 
 class TorchLensError(Exception):
     """Root of every TorchLens error; its message always ends with what to do."""

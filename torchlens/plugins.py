@@ -1,9 +1,16 @@
-"""The one plugin manager: created on first use, loading the ``torchlens`` entry points.
+"""The one plugin manager: created on first use, built-ins registered in code, then the
+``torchlens`` entry points (third parties), then whatever is registered at run time.
 
-Built-in engines, helpers and adapters come in through the same entry-point group as a
-third party's, so nothing in the core names them. A plugin that fails to import, implements
-a hook that does not exist, or whose hook raises is reported (``tl.plugins()``, a warning
-naming it) and skipped, never fatal: TorchLens keeps working with the other plugins.
+Built-in engines, helpers, facets and adapters are plugins like a third party's (listed in
+``BUILTIN_PLUGINS``; a source checkout works without installing), so nothing in the core
+names them. A plugin that fails to import, implements a hook that does not exist, or whose
+hook raises is reported (``tl.plugins()``, a warning naming it) and skipped, never fatal.
+
+One dispatch order for every hook: the most recently registered plugin is asked first
+(pluggy's order: run-time registrations, then entry points, then built-ins), so a later
+plugin can specialise an earlier one. For hooks that hand out named things (engines,
+helpers) a name belongs to the plugin that registered it first; a later plugin offering
+the same name is reported and skipped, so a third party cannot silently replace a built-in.
 """
 
 from __future__ import annotations
@@ -14,22 +21,34 @@ import os
 import sys
 import threading
 import warnings
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import pluggy
 
 from . import hookspecs
-from .errors import InvalidArgumentError, PluginError, SiteNotFoundError, TorchLensError, UnsupportedModelError
+from .errors import InvalidArgumentError, PluginError, SiteNotFoundError, TorchLensError
+
+__all__ = [
+    "BUILTIN_PLUGINS", "PluginInfo", "adapter_for", "adapter_with_owner", "adapters", "choose_engine", "engines",
+    "facets_for", "generation", "helpers", "is_registered", "plugins", "register", "reload", "report_failure",
+    "unregister",
+]
 
 _lock = threading.RLock()
 _pm: pluggy.PluginManager | None = None
 _failures: dict[tuple[str, str], PluginInfo] = {}
 _cache: dict[str, Any] = {}
-# model -> (structure token, ArchView): canonical names are resolved on every lookup that
-# misses a real address, and building a view walks the model; cleared with _cache.
-_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_generation = 0  # bumped whenever the set of plugins changes (caches elsewhere compare it)
+# The built-in plugins, registered in code before any entry point: (name, module, attribute).
+BUILTIN_PLUGINS = (
+    ("torchlens:engine_hooks", "torchlens.capture.engines", "HooksEnginePlugin"),
+    ("torchlens:engine_function_mode", "torchlens.capture.engines", "FunctionModeEnginePlugin"),
+    ("torchlens:helpers_builtin", "torchlens.edit.helpers", "BuiltinHelpersPlugin"),
+    ("torchlens:facets_builtin", "torchlens.analysis.facets", "FacetPlugin"),
+    ("torchlens:heads_builtin", "torchlens.analysis.heads", "HeadsPlugin"),
+    ("torchlens:adapters_builtin", "torchlens_adapters", "plugin"),
+)
 _HOOK_KINDS = (("torchlens_engines", "engine"), ("torchlens_adapters", "adapter"),
                ("torchlens_choose_adapter", "adapter"), ("torchlens_helpers", "helpers"),
                ("torchlens_facets", "facet"))
@@ -67,12 +86,20 @@ def _manager() -> pluggy.PluginManager:
             return _pm
         pm = pluggy.PluginManager("torchlens")
         pm.add_hookspecs(hookspecs)
+        for name, module_name, attribute in BUILTIN_PLUGINS:
+            try:
+                obj = getattr(importlib.import_module(module_name), attribute)
+                pm.register(obj, name=name)
+            except Exception as exc:  # noqa: BLE001 - a broken built-in is reported like any plugin
+                _fail(name, "import", exc, "torchlens")
+                continue
+            _check_unknown_hooks(pm, obj, name)
         for ep in md.entry_points(group="torchlens"):
             dist = ep.dist.name if ep.dist else "?"
             name = f"{dist}:{ep.name}"
             try:
                 obj = ep.load()
-                if obj is None:  # a placeholder entry point: nothing to register yet
+                if obj is None or pm.is_registered(obj):  # a placeholder, or a built-in listed again
                     continue
                 pm.register(obj, name=name)
             except Exception as exc:  # noqa: BLE001 - a broken plugin must not break TorchLens
@@ -111,13 +138,28 @@ def _version(dist: str) -> str:
         return "?"
 
 
+def generation() -> int:
+    """A number that changes whenever plugins are registered, removed or reloaded."""
+    return _generation
+
+
+def _changed() -> None:
+    global _generation
+    _cache.clear()
+    _generation += 1
+
+
+def report_failure(name: str, where: str, exc: BaseException | str) -> None:
+    """Report a plugin that failed outside the manager (an adapter's ``view()`` ...)."""
+    _fail(name, where, exc)
+
+
 def reload() -> None:
     """Forget every plugin and rediscover the entry points (after installing a plugin package)."""
     global _pm
     with _lock:
         _pm = None
-        _cache.clear()
-        _views.clear()
+        _changed()
         _failures.clear()
         importlib.invalidate_caches()
 
@@ -127,8 +169,12 @@ def register(plugin: Any, name: str | None = None) -> None:
     pm = _manager()
     pm.register(plugin, name=name)
     _check_unknown_hooks(pm, plugin, name or pm.get_name(plugin) or repr(plugin))
-    _cache.clear()
-    _views.clear()
+    _changed()
+
+
+def is_registered(name: str) -> bool:
+    """Whether a plugin of that name is registered."""
+    return _manager().get_plugin(name) is not None
 
 
 def unregister(plugin: Any = None, name: str | None = None) -> None:
@@ -138,20 +184,15 @@ def unregister(plugin: Any = None, name: str | None = None) -> None:
     pm.unregister(plugin=plugin, name=name)
     for key in [k for k in _failures if k[0] == gone]:
         del _failures[key]
-    _cache.clear()
-    _views.clear()
+    _changed()
 
 
-def _collect(hook_name: str, registration_order: bool = False) -> list[tuple[str, Any]]:
-    """Call a collecting hook plugin by plugin, isolating failures by plugin name.
-
-    Pluggy's call order is last-registered first (so a plugin registered at run time can
-    override a built-in); ``registration_order`` reverses that where the first one must win.
-    """
+def _collect(hook_name: str) -> list[tuple[str, Any]]:
+    """Call a collecting hook plugin by plugin, in the dispatch order (most recent first),
+    isolating failures by plugin name."""
     pm = _manager()
-    impls = getattr(pm.hook, hook_name).get_hookimpls()
     found: list[tuple[str, Any]] = []
-    for impl in impls if registration_order else reversed(impls):
+    for impl in reversed(getattr(pm.hook, hook_name).get_hookimpls()):
         try:
             items = list(_call(hook_name, impl) or ())
         except Exception as exc:  # noqa: BLE001
@@ -161,29 +202,40 @@ def _collect(hook_name: str, registration_order: bool = False) -> list[tuple[str
     return found
 
 
+def _named(hook_name: str, valid: Any, what: str) -> dict[str, tuple[str, Any]]:
+    """Named items of a collecting hook: ``{name: (plugin, item)}`` in dispatch order; a name
+    belongs to the plugin that registered first, a later one offering it is reported."""
+    owners: dict[str, tuple[str, Any]] = {}
+    for plugin_name, item in reversed(_collect(hook_name)):  # registration order decides ownership
+        problem = valid(item)
+        name = getattr(item, "name", None)
+        if problem is not None:
+            _fail(plugin_name, hook_name, f"{item!r} {problem}")
+        elif name in owners and owners[name][1] is not item:
+            _fail(plugin_name, hook_name, f"{what} named {name!r} is already registered")
+        else:
+            owners.setdefault(name, (plugin_name, item))
+    return dict(reversed(owners.items()))
+
+
 # -- engines -------------------------------------------------------------------------------
 
 
+def _engine_problem(engine: Any) -> str | None:
+    if not isinstance(getattr(engine, "name", None), str) or not callable(getattr(engine, "capture", None)) \
+            or not callable(getattr(engine, "cost", None)):
+        return "lacks name/cost()/capture()"
+    return None
+
+
 def engines() -> dict[str, Any]:
-    """Every registered capture engine by name (the first registered wins a name clash)."""
+    """Every registered capture engine by name, in dispatch order (see the module docstring)."""
     cached = _cache.get("engines")
     if cached is None:
-        cached = {}
-        owners: dict[str, str] = {}
-        for plugin_name, engine in _collect("torchlens_engines", registration_order=True):
-            name = getattr(engine, "name", None)
-            if not isinstance(name, str) or not callable(getattr(engine, "capture", None)) or not callable(
-                getattr(engine, "cost", None)
-            ):
-                _fail(plugin_name, "torchlens_engines", f"{engine!r} lacks name/cost()/capture()")
-                continue
-            if name in cached:
-                _fail(plugin_name, "torchlens_engines", f"a capture engine named {name!r} is already registered")
-                continue
-            cached[name] = engine
-            owners[name] = plugin_name
+        named = _named("torchlens_engines", _engine_problem, "a capture engine")
+        cached = {name: engine for name, (_, engine) in named.items()}
         _cache["engines"] = cached
-        _cache["engine_owners"] = owners
+        _cache["engine_owners"] = {name: owner for name, (owner, _) in named.items()}
     return cached
 
 
@@ -228,16 +280,11 @@ def choose_engine(request: Any, backend: str | None) -> Any:
 
 
 def helpers() -> dict[str, type]:
-    """Every edit helper class registered by plugins, by name (the first registered wins)."""
+    """Every edit helper class registered by plugins, by name (see the module docstring)."""
     cached = _cache.get("helpers")
     if cached is None:
-        cached = {}
-        for plugin_name, cls in _collect("torchlens_helpers", registration_order=True):
-            name = getattr(cls, "name", None)
-            if name in cached and cached[name] is not cls:
-                _fail(plugin_name, "torchlens_helpers", f"an edit helper named {name!r} is already registered")
-                continue
-            cached[name] = cls
+        named = _named("torchlens_helpers", lambda cls: None, "an edit helper")
+        cached = {name: cls for name, (_, cls) in named.items()}
         _cache["helpers"] = cached
     return cached
 
@@ -258,7 +305,8 @@ def adapters() -> list[Any]:
     return [adapter for _, adapter in _adapters_with_owner()]
 
 
-def _adapter_for(model: Any) -> tuple[Any | None, str]:
+def adapter_with_owner(model: Any) -> tuple[Any | None, str]:
+    """The adapter serving ``model`` and the plugin that offered it (``(None, "")``: none)."""
     pm = _manager()
     for impl in reversed(pm.hook.torchlens_choose_adapter.get_hookimpls()):
         try:
@@ -283,103 +331,7 @@ def _adapter_for(model: Any) -> tuple[Any | None, str]:
 def adapter_for(model: Any) -> Any | None:
     """The adapter serving ``model``: a plugin's explicit choice, else by ``config.model_type``,
     else a fallback adapter (the generic one, which looks for a repeated block list)."""
-    return _adapter_for(model)[0]
-
-
-def arch_view(model: Any) -> Any:
-    """``tl.arch(model)``: the serving adapter's view of the model.
-
-    Raises:
-        UnsupportedModelError: no adapter serves the model (remedy: how to write one).
-        PluginError: the adapter raised something other than a TorchLens error.
-    """
-    from .arch import ADAPTER_REMEDY
-
-    adapter, owner = _adapter_for(model)
-    if adapter is None:
-        model_type = getattr(getattr(model, "config", None), "model_type", None)
-        raise UnsupportedModelError(
-            f"no architecture adapter serves {type(model).__name__} (config.model_type={model_type!r})",
-            remedy=ADAPTER_REMEDY,
-        )
-    name = getattr(adapter, "name", type(adapter).__name__)
-    try:
-        return adapter.view(model)
-    except TorchLensError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - reported with the plugin's name
-        _fail(owner, f"adapter {name}.view()", exc)
-        raise PluginError(
-            f"adapter {name!r} (plugin {owner}) failed on {type(model).__name__}: {exc!r}",
-            plugin=owner,
-            remedy="Fix or uninstall the plugin named; real module paths work without an adapter.",
-        ) from exc
-
-
-def canonical_selector(model: Any, path: str) -> Any | None:
-    """The selector a canonical name (``blocks.3.resid_mid``, ``embed``) stands for in ``model``.
-
-    Returns None when ``path`` is not a canonical name or no adapter serves the model, so
-    callers fall back to treating it as a module path.
-
-    Raises:
-        SiteNotFoundError: the name is canonical but this model has no such site (a block
-        index out of range, GPT-NeoX's parallel residual has no ``resid_mid`` ...).
-    """
-    from .arch import is_canonical
-
-    if model is None or not is_canonical(path):
-        return None
-    view = _cached_view(model)
-    return None if view is None else view.selector(path)
-
-
-def _cached_view(model: Any) -> Any | None:
-    """The model's view, rebuilt when its config object or block list changed."""
-    try:
-        hit = _views.get(model)
-    except TypeError:  # not weak-referenceable
-        hit = None
-    if hit is not None and hit[0] == _view_token(model, hit[1]):
-        return hit[1]
-    try:
-        view = arch_view(model)
-    except (UnsupportedModelError, PluginError):
-        view = None
-    try:
-        _views[model] = (_view_token(model, view), view)
-    except TypeError:
-        pass
-    return view
-
-
-def _view_token(model: Any, view: Any) -> tuple:
-    """What a cached view depends on, cheap to recompute (no walk over every module)."""
-    token: tuple = (id(getattr(model, "config", None)),)
-    if view is not None and view.blocks:
-        container = view.blocks[0].rpartition(".")[0]
-        try:
-            blocks = model.get_submodule(container) if container else model
-        except AttributeError:
-            return (*token, None)
-        token += (id(blocks), len(blocks._modules))
-    else:
-        token += (len(model._modules),)
-    return token
-
-
-def resolve_canonical(model: Any, path: str) -> str | None:
-    """Real module address for a canonical name (``blocks.3.mlp``), or None if not canonical
-    or if the site is not a module's output (``resid_mid`` is an op: use ``canonical_selector``).
-
-    Raises:
-        SiteNotFoundError: the name is canonical but this model has no such site.
-    """
-    sel = canonical_selector(model, path)
-    if sel is None:
-        return None
-    paths = sel.module_paths()
-    return paths[0] if paths and len(paths) == 1 else None
+    return adapter_with_owner(model)[0]
 
 
 # -- facets --------------------------------------------------------------------------------
@@ -420,6 +372,7 @@ def plugins() -> list[PluginInfo]:
     for ep in md.entry_points(group="torchlens"):
         if ep.dist:
             dists[f"{ep.dist.name}:{ep.name}"] = ep.dist.name
+    dists.update({name: "torchlens" for name, _, _ in BUILTIN_PLUGINS})
     listed: dict[str, PluginInfo] = {}
     for name, plugin in pm.list_name_plugin():
         kinds = []

@@ -3,3 +3,5 @@
 Porting code is one changed import line: ``from torchlens_shims.nnsight import NNsight``
 or ``from torchlens_shims.baukit import Trace``.
 """
+
+__all__ = []

@@ -8,28 +8,31 @@ from __future__ import annotations
 
 import torch
 
-from ..core.records import INPUT, OPEN, Op
+from ..core.records import INPUT, OPEN, ModuleCall, Op
+from ..core.steps import Step
 from ..core.trace import Trace
-from ..core.tree import flatten
-from ..edits import AppliedEdit, EditContext, When, apply_edit, count_changed
+from ..core.tree import clone_value, flatten
+from ..edit.edits import AppliedEdit, EditContext, apply_edit, count_changed
 from ..errors import StopCapture
 from ..hookspecs import hookimpl
+from ._recorder import Recorder
 from .hooks import ModuleHooks
-from .recorder import Recorder, clone_value
-from .request import CaptureRequest, real_address
+from .request import CaptureRequest, module_address
+
+__all__ = ["FunctionModeEngine", "FunctionModeEnginePlugin", "HooksEngine", "HooksEnginePlugin"]
 
 
-def _module_steps(request: CaptureRequest) -> tuple[dict[str, list[tuple[int | None, When]]], list[When]]:
+def _module_steps(request: CaptureRequest) -> tuple[dict[str, list[tuple[int | None, Step]]], list[Step]]:
     """Split capture-time edits into per-module (hook) edits and per-op (recorder) edits."""
-    by_address: dict[str, list[tuple[int | None, When]]] = {}
-    op_steps: list[When] = []
+    by_address: dict[str, list[tuple[int | None, Step]]] = {}
+    op_steps: list[Step] = []
     for when in request.intervene:
         paths = when.site.module_paths()
         if paths is None:
             op_steps.append(when)
             continue
         for path in paths:
-            address, pass_index = real_address(request.model, path)
+            address, pass_index = module_address(request.model, path)
             by_address.setdefault(address, []).append((pass_index, when))
     return by_address, op_steps
 
@@ -37,13 +40,14 @@ def _module_steps(request: CaptureRequest) -> tuple[dict[str, list[tuple[int | N
 def _until_addresses(request: CaptureRequest) -> dict[str, int | None]:
     if request.until is None or request.until.module_paths() is None:
         return {}
-    return dict(real_address(request.model, p) for p in request.until.module_paths())
+    return dict(module_address(request.model, p) for p in request.until.module_paths())
 
 
 class HooksEngine:
     """Module outputs only: one forward hook per requested module, nothing per op."""
 
     name = "hooks"
+    records_ops = False  # module outputs only: tl.trace(..., backend=name) asks it for those
 
     def cost(self, request: CaptureRequest) -> float | None:
         if request.record_ops or not request.module_only():
@@ -51,16 +55,13 @@ class HooksEngine:
         return 1.0
 
     def capture(self, request: CaptureRequest) -> Trace:
-        from ..core.records import ModuleCall
-
-        trace = Trace(request.model, request.args, request.kwargs)
-        trace.engine = self.name
+        trace = Trace(request.model, request.args, request.kwargs, engine=self.name, op_graph=False)
         edits, _ = _module_steps(request)
         stops = _until_addresses(request)
         wanted: dict[str, None] = {}
         for sel in [request.sites] if request.sites is not None else []:
             for path in sel.module_paths() or ():
-                wanted[real_address(request.model, path)[0]] = None
+                wanted[module_address(request.model, path)[0]] = None
         hooks = ModuleHooks(request.model)
         for address in dict.fromkeys([*wanted, *edits, *stops]):
             steps = edits.get(address)
@@ -74,27 +75,27 @@ class HooksEngine:
                         ctx = EditContext(when.site.describe(), info.address, info.address, info.pass_index, call,
                                           trace)
                         edited = apply_edit(clone_value(output), when.edit, ctx)
-                        trace.edits.append(
+                        trace.record_edit(
                             AppliedEdit(when.site.describe(), info.address, info.pass_index,
                                         count_changed(output, edited))
                         )
                         when.fired.append(info.address)
                         output = replaced = edited
                 call._out = output
-                trace._add_call(call)
+                trace.add_call(call)
                 if stop_pass != -1 and (stop_pass is None or stop_pass == info.pass_index):
                     raise StopCapture(info.address)
                 return replaced
 
             hooks.on_output(address, on_output)
         output = None
+        complete = True
         with torch.set_grad_enabled(request.grad), hooks:
             try:
                 output = request.model(*request.args, **request.kwargs)
             except StopCapture:
-                trace.complete = False
-        trace._output_raw = output
-        trace.steps = list(request.intervene)
+                complete = False
+        trace.finish(output, steps=request.intervene, grad=request.grad, complete=complete)
         return trace
 
 
@@ -107,23 +108,23 @@ def _record_inputs(trace: Trace, args: tuple, kwargs: dict) -> None:
             label = f"input_{key}" if len(tensors) == 1 else f"input_{key}_{j}"
             index = len(trace.ops)
             op = Op(index, label, None, "input", t, "", 1, None, 0, (), {}, INPUT)
-            trace._add_op(op)
-            trace._register(t, index, None)
-            trace.input_layers.append(label)
+            trace.add_op(op)
+            trace.register_tensor(t, index, None)
+            trace.add_input(label)
 
 
 class FunctionModeEngine:
     """Every executed op, through a thread-local TorchFunctionMode; module context from hooks."""
 
     name = "function_mode"
+    records_ops = True
 
     def cost(self, request: CaptureRequest) -> float | None:
         return 10.0
 
     def capture(self, request: CaptureRequest) -> Trace:
         model = request.model
-        trace = Trace(model, request.args, request.kwargs)
-        trace.engine = self.name
+        trace = Trace(model, request.args, request.kwargs, engine=self.name)
         module_steps, op_steps = _module_steps(request)
         stops = _until_addresses(request)
         op_until = request.until if request.until is not None and not stops else None
@@ -142,18 +143,17 @@ class FunctionModeEngine:
 
             hooks.on_output(name, exit_)
         output = None
+        complete = True
         with torch.set_grad_enabled(request.grad), hooks, recorder:
             try:
                 output = model(*request.args, **request.kwargs)
             except StopCapture:
-                trace.complete = False
+                complete = False
         for call in trace.calls:  # calls a stopped (until=) forward never finished
             if call.op_end == OPEN:
                 call.op_end = len(trace.ops)
-        trace._stale = recorder.stale
-        trace.grad = request.grad
-        trace.steps = list(request.intervene)
-        trace._finish(output, request.save)
+        trace.finish(output, steps=request.intervene, save=request.save, grad=request.grad, complete=complete,
+                     stale=recorder.stale)
         return trace
 
 

@@ -14,8 +14,10 @@ from typing import Any
 
 from torch import nn
 
+from ..core.names import nearest
 from ..errors import SiteNotFoundError
-from .names import nearest
+
+__all__ = ["CallInfo", "ForwardSlots", "ModuleHooks", "PostHook", "PreHook", "resolve_module"]
 
 PreHook = Callable[["CallInfo", tuple, dict], Any]
 PostHook = Callable[["CallInfo", tuple, dict, Any], Any]

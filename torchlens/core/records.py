@@ -5,11 +5,13 @@ module call. They are plain data owned by the base trace; forks never copy them.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import ValueNotSavedError
+from .tree import describe_shape, tensor_leaves, unflatten
 
 if TYPE_CHECKING:
     from .trace import Trace
@@ -21,6 +23,11 @@ RANDOM = 4  # output depends on the RNG (dropout in training, randn, ...)
 EDIT = 8  # an edit applied during capture (its func re-applies the edit)
 ALIAS_MUTATION = 16  # mutated storage that other recorded tensors view
 NOT_REPLAYABLE = 32  # cannot be re-issued from recorded arguments
+
+__all__ = [
+    "ALIAS_MUTATION", "EDIT", "INPLACE", "INPUT", "NOT_REPLAYABLE", "OPEN", "RANDOM", "ModuleCall", "Op", "Ref",
+    "build_args",
+]
 
 OPEN = 1 << 62  # ModuleCall.op_end while the call is still running
 
@@ -110,8 +117,6 @@ class Op(_TraceLink):
 
     @property
     def shape(self) -> Any:
-        from .tree import describe_shape
-
         return describe_shape(self._out) if self.saved else self._meta_shape()
 
     def _meta_shape(self):
@@ -130,8 +135,6 @@ class Op(_TraceLink):
         out = self._out
         if isinstance(out, torch.Tensor):
             return out.dtype
-        from .tree import tensor_leaves
-
         leaves = tensor_leaves(out) if self.saved else []
         return leaves[0].dtype if leaves else None
 
@@ -145,13 +148,13 @@ class Op(_TraceLink):
 
     @property
     def parents(self) -> list[str]:
-        self.trace._ensure_graph()
+        self.trace.ensure_graph()
         ops = self.trace.ops
         return list(dict.fromkeys(ops[r.index].label for r in self.parent_refs))
 
     @property
     def children(self) -> list[str]:
-        self.trace._ensure_graph()
+        self.trace.ensure_graph()
         ops = self.trace.ops
         return [ops[i].label for i in self.children_idx]
 
@@ -212,3 +215,10 @@ class ModuleCall(_TraceLink):
 
     def __repr__(self) -> str:
         return f"<ModuleCall {self.key} ({self.module_type}) ops {self.op_start}:{self.op_end}>"
+
+
+def build_args(op: Op, resolve: Callable[[Ref], Any]) -> tuple[tuple, dict]:
+    """An op's (args, kwargs) rebuilt from its ``args_spec``, each parent ``Ref`` through ``resolve``."""
+    leaves, spec = op.args_spec
+    leaves = [resolve(leaf) if type(leaf) is Ref else leaf for leaf in leaves]
+    return unflatten(leaves, spec)

@@ -10,9 +10,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..capture.names import nearest
 from ..errors import EmptySelectionError, FusedKernelError, InvalidArgumentError, SiteError, SiteNotFoundError
+from .names import nearest
 from .records import ModuleCall, Op
+
+__all__ = [
+    "Func", "InModule", "Label", "ModuleOutput", "Record", "Selector", "as_selector", "func", "in_module",
+    "module", "split_pass",
+]
 
 if TYPE_CHECKING:
     from .trace import Trace
@@ -64,9 +69,9 @@ class Selector:
 class ModuleOutput(Selector):
     """A module's output (every pass, or one pass with ``path:N``).
 
-    ``path`` may be a canonical adapter name (``blocks.3.resid_mid``); some of those are not
-    module outputs but ops, so the name is resolved against the trace's model when matched,
-    and against the captured model by ``capture.request.normalize``, which binds ``_target``.
+    ``path`` may be a canonical adapter name (``blocks.3.resid_mid``): it is resolved once, at
+    the edge (``trace.bind``, the capture request), which binds ``_target`` to what the name
+    means in that model; the canonical name stays, so recipes stay portable across families.
     """
 
     def __init__(self, path: str) -> None:
@@ -84,22 +89,19 @@ class ModuleOutput(Selector):
         return self._target.matches_op(op) if self._target is not None else False
 
     def match(self, trace: Trace) -> list[Record]:
-        if split_pass(self.path)[0] not in trace._calls_by_address and trace.model is not None:
-            from ..plugins import canonical_selector
-
-            target = canonical_selector(trace.model, self.path)
-            if target is not None and not isinstance(target, ModuleOutput):
-                return target.match(trace)
-        address, pass_index = split_pass(trace.resolve_path(self.path))
-        calls = trace._calls_by_address.get(address)
+        if self._target is not None:
+            return self._target.match(trace)
+        address, pass_index = split_pass(self.path)
+        calls = trace.calls_of(address)
         if not calls:
+            pool = trace.module_addresses
             raise SiteNotFoundError(
-                f"no module {address!r} ran in this trace; nearest: {nearest(address, trace._calls_by_address)}",
+                f"no module {address!r} ran in this trace; nearest: {nearest(address, pool)}",
                 site=self.path,
-                candidates=nearest(address, trace._calls_by_address),
+                candidates=nearest(address, pool),
             )
         if pass_index is None:
-            return list(calls)
+            return calls
         if not 1 <= pass_index <= len(calls):
             raise SiteNotFoundError(
                 f"module {address!r} ran {len(calls)} time(s); there is no pass {pass_index}",
@@ -135,18 +137,18 @@ class InModule(Selector):
         if op.module == self._address:
             return op.module_pass == self._pass
         # An op of a submodule: inside the wanted pass when it ran during that call.
-        calls = op.trace._calls_by_address.get(self._address, ())
+        calls = op.trace.calls_of(self._address)
         if len(calls) < self._pass:
             return False
         call = calls[self._pass - 1]
         return call.op_start <= op.index < call.op_end
 
     def match(self, trace: Trace) -> list[Record]:
-        address, pass_index = split_pass(trace.resolve_path(self.path))
-        calls = trace._calls_by_address.get(address) if address else None
+        address, pass_index = self._address, self._pass
+        calls = trace.calls_of(address) if address else None
         if address and not calls:
             raise SiteNotFoundError(
-                f"no module {address!r} ran in this trace; nearest: {nearest(address, trace._calls_by_address)}",
+                f"no module {address!r} ran in this trace; nearest: {nearest(address, trace.module_addresses)}",
                 site=self.path,
             )
         if address == "":
@@ -213,7 +215,7 @@ class Label(Selector):
         return op.label == self.label
 
     def match(self, trace: Trace) -> list[Record]:
-        return [trace._lookup(self.label)]
+        return [trace.lookup(self.label)]
 
     def module_paths(self) -> list[str] | None:
         return None

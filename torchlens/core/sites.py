@@ -10,6 +10,9 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from .records import ModuleCall, Op
+from .services import services
+
+__all__ = ["Site", "Sites"]
 
 if TYPE_CHECKING:
     from .trace import Trace
@@ -35,14 +38,12 @@ class Site:
     @property
     def out(self) -> Any:
         """The value at this site in this trace (edited values on a fork)."""
-        return self.trace._read(self.record)
+        return self.trace.read(self.record)
 
     @property
     def facets(self) -> Any:
         """Derived read-only views of this site (e.g. attention pattern), from facet plugins."""
-        from ..plugins import facets_for
-
-        return facets_for(self)
+        return services().facets(self)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.record, name)

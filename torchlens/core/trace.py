@@ -2,23 +2,67 @@
 
 A trace owns the records (ops, module calls). A fork owns only what it changed: a
 dictionary of replaced op values and the recipe of steps that produced them, so forks of
-forks are cheap and never disturb their parent.
+forks are cheap and never disturb their parent. Both classes are the only writers of their
+state: engines build a trace through its ``add_*`` / ``record_*`` / ``finish`` methods,
+replay changes a fork through ``set_value`` / ``substitute`` / ``set_module_output``.
+
+Which value a consumer sees is decided in one place, :meth:`Trace.seen_value`; reads,
+replay, validate and facets all ask it.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from ..capture.names import nearest
-from ..errors import AmbiguousSiteError, InvalidArgumentError, SiteNotFoundError, TooManySitesError
+from ..errors import (
+    AmbiguousSiteError,
+    EmptySelectionError,
+    InvalidArgumentError,
+    ReplayNotExactError,
+    SiteNotFoundError,
+    TooManySitesError,
+)
+from .inputs import split_inputs
+from .names import nearest
 from .records import INPUT, ModuleCall, Op, Ref
-from .selectors import Selector, as_selector
+from .selectors import Label, Selector, as_selector, split_pass
+from .services import services
 from .sites import Site, Sites
+from .steps import REPLAY, Step
 from .tree import flatten, unflatten
+
+__all__ = ["DataRead", "Fork", "ForkState", "Trace"]
+
+
+class DataRead(NamedTuple):
+    """A data-dependent read the forward made (``bool``, ``.item()`` ...) before op ``position``."""
+
+    position: int
+    ref: Ref | None
+    code: Any
+    lineno: int
+    name: str
+
+
+class ForkState(NamedTuple):
+    """A copy of what a fork changed: op values, substitutions, module outputs, recipe, edits."""
+
+    values: dict[int, Any]
+    subst: dict[int, tuple[int, Any]]
+    overrides: dict[str, Any]
+    recipe: list[Step]
+    edits: list[Any]
+
+
+class _Missing:
+    pass
+
+
+_MISSING = _Missing()
 
 
 class Trace:
@@ -28,38 +72,73 @@ class Trace:
     ``trace.find_sites(selector)``; edit it after the fact with ``trace.fork().do(...)``.
     """
 
-    def __init__(self, model: torch.nn.Module | None = None, args: tuple = (), kwargs: dict | None = None):
+    def __init__(self, model: torch.nn.Module | None = None, args: tuple = (), kwargs: dict | None = None, *,
+                 engine: str = "", op_graph: bool = True) -> None:
         self.model = model
         self.args = args
         self.kwargs = kwargs or {}
         self.name = "trace"
+        self.engine = engine  # which engine captured it (shown, saved; never branched on)
         self.ops: list[Op] = []
         self.calls: list[ModuleCall] = []
+        self.input_layers: list[str] = []
+        self.output_layers: list[str] = []
+        self.data_reads: list[DataRead] = []
+        self.edits: list[Any] = []  # AppliedEdit records, in the order edits landed
+        self.steps: list[Step] = []  # capture-time steps, in order
+        self.grad = False  # whether the capture ran with autograd (replay follows it)
+        self.complete = True  # False for a transaction stopped early
+        self.fingerprint: dict[str, Any] | None = None  # the model's, for a trace loaded from disk
+        self.unsaved_steps: list[str] = []  # why steps of a loaded trace could not be saved
+        self.saved_tensor_names: dict[int, str] = {}  # parameter names a loaded trace was saved with
+        self._op_graph = op_graph
         self._labels: dict[str, int] = {}
         self._calls_by_address: dict[str, list[ModuleCall]] = {}
         self._producers: dict[int, tuple[list[int], list[int | None]]] = {}
-        self.input_layers: list[str] = []
-        self.output_layers: list[str] = []
         self._output_raw: Any = None
         self._output_refs: list[Ref | None] = []
-        self._output_spec: Any = None
-        self.data_reads: list[tuple[int, Ref | None, Any, int, str]] = []
-        self.edits: list[Any] = []
-        self.steps: list[Any] = []  # capture-time edits (When objects), in order
-        self.engine = "function_mode"
-        self.grad = False  # whether the capture ran with autograd (replay follows it)
-        self.complete = True  # False for a transaction stopped early
         self._graph_ready = False
         self._values: dict[int, Any] = {}
         self._stale: dict[int, int] = {}  # op index -> position after which its memory was overwritten
 
-    # -- building (used by engines) ------------------------------------------------------
-    def _add_op(self, op: Op) -> None:
+    # -- capabilities ------------------------------------------------------------------------
+    @property
+    def has_op_graph(self) -> bool:
+        """Whether every op of the forward was recorded (replay and validate need it)."""
+        return self._op_graph
+
+    def require_op_graph(self, what: str) -> None:
+        """Raise ``ReplayNotExactError`` naming ``what`` when this trace holds no op graph."""
+        if not self._op_graph:
+            raise ReplayNotExactError(
+                f"this trace was captured without an op graph ({self.engine or 'module outputs only'}); "
+                f"{what} needs one",
+                remedy="Re-execute with do(site, edit, model=model, inputs=x), or capture with tl.trace(model, x) "
+                "(without a module-only save= next to intervene=) to get the graph.",
+            )
+
+    # -- building (engines and loaders) ----------------------------------------------------
+    def add_op(self, op: Op) -> None:
+        """Append one op record (its label must be new)."""
         op.trace = self
         self._labels[op.label] = op.index
         self.ops.append(op)
 
-    def _add_call(self, call: ModuleCall) -> None:
+    def add_recorded_op(self, op: Op, multi: bool) -> None:
+        """The recorder's hot path: append ``op`` and register the tensors it produced."""
+        index = op.index
+        self._labels[op.label] = index
+        self.ops.append(op)
+        out = op._out
+        if not multi:
+            self.register_tensor(out, index, None)
+            return
+        for i, t in enumerate(out):
+            if t is not None:
+                self.register_tensor(t, index, i)
+
+    def add_call(self, call: ModuleCall) -> None:
+        """Append one module call record."""
         call.trace = self
         self.calls.append(call)
         same = self._calls_by_address.setdefault(call.address, [])
@@ -68,7 +147,11 @@ class Trace:
         for c in same:
             c.n_passes = n
 
-    def _register(self, tensor: torch.Tensor, index: int, elem: int | None) -> None:
+    def add_input(self, label: str) -> None:
+        self.input_layers.append(label)
+
+    def register_tensor(self, tensor: torch.Tensor, index: int, elem: int | None) -> None:
+        """Note that op ``index`` (element ``elem`` of a multi-output op) produced ``tensor``."""
         entry = self._producers.get(id(tensor))
         if entry is None:
             self._producers[id(tensor)] = ([index], [elem])
@@ -76,8 +159,8 @@ class Trace:
             entry[0].append(index)
             entry[1].append(elem)
 
-    def _ref_for(self, tensor: Any, before: int) -> Ref | None:
-        """The op that last produced ``tensor`` before op index ``before``."""
+    def producer_ref(self, tensor: Any, before: int) -> Ref | None:
+        """The op that last produced ``tensor`` before op index ``before`` (None: not recorded)."""
         entry = self._producers.get(id(tensor))
         if entry is None:
             return None
@@ -87,47 +170,38 @@ class Trace:
             return None
         return Ref(idx[k], elems[k])
 
-    def _refs_for_value(self, value: Any, before: int) -> tuple[list[Ref | None], Any]:
+    def refs_for_value(self, value: Any, before: int) -> tuple[list[Ref | None], Any]:
         leaves, spec = flatten(value)
-        refs = [self._ref_for(leaf, before) if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
+        refs = [self.producer_ref(leaf, before) if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
         return refs, spec
 
-    def _ensure_graph(self) -> None:
-        """Turn every op's raw arguments into ``args_spec`` (refs to parent ops + constants)."""
-        if self._graph_ready:
-            return
-        ops = self.ops
-        for op in ops:
-            if op.args_spec is not None or op.flags & INPUT:
-                op.parent_refs = op.parent_refs or []
-                continue
-            leaves, spec = flatten((op.args, op.kwargs))
-            refs: list[Ref] = []
-            for i, leaf in enumerate(leaves):
-                if isinstance(leaf, torch.Tensor):
-                    ref = self._ref_for(leaf, op.index)
-                    if ref is not None:
-                        leaves[i] = ref
-                        refs.append(ref)
-            op.args_spec = (leaves, spec)
-            op.parent_refs = refs
-        for op in ops:
-            op.children_idx = []
-        for op in ops:
-            for ref in dict.fromkeys(r.index for r in op.parent_refs):
-                ops[ref].children_idx.append(op.index)
-        self._graph_ready = True
+    def record_data_read(self, position: int, ref: Ref | None, code: Any, lineno: int, name: str) -> None:
+        self.data_reads.append(DataRead(position, ref, code, lineno, name))
 
-    def _finish(self, output: Any, save: Selector | None) -> None:
-        """Called once the forward returned: record outputs, then drop unsaved values."""
+    def record_edit(self, applied: Any) -> None:
+        """Note an edit that landed (an ``AppliedEdit``)."""
+        self.edits.append(applied)
+
+    def set_output(self, output: Any, refs: list[Ref | None] | None = None) -> None:
+        """The model's return value (and, when known, the ops its tensors came from)."""
         self._output_raw = output
-        n = len(self.ops)
-        self._output_refs, self._output_spec = self._refs_for_value(output, n)
-        self.output_layers = list(
-            dict.fromkeys(self.ops[r.index].label for r in self._output_refs if r is not None)
-        )
+        if refs is not None:
+            self._output_refs = refs
+            self.output_layers = list(dict.fromkeys(self.ops[r.index].label for r in refs if r is not None))
+
+    def finish(self, output: Any, *, steps: list[Step], save: Selector | None = None, grad: bool = False,
+               complete: bool = True, stale: dict[int, int] | None = None) -> None:
+        """Called once the forward returned: record outputs, then drop unsaved values."""
+        self.steps = list(steps)
+        self.grad = grad
+        self.complete = complete
+        self._stale = dict(stale or {})
+        if not self._op_graph:
+            self.set_output(output)
+            return
+        self.set_output(output, self.refs_for_value(output, len(self.ops))[0])
         if save is not None:
-            self._ensure_graph()
+            self.ensure_graph()
             matched = save.match(self)
             keep = {id(r) for r in matched}
             for r in matched:  # a kept module output is read through the ops that produced it
@@ -141,41 +215,98 @@ class Trace:
                     call._out = None
             for op in self.ops:
                 op.args = op.kwargs = None
-        # identity of tensors no longer matters once the graph is resolvable
-        self._producers_frozen = True
 
-    # -- reading ---------------------------------------------------------------------------
+    def restore(self, *, name: str, engine: str, op_graph: bool, complete: bool, grad: bool,
+                fingerprint: dict[str, Any] | None, args: tuple, kwargs: dict, input_layers: list[str],
+                output_layers: list[str], output: Any, output_refs: list[Ref | None], data_reads: list[DataRead],
+                stale: dict[int, int], edits: list[Any], steps: list[Step], unsaved_steps: list[str],
+                saved_tensor_names: dict[int, str]) -> None:
+        """Set the state a loader decoded from disk (ops and calls were added one by one first)."""
+        self.name, self.engine, self._op_graph = name, engine, op_graph
+        self.complete, self.grad, self.fingerprint = complete, grad, fingerprint
+        self.args, self.kwargs = args, kwargs
+        self.input_layers, self.output_layers = list(input_layers), list(output_layers)
+        self._output_raw = output
+        self._output_refs = list(output_refs)
+        self.data_reads = list(data_reads)
+        self._stale = dict(stale)
+        self.edits = list(edits)
+        self.steps = list(steps)
+        self.unsaved_steps = list(unsaved_steps)
+        self.saved_tensor_names = dict(saved_tensor_names)
+        self._graph_ready = False
+        self.ensure_graph()
+
+    def ensure_graph(self) -> None:
+        """Turn every op's raw arguments into ``args_spec`` (refs to parent ops + constants)."""
+        if self._graph_ready:
+            return
+        ops = self.ops
+        for op in ops:
+            if op.args_spec is not None or op.flags & INPUT:
+                op.parent_refs = op.parent_refs or []
+                continue
+            leaves, spec = flatten((op.args, op.kwargs))
+            refs: list[Ref] = []
+            for i, leaf in enumerate(leaves):
+                if isinstance(leaf, torch.Tensor):
+                    ref = self.producer_ref(leaf, op.index)
+                    if ref is not None:
+                        leaves[i] = ref
+                        refs.append(ref)
+            op.args_spec = (leaves, spec)
+            op.parent_refs = refs
+        for op in ops:
+            op.children_idx = []
+        for op in ops:
+            for ref in dict.fromkeys(r.index for r in op.parent_refs):
+                ops[ref].children_idx.append(op.index)
+        self._graph_ready = True
+
+    # -- which value a consumer sees (the one rule) ---------------------------------------------
     def value(self, index: int) -> Any:
-        """The value of op ``index`` in this trace (a fork's replacement when it has one)."""
+        """Op ``index``'s own output in this trace (a fork's recomputed value when it has one)."""
         v = self._values.get(index, _MISSING)
         if v is _MISSING:
             return self.ops[index].out
         return v
 
-    def _resolve_ref(self, ref: Ref | None, raw: Any, reader: ModuleCall | None = None,
-                     final: bool = False) -> Any:
-        """The value ``ref`` names as ``reader`` (a module returning it) or, with ``final``,
-        as everything after the forward sees it."""
-        if ref is None:
-            return raw
-        v = self._value_at(ref.index, reader) if reader is not None or final else self.value(ref.index)
+    def seen_value(self, ref: Ref, consumer: int | ModuleCall | None = None) -> Any:
+        """The value ``ref`` names as ``consumer`` sees it.
+
+        ``consumer`` is an op index (an op reading it as an argument), a module call
+        (a module returning it), or None (everything after the forward: the model output).
+        A module edit on a fork replaces what readers *after* that module see, not the
+        producing op's own value: later ops, the model output and modules returning after
+        the edited one (or enclosing it) see the edit; a submodule that returned first does not.
+        """
+        v = self.value(ref.index)
+        sub = self._substitution(ref.index)
+        if sub is not None and self._sees_substitution(sub[0], ref.index, consumer):
+            v = sub[1]
         return v if ref.elem is None else v[ref.elem]
 
-    def _value_at(self, index: int, reader: ModuleCall | None) -> Any:
-        # A module edit on a fork replaces what readers after that module see (``_subst``),
-        # not the producing op's own value: the model output and modules returning after the
-        # edited one (or enclosing it) see the edit; a submodule that returned first does not.
-        sub = getattr(self, "_subst", None)
-        if sub:
-            found = sub.get(index)
-            if found is not None and (reader is None or found[0] < reader.op_end
-                                      or (found[0] == reader.op_end and self._encloses_edit(reader, index))):
-                return found[1]
-        return self.value(index)
+    def stale_positions(self) -> dict[int, int]:
+        """Every op whose memory an in-place op overwrote, with the position it happened at."""
+        return dict(self._stale)
+
+    def stale_after(self, index: int) -> int | None:
+        """Position after which op ``index``'s memory was overwritten in place (None: never)."""
+        return self._stale.get(index)
+
+    def _substitution(self, index: int) -> tuple[int, Any] | None:
+        return None
+
+    def _sees_substitution(self, position: int, index: int, consumer: int | ModuleCall | None) -> bool:
+        if consumer is None:
+            return True
+        if isinstance(consumer, int):
+            return consumer >= position
+        return position < consumer.op_end or (position == consumer.op_end and self._encloses_edit(consumer, index))
 
     def _encloses_edit(self, reader: ModuleCall, index: int) -> bool:
         """Whether ``reader`` returned after the edited module that replaced op ``index``."""
-        for key in self._module_overrides():
+        for key in self._module_outputs():
             address, pass_index = key.rsplit(":", 1)
             calls = self._calls_by_address.get(address, ())
             edited = calls[int(pass_index) - 1] if 0 < int(pass_index) <= len(calls) else None
@@ -186,18 +317,23 @@ class Trace:
                 return True
         return False
 
-    def _read(self, record: Op | ModuleCall) -> Any:
-        if isinstance(record, Op):
-            return self._value_at(record.index, None)
-        return self._module_out(record)
+    def _module_outputs(self) -> dict[str, Any]:
+        return {}
 
-    def _module_out(self, call: ModuleCall) -> Any:
-        override = self._module_overrides().get(call.key, _MISSING)
+    def read(self, record: Op | ModuleCall) -> Any:
+        """The value at a record as a user reads it (``site.out``)."""
+        if isinstance(record, Op):
+            return self.seen_value(Ref(record.index, None))
+        return self.module_output(record)
+
+    def module_output(self, call: ModuleCall) -> Any:
+        """What module call ``call`` returned in this trace (an edited output on a fork)."""
+        override = self._module_outputs().get(call.key, _MISSING)
         if override is not _MISSING:
             return override
         raw = call._out
         if raw is None and call.out_refs:
-            leaves = [self._resolve_ref(r, None, call) for r in call.out_refs]
+            leaves = [None if r is None else self.seen_value(r, call) for r in call.out_refs]
             return unflatten(leaves, call.out_spec)
         if not call.out_refs:
             return raw
@@ -207,26 +343,42 @@ class Trace:
         for i, ref in enumerate(call.out_refs):
             if ref is None:
                 continue
-            v = self._resolve_ref(ref, raw_leaves[i], call)
+            v = self.seen_value(ref, call)
             if v is not raw_leaves[i]:
                 raw_leaves[i] = v
                 changed = True
         return unflatten(raw_leaves, spec) if changed else raw
 
-    def _module_overrides(self) -> dict[str, Any]:
-        return {}
+    def unedited_module_output(self, call: ModuleCall) -> Any:
+        """What ``call`` returned before any module edit on it (its ops' own values)."""
+        leaves, spec = flatten(call._out)
+        for i, ref in enumerate(call.out_refs):
+            if ref is not None:
+                v = self.value(ref.index)
+                leaves[i] = v if ref.elem is None else v[ref.elem]
+        return unflatten(leaves, spec)
 
     @property
     def output(self) -> Any:
         """The model's return value (rebuilt from edited values on a fork)."""
-        if not self._values and not self._module_overrides():
+        if not self._values and not self._module_outputs():
             return self._output_raw
         leaves, spec = flatten(self._output_raw)
         for i, ref in enumerate(self._output_refs):
             if ref is not None:
-                leaves[i] = self._resolve_ref(ref, leaves[i], final=True)
+                leaves[i] = self.seen_value(ref)
         return unflatten(leaves, spec)
 
+    @property
+    def output_refs(self) -> list[Ref | None]:
+        return list(self._output_refs)
+
+    @property
+    def raw_output(self) -> Any:
+        """The model's return value as the forward produced it (no fork edits)."""
+        return self._output_raw
+
+    # -- navigating --------------------------------------------------------------------------
     @property
     def layers(self) -> list[Site]:
         """Every recorded op in execution order (inputs first)."""
@@ -241,6 +393,16 @@ class Trace:
     def module_addresses(self) -> list[str]:
         return list(self._calls_by_address)
 
+    def calls_of(self, address: str) -> list[ModuleCall]:
+        """Every call of the module at ``address``, in order (empty if it never ran)."""
+        return list(self._calls_by_address.get(address, ()))
+
+    def has_label(self, label: str) -> bool:
+        return label in self._labels
+
+    def op_index(self, label: str) -> int | None:
+        return self._labels.get(label)
+
     def __len__(self) -> int:
         return len(self.ops)
 
@@ -249,58 +411,50 @@ class Trace:
 
     def __contains__(self, key: str) -> bool:
         try:
-            self._lookup(key)
+            self.lookup(key)
         except (SiteNotFoundError, AmbiguousSiteError):
             return False
         return True
 
-    def resolve_path(self, path: str) -> str:
-        """Map a canonical adapter name (``blocks.3.mlp``) to a real module address."""
-        from .selectors import split_pass
+    def bind(self, selector: Any, *, strings_as_modules: bool = False) -> Selector:
+        """``selector`` with canonical names resolved for this trace's model (once, here).
 
-        address, pass_index = split_pass(path)
-        if address in self._calls_by_address or address == "" or self.model is None:
-            return path
-        from ..plugins import resolve_canonical
+        With ``strings_as_modules`` a plain string naming a module means every pass of it
+        (as in ``tl.when`` and ``fork.do``); otherwise it stays a label (``trace[...]``).
+        """
+        sel = as_selector(selector)
+        if self.model is None:
+            return sel
+        return services().bind(self.model, sel, strings_as_modules=strings_as_modules)
 
-        real = resolve_canonical(self.model, address)
-        if real is None:
-            return path
-        return real if pass_index is None else f"{real}:{pass_index}"
+    def lookup(self, key: str) -> Op | ModuleCall:
+        """The record an op label or module address (``addr``, ``addr:2``, a canonical name) names.
 
-    def _lookup(self, key: str) -> Op | ModuleCall:
+        Raises:
+            SiteNotFoundError: nothing has that name.
+            AmbiguousSiteError: a module that ran several times, named without a pass.
+        """
         if not isinstance(key, str):
             raise InvalidArgumentError(f"trace[...] takes an op label or module address, got {type(key).__name__}")
         index = self._labels.get(key)
         if index is not None:
             return self.ops[index]
-        from .selectors import split_pass
-
-        address, pass_index = split_pass(self.resolve_path(key))
+        address, pass_index = split_pass(key)
         calls = self._calls_by_address.get(address)
         if calls:
-            if pass_index is None:
-                if len(calls) > 1:
-                    passes = [c.key for c in calls]
-                    raise AmbiguousSiteError(
-                        f"module {address!r} ran {len(calls)} times; say which pass: {passes}",
-                        site=key,
-                        passes=passes,
-                    )
-                return calls[0]
-            if 1 <= pass_index <= len(calls):
-                return calls[pass_index - 1]
-        if self.model is not None:
-            from ..plugins import canonical_selector
-
-            target = canonical_selector(self.model, key)
-            if target is not None:
-                found = target.match(self)
-                if len(found) == 1:
-                    return found[0]
-                raise AmbiguousSiteError(
-                    f"{key!r} matches {len(found)} sites; use find_sites to get them all", site=key
-                )
+            return self._pick_pass(key, address, pass_index, calls)
+        bound = self.bind(Label(key)) if self.model is not None else None
+        if bound is not None and not isinstance(bound, Label):
+            found = bound.match(self)
+            if len(found) == 1:
+                return found[0]
+            paths = bound.module_paths()
+            if paths and len(paths) == 1 and pass_index is None:
+                real = split_pass(paths[0])[0]
+                return self._pick_pass(key, real, None, self._calls_by_address.get(real, []))
+            raise AmbiguousSiteError(
+                f"{key!r} matches {len(found)} sites; use find_sites to get them all", site=key
+            )
         pool = [*self._calls_by_address, *self._labels]
         raise SiteNotFoundError(
             f"{key!r} is neither an op label nor a module address of this trace; nearest: {nearest(key, pool)}",
@@ -308,10 +462,28 @@ class Trace:
             candidates=nearest(key, pool),
         )
 
+    def _pick_pass(self, key: str, address: str, pass_index: int | None, calls: list[ModuleCall]) -> ModuleCall:
+        if pass_index is None:
+            if len(calls) > 1:
+                passes = [c.key for c in calls]
+                raise AmbiguousSiteError(
+                    f"module {address!r} ran {len(calls)} times; say which pass: {passes}",
+                    site=key,
+                    passes=passes,
+                )
+            return calls[0]
+        if 1 <= pass_index <= len(calls):
+            return calls[pass_index - 1]
+        raise SiteNotFoundError(
+            f"module {address!r} ran {len(calls)} time(s); there is no pass {pass_index}",
+            site=key,
+            remedy=f"Use a pass between 1 and {len(calls)}.",
+        )
+
     def __getitem__(self, key: str | int) -> Site:
         if isinstance(key, int):
             return Site(self, self.ops[key])
-        return Site(self, self._lookup(key))
+        return Site(self, self.lookup(key))
 
     def find_sites(self, selector: Any, max_fanout: int | None = None) -> Sites:
         """All sites a selector matches, in execution order.
@@ -320,11 +492,9 @@ class Trace:
             SiteNotFoundError / EmptySelectionError: nothing matches.
             TooManySitesError: more than ``max_fanout`` matches.
         """
-        sel = as_selector(selector)
+        sel = self.bind(selector)
         records = sel.match(self)
         if not records:
-            from ..errors import EmptySelectionError
-
             raise EmptySelectionError(f"{sel.describe()} matches nothing in this trace", site=sel.describe())
         if max_fanout is not None and len(records) > max_fanout:
             raise TooManySitesError(
@@ -345,52 +515,46 @@ class Trace:
             remedy="Call trace.fork(name).do(site, edit); the fork shares memory with the trace.",
         )
 
-    def run(self, model: torch.nn.Module | None = None, *args: Any, **kwargs: Any) -> Trace:
-        """Run the model again with this trace's capture-time edits and return a new trace."""
-        from ..api import trace as _trace
+    def all_steps(self) -> list[Step]:
+        """Every step that made this trace: capture-time steps (then, on a fork, its recipe)."""
+        return list(self.steps)
 
+    def run(self, model: torch.nn.Module | None = None, *args: Any, **kwargs: Any) -> Trace:
+        """Run the model again with this trace's steps as capture-time edits; a new trace."""
         model = model if model is not None else self.model
         if not args and not kwargs:
             args, kwargs = self.args, self.kwargs
-        return _trace(model, *args, intervene=list(self.steps) or None, **kwargs)
+        steps = [s.for_capture() for s in self.all_steps()]
+        return services().rerun(self, model, args, kwargs, steps, None)
 
     def run_transaction(self, *, inputs: Any = None, until: Any, model=None) -> Trace:
-        """Run the forward again and stop right after ``until``; return the partial trace."""
-        from ..api import trace_until
+        """Run the forward again and stop right after ``until``; return the partial trace.
 
+        ``inputs`` follows the one input convention (a tensor, a tuple of positional
+        inputs, a dict of keyword inputs); default: this trace's own inputs.
+        """
         model = model if model is not None else self.model
-        if inputs is None:
-            args, kwargs = self.args, self.kwargs
-        else:
-            from ..capture.request import split_inputs
+        args, kwargs = (self.args, self.kwargs) if inputs is None else split_inputs(inputs)
+        return services().rerun(self, model, args, kwargs, [s.for_capture() for s in self.steps],
+                                as_selector(until))
 
-            args, kwargs = split_inputs(inputs)
-        return trace_until(model, args, kwargs, until, intervene=list(self.steps) or None)
+    def validate(self, **kwargs: Any) -> Any:
+        """``tl.validate(self, **kwargs)``."""
+        return services().validate(self, **kwargs)
 
-    def validate(self, **kwargs: Any):
-        from ..validate import validate
-
-        return validate(self, **kwargs)
-
-    # -- persistence (implemented in torchlens.recipes / torchlens.persist) ------------------
+    # -- persistence (implemented in torchlens.store) -------------------------------------------
     def save_intervention(self, path: Any, level: str = "portable", *, overwrite: bool = False) -> Any:
         """Write this trace's edits (capture-time steps and, on a fork, its recipe) as ``.tlspec/``."""
-        from ..recipes import save_intervention
-
-        return save_intervention(self, path, level=level, overwrite=overwrite)
+        return services().save_intervention(self, path, level=level, overwrite=overwrite)
 
     def save(self, path: Any, *, selector: Any = None, overwrite: bool = False) -> Any:
         """Write the graph (JSON) and activations (safetensors), optionally only ``selector``'s ops."""
-        from ..persist import save_trace
-
-        return save_trace(self, path, selector=selector, overwrite=overwrite)
+        return services().save_trace(self, path, selector=selector, overwrite=overwrite)
 
     # -- presentation ----------------------------------------------------------------------
     def table(self, selector: Any = None, limit: int | None = None) -> str:
         """A text table of ops (label, function, module:pass, shape, source line)."""
-        from ..display import op_table
-
-        return op_table(self, selector, limit)
+        return services().table(self, selector, limit)
 
     def __repr__(self) -> str:
         return (
@@ -399,28 +563,89 @@ class Trace:
         )
 
 
-class _Missing:
-    pass
-
-
-_MISSING = _Missing()
-
-
 class Fork(Trace):
     """A branch of a trace. Shares every record and unchanged value with its parent."""
 
     def __init__(self, parent: Trace, name: str | None = None) -> None:
-        self.__dict__.update(parent.__dict__)
+        self._share(parent)
         self.parent = parent
         self.name = name or f"{parent.name}/fork"
+        state = parent.fork_state() if isinstance(parent, Fork) else None
         self._values = dict(parent._values)
-        self._subst: dict[int, tuple[int, Any]] = dict(getattr(parent, "_subst", {}))
-        self._overrides: dict[str, Any] = dict(parent._module_overrides())
-        self.recipe: list[Any] = list(getattr(parent, "recipe", []))
+        self._subst: dict[int, tuple[int, Any]] = dict(state.subst) if state else {}
+        self._overrides: dict[str, Any] = dict(state.overrides) if state else {}
+        self.recipe: list[Step] = list(state.recipe) if state else []
         self.edits = list(parent.edits)
 
-    def _module_overrides(self) -> dict[str, Any]:
+    def _share(self, other: Trace) -> None:
+        """Take every record and setting of ``other`` (records are shared, never copied)."""
+        self.__dict__.update(other.__dict__)
+
+    # -- reading fork state ------------------------------------------------------------------
+    def _substitution(self, index: int) -> tuple[int, Any] | None:
+        return self._subst.get(index) if self._subst else None
+
+    def _module_outputs(self) -> dict[str, Any]:
         return self._overrides
+
+    def fork_state(self) -> ForkState:
+        """A copy of what this fork changed (for saving and inspection)."""
+        return ForkState(dict(self._values), dict(self._subst), dict(self._overrides), list(self.recipe),
+                         list(self.edits))
+
+    def module_override(self, key: str) -> Any:
+        """The edited output of module call ``key`` on this fork (``_MISSING``-free: None if none)."""
+        return self._overrides.get(key)
+
+    def has_module_override(self, key: str) -> bool:
+        return key in self._overrides
+
+    def all_steps(self) -> list[Step]:
+        return [*self.steps, *self.recipe]
+
+    # -- changing fork state (replay, re-execution, loading) -----------------------------------
+    def set_value(self, index: int, value: Any) -> None:
+        """Op ``index``'s own output on this fork is now ``value`` (a module substitution for it ends)."""
+        self._values[index] = value
+        self._subst.pop(index, None)
+
+    def set_recomputed(self, index: int, value: Any) -> None:
+        """Replay recomputed op ``index``; module substitutions of it stay."""
+        self._values[index] = value
+
+    def substitute(self, index: int, position: int, value: Any) -> None:
+        """Readers from op position ``position`` on see ``value`` for op ``index`` (a module edit)."""
+        self._subst[index] = (position, value)
+
+    def set_module_output(self, key: str, value: Any) -> None:
+        """The edited output of module call ``key``."""
+        self._overrides[key] = value
+
+    def add_step(self, step: Step) -> None:
+        if step.phase != REPLAY:
+            step = Step(step.site, step.edit, REPLAY)
+        self.recipe.append(step)
+
+    def drop_last_step(self) -> None:
+        self.recipe.pop()
+
+    def adopt(self, fresh: Trace, recipe: list[Step]) -> None:
+        """Become ``fresh`` (a re-executed capture) while staying this fork of the same parent."""
+        parent, name = self.parent, self.name
+        self._share(fresh)
+        self.parent, self.name = parent, name
+        self.steps = list(parent.steps)
+        self.recipe = list(recipe)
+        self._values, self._subst, self._overrides = {}, {}, {}
+
+    def restore_fork(self, state: ForkState, unsaved_steps: list[str]) -> None:
+        """Set the fork state a loader decoded from disk."""
+        self.unsaved_steps = list(unsaved_steps)
+        self._values = dict(state.values)
+        self._subst = dict(state.subst)
+        self._overrides = dict(state.overrides)
+        self.recipe = list(state.recipe)
+        self.edits = list(state.edits)
 
     def do(self, site: Any, edit: Any, *, model=None, inputs=None, check: bool = False) -> Fork:
         """Apply ``edit`` at ``site`` on this fork and push it down the recorded graph.
@@ -435,16 +660,5 @@ class Fork(Trace):
         Raises:
             ReplayNotExactError: the recorded graph cannot reproduce this edit exactly.
         """
-        from ..replay import do_on_fork
-
-        return do_on_fork(self, site, edit, model=model, inputs=inputs, check=check)
-
-    def run(self, model: torch.nn.Module | None = None, *args: Any, **kwargs: Any) -> Trace:
-        """Run the model again with the parent's capture-time edits plus this fork's recipe."""
-        from ..api import trace as _trace
-
-        model = model if model is not None else self.model
-        if not args and not kwargs:
-            args, kwargs = self.args, self.kwargs
-        steps = list(self.steps) + [step.as_when() for step in self.recipe]
-        return _trace(model, *args, intervene=steps or None, **kwargs)
+        step = Step(self.bind(site, strings_as_modules=True), edit, REPLAY)
+        return services().replay(self, step, model=model, inputs=inputs, check=check)

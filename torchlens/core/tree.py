@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+__all__ = ["clone_value", "describe_shape", "first_tensor", "flatten", "tensor_leaves", "unflatten"]
+
 Tensor = torch.Tensor
 
 
@@ -30,6 +32,21 @@ def unflatten(leaves: list[Any], spec: Any) -> Any:
 def tensor_leaves(value: Any) -> list[Tensor]:
     leaves, _ = flatten(value)
     return [leaf for leaf in leaves if isinstance(leaf, Tensor)]
+
+
+def first_tensor(value: Any) -> Tensor | None:
+    """The first tensor leaf of a value (depth first), or None."""
+    if isinstance(value, Tensor):
+        return value
+    return next((leaf for leaf in flatten(value)[0] if isinstance(leaf, Tensor)), None)
+
+
+def clone_value(value: Any) -> Any:
+    """A copy of a value whose tensor leaves are cloned (what an edit may change freely)."""
+    if isinstance(value, Tensor):
+        return value.clone()
+    leaves, spec = flatten(value)
+    return unflatten([leaf.clone() if isinstance(leaf, Tensor) else leaf for leaf in leaves], spec)
 
 
 def describe_shape(value: Any) -> Any:

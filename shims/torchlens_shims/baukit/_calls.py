@@ -29,6 +29,8 @@ from typing import Any
 
 from torchlens.errors import InvalidArgumentError
 
+__all__ = ["invoke_with_optional_args"]
+
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 

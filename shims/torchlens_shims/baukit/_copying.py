@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+__all__ = ["recursive_copy"]
+
 
 def _copy_tensor(x: torch.Tensor, clone: Any, detach: Any, retain_grad: Any) -> torch.Tensor:
     if retain_grad:

@@ -16,8 +16,10 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from torchlens.capture.names import nearest
+from torchlens.core.names import nearest
 from torchlens.errors import InvalidArgumentError, SiteNotFoundError
+
+__all__ = ["get_module", "get_parameter", "module_names", "parameter_names", "replace_module", "set_requires_grad"]
 
 
 def _require_module(model: object, what: str) -> nn.Module:

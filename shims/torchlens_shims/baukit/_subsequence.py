@@ -21,6 +21,8 @@ from torch import nn
 
 from torchlens.errors import InvalidArgumentError, SiteNotFoundError
 
+__all__ = ["LayerNotFoundError", "hierarchical_subsequence", "subsequence"]
+
 _KEYS = ("first", "last", "after", "upto")
 
 

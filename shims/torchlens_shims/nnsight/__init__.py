@@ -6,6 +6,22 @@ as nnsight``) gives the names nnsight code uses — ``NNsight``, ``TransformersM
 body runs beside the forward, ``.save()`` decides what leaves it, modules are read
 in forward order. Values are served through TorchLens's module hooks; remote
 execution (NDIF), vLLM and tensor parallelism raise a typed error instead.
+
+The modules import one way: each runs imports only of modules in an earlier layer
+(annotation-only imports under ``TYPE_CHECKING`` aside, which never run):
+
+1. ``errors``, ``util``, ``_node`` (what lower layers know an envoy by)
+2. ``_saving``, ``_blocks``, ``_worker``, ``_unsupported``, ``processing``, ``batching``, ``cache``
+3. ``_served``, ``barrier``, ``interleaver``
+4. ``tracer``, ``source``
+5. ``backward``
+6. ``_driver``
+7. ``envoy``
+8. ``modeling``
+9. this package, the public API
+
+Modules named like nnsight's own are public (nnsight's tests import them by that
+path); the ``_`` ones are the shim's machinery.
 """
 
 from __future__ import annotations
@@ -24,25 +40,9 @@ except ImportError:  # pragma: no cover
 
 from typing import Any  # noqa: E402
 
-
-class NNsightDeprecationWarning(FutureWarning):
-    """The category of every deprecation the shim repeats from nnsight."""
-
-
-class Object(torch.Tensor):
-    """Type-hint name for a value read inside a trace (it *is* the tensor at run time)."""
-
-    def save(self, _: Any = None) -> Object:
-        from .saving import mark
-
-        return mark(self)
-
-
-from . import saving  # noqa: E402
-from .envoy import Envoy, NNsight  # noqa: E402
-from .errors import OutOfOrderError  # noqa: E402
-from .saving import save  # noqa: E402
-from .unsupported import (  # noqa: E402
+from . import _saving  # noqa: E402
+from ._saving import save  # noqa: E402
+from ._unsupported import (  # noqa: E402
     CONFIG,
     VLLM,
     compare,
@@ -53,25 +53,11 @@ from .unsupported import (  # noqa: E402
     status,
     whoami,
 )
+from .envoy import Envoy, NNsight  # noqa: E402
+from .errors import NNsightDeprecationWarning, OutOfOrderError  # noqa: E402
+from .modeling import LanguageModel, TransformersModel  # noqa: E402
 
 __version__ = "0.8.0"
-
-_LAZY = {
-    "TransformersModel": ".modeling",
-    "LanguageModel": ".modeling",
-}
-
-
-def __getattr__(name: str) -> Any:
-    target = _LAZY.get(name)
-    if target is None:
-        raise AttributeError(f"module 'torchlens_shims.nnsight' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(target, __name__), name)
-    globals()[name] = value
-    return value
-
 
 __all__ = [
     "CONFIG",
@@ -93,4 +79,12 @@ __all__ = [
     "whoami",
 ]
 
-saving.mount()
+
+class Object(torch.Tensor):
+    """Type-hint name for a value read inside a trace (it *is* the tensor at run time)."""
+
+    def save(self, _: Any = None) -> Object:
+        return _saving.mark(self)
+
+
+_saving.mount()

@@ -6,9 +6,10 @@ one-shot autograd hook to ``t`` and parks until the gradient flowing into ``t``
 arrives; assigning ``t.grad = g`` replaces it for the rest of the backward.
 Gradients come in reverse forward order, so they must be read in that order.
 
-``Tensor.backward`` is wrapped once at import; the wrapper only does anything
-different when its call is the header of a ``with`` statement, and defers to the
-wrapper it found (real nnsight's, when both are loaded) otherwise.
+``Tensor.backward`` is wrapped when the first shim trace runs (`install`); the
+wrapper only does anything different when its call is the header of a ``with``
+statement, and defers to the wrapper it found (real nnsight's, when both are
+loaded) otherwise.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ from typing import Any
 
 import torch
 
-from . import worker
-from .blocks import BlockScope, snapshot
+from . import _saving, _worker
+from ._blocks import BlockScope, find_block, snapshot
 from .errors import NoGradientError
 from .interleaver import Run
 from .tracer import Tracer, push_result
+
+__all__ = ["BackwardTracer", "install", "restore"]
 
 _TORCH_BACKWARD = inspect.unwrap(torch.Tensor.backward)
 _displaced: Any = None
@@ -72,17 +75,17 @@ def _grad_property(run: Run, seen: set[int], handles: list) -> property:
         handles.append(handle)
 
     def getter(tensor: torch.Tensor) -> Any:
-        if getattr(_local, "run", None) is not run or not worker.in_worker():
+        if getattr(_local, "run", None) is not run or not _worker.in_worker():
             return original.__get__(tensor)
         watch(tensor)
-        return worker.read(f"{id(tensor)}.grad")
+        return _worker.read(f"{id(tensor)}.grad")
 
     def setter(tensor: torch.Tensor, value: Any) -> None:
-        if getattr(_local, "run", None) is not run or not worker.in_worker():
+        if getattr(_local, "run", None) is not run or not _worker.in_worker():
             original.__set__(tensor, value)
             return
         watch(tensor)
-        worker.write(f"{id(tensor)}.grad", value)
+        _worker.write(f"{id(tensor)}.grad", value)
 
     return property(getter, setter)
 
@@ -103,7 +106,7 @@ class BackwardTracer(Tracer):
                 "forward ran without gradient tracking (torch.no_grad(), inference mode or generate())"
             )
         frame = self._frame
-        body = worker.Worker(self._block.code, BlockScope(snapshot(frame), {}, frame.f_globals))
+        body = _worker.Worker(self._block.code, BlockScope(snapshot(frame), {}, frame.f_globals))
         run = Run([body], None)
         seen: set[int] = set()
         handles: list = []
@@ -137,10 +140,7 @@ def _make_backward() -> Any:
     def backward(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if getattr(_local, "delegating", False):
             return _TORCH_BACKWARD(tensor, *args, **kwargs)
-        from . import saving
-        from .blocks import find_block
-
-        ours = saving.depth() > 0 or _displaced is None or _displaced is _TORCH_BACKWARD
+        ours = _saving.depth() > 0 or _displaced is None or _displaced is _TORCH_BACKWARD
         if ours and find_block(sys._getframe(1)) is not None:
             return BackwardTracer(tensor, *args, **kwargs)
         if _displaced is None or _displaced is _TORCH_BACKWARD:
@@ -159,7 +159,13 @@ _backward = _make_backward()
 
 
 def install() -> Any:
-    """Put the shim's ``Tensor.backward`` on top; return what it displaced (to `restore`)."""
+    """Put the shim's ``Tensor.backward`` on top; return what it displaced (to `restore`).
+
+    Called as every run starts. Alone, the shim's wrapper then stays installed
+    (``with loss.backward():`` works anywhere from the first run on); beside real
+    nnsight, whose wrapper finds its caller by frame depth and so cannot be called
+    through another wrapper, `restore` takes it off again when the run ends.
+    """
     global _displaced
     current = torch.Tensor.backward
     if current is _backward:
@@ -173,11 +179,3 @@ def restore(previous: Any) -> None:
     """Undo a per-run `install` that displaced another library's wrapper (real nnsight's)."""
     if previous is not None and previous is not _TORCH_BACKWARD and torch.Tensor.backward is _backward:
         torch.Tensor.backward = previous
-
-
-# Alone, the shim keeps its wrapper installed (``with loss.backward():`` then works
-# anywhere). Beside real nnsight, whose wrapper finds its caller by frame depth and
-# so cannot be called through another wrapper, the shim's is only on top while a
-# shim trace runs.
-if torch.Tensor.backward is _TORCH_BACKWARD:
-    install()

@@ -7,7 +7,9 @@ hands a value to another needs a meeting point: each caller parks until the
 
 from __future__ import annotations
 
-from . import worker
+from . import _worker
+
+__all__ = ["Barrier"]
 
 
 class Barrier:
@@ -15,12 +17,12 @@ class Barrier:
 
     def __init__(self, n: int) -> None:
         self.n = n
-        self._waiting: list[worker.Worker] = []
+        self._waiting: list[_worker.Worker] = []
 
     def __call__(self) -> None:
-        self._waiting.append(worker.current("tracer.barrier()"))
+        self._waiting.append(_worker.current("tracer.barrier()"))
         if len(self._waiting) < self.n:
-            worker.wait_at_barrier()
+            _worker.wait_at_barrier()
             return
         waiting, self._waiting = self._waiting[:-1], []
         for other in waiting:

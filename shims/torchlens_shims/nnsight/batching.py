@@ -19,6 +19,8 @@ from .util import map_tensors
 if TYPE_CHECKING:
     from .envoy import Envoy
 
+__all__ = ["Batcher", "SkipParts"]
+
 
 class SkipParts:
     """The per-invoke replacements of one batched ``.skip()``, gathered until all are in."""
@@ -81,7 +83,7 @@ class Batcher:
             if tensor.dim() and tensor.shape[0] == total:
                 view = tensor.narrow(0, start, size)
                 # Lets a gradient read on this view find the batch tensor that is
-                # actually part of the graph (see backward.py).
+                # actually part of the graph (see `backward`).
                 view._tl_batch_view = True
                 return view
             return tensor

@@ -13,12 +13,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ._node import ModuleNode
 from .util import map_tensors
-
-CPU = torch.device("cpu")
 
 if TYPE_CHECKING:
     from .envoy import Envoy
+
+__all__ = ["CPU", "Cache", "CacheView", "Entry"]
+
+CPU = torch.device("cpu")
 
 
 @dataclass
@@ -187,8 +190,6 @@ class CacheView:
         return getattr(self._envoy, name)
 
     def _navigate(self, node: Any) -> CacheView:
-        from .envoy import Envoy
-
-        if not isinstance(node, Envoy):
+        if not isinstance(node, ModuleNode):
             raise AttributeError(f"{node!r} is not a module")
         return CacheView(self._cache, node)

@@ -15,6 +15,7 @@ an envoy never patches the module itself.
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 import warnings
 import weakref
@@ -23,14 +24,18 @@ from typing import Any
 
 import torch
 
-from . import worker
+from . import _worker
+from ._blocks import find_block
+from ._driver import drive
+from ._node import ModuleNode
+from ._served import Served, first_input_repack, first_input_view
 from .batching import Batcher
-from .blocks import find_block
-from .errors import BatchingNotSupportedError, RemoteUnsupportedError
+from .errors import BatchingNotSupportedError, NNsightDeprecationWarning, RemoteUnsupportedError
 from .interleaver import Tree
-from .served import Served
-from .tracer import EditingTracer, InterleavingTracer, ScanningTracer, Tracer
-from .util import first_input, replace_first_input
+from .source import Source
+from .tracer import EditingTracer, InterleavingTracer, Iterations, ScanningTracer, Tracer
+
+__all__ = ["Envoy", "NNsight", "traceable"]
 
 
 def _check_remote(kwargs: dict) -> None:
@@ -67,17 +72,7 @@ def _addindent(text: str, spaces: int) -> str:
     return first + "\n" + "\n".join(" " * spaces + line for line in lines)
 
 
-def _input_view(envoy: Envoy, value: Any) -> Any:
-    args, kwargs = value
-    return first_input(args, kwargs)
-
-
-def _input_repack(envoy: Envoy, value: Any) -> Any:
-    args, kwargs = worker.read(f"{envoy.path}.input")
-    return replace_first_input(args, kwargs, value)
-
-
-class Envoy:
+class Envoy(ModuleNode):
     """Mirror of one ``torch.nn.Module``; see the module docstring.
 
     Attributes:
@@ -222,34 +217,26 @@ class Envoy:
     inputs = Served("input", doc="The module's forward inputs as an ``(args, kwargs)`` pair.")
     input = Served(
         "input",
-        view=_input_view,
-        repack=_input_repack,
+        view=first_input_view,
+        repack=first_input_repack,
         doc="The module's first input (first positional, else first keyword argument).",
     )
 
     def skip(self, replacement: Any) -> None:
         """Do not run this module's forward; ``replacement`` becomes its output."""
-        worker.skip(f"{self.path}.skip", replacement)
+        _worker.skip(f"{self.path}.skip", replacement)
 
     @property
     def source(self) -> Any:
         """Operation-level access inside this module's forward (``.source.<op>_<n>``)."""
-        from .source import Source
-
         return Source(self)
 
     @property
     def iter(self) -> Any:
-        from . import NNsightDeprecationWarning
-        from .tracer import Iterations
-
         warnings.warn("model.iter is deprecated; use tracer.iter instead.", NNsightDeprecationWarning, stacklevel=2)
         return Iterations()
 
     def all(self) -> Any:
-        from . import NNsightDeprecationWarning
-        from .tracer import Iterations
-
         warnings.warn(
             "model.all() is deprecated; use tracer.all() instead.", NNsightDeprecationWarning, stacklevel=2
         )
@@ -317,13 +304,11 @@ class Envoy:
         self,
         fn: Any,
         *args: Any,
-        workers: list[worker.Worker] | None = None,
+        workers: list[_worker.Worker] | None = None,
         batcher: Batcher | None = None,
         **kwargs: Any,
     ) -> Any:
         """Run ``fn`` (the model call) with the blocks as workers; return what it returned."""
-        from .driver import drive
-
         return drive(self, fn, args, kwargs, workers=workers, batcher=batcher)
 
     # -- plain module behaviour ----------------------------------------------------------
@@ -471,8 +456,6 @@ class Envoy:
 
 
 def _is_served_name(name: str) -> bool:
-    import inspect
-
     return inspect.isdatadescriptor(getattr(Envoy, name, None))
 
 

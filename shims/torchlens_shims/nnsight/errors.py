@@ -3,7 +3,8 @@
 nnsight signals most misuse with plain ``ValueError``/``NotImplementedError``.
 Ported code may catch those, so every class here also derives from the builtin
 nnsight would have raised; the TorchLens root adds the ``remedy`` and lets a
-caller catch everything the shim raises at once.
+caller catch everything the shim raises at once. The category of the deprecation
+warnings the shim repeats from nnsight lives here too, so every layer can warn.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from torchlens.errors import OutOfOrderError, ShimUnsupportedError, TorchLensError
 
 __all__ = [
+    "NNsightDeprecationWarning",
     "OutOfOrderError",
     "ShimUnsupportedError",
     "NNsightShimError",
@@ -32,6 +34,10 @@ __all__ = [
     "TensorParallelUnsupportedError",
     "ModelDownloadError",
 ]
+
+
+class NNsightDeprecationWarning(FutureWarning):
+    """The category of every deprecation the shim repeats from nnsight."""
 
 
 class NNsightShimError(TorchLensError):

@@ -33,14 +33,17 @@ from typing import TYPE_CHECKING, Any
 
 from greenlet import GreenletExit
 from torch import nn
+from torch.nn.modules import module as torch_module
 
 from torchlens.capture.hooks import ForwardSlots, ModuleHooks
 
+from ._worker import BARRIER, Worker
 from .errors import BarrierError, OutOfOrderError
-from .worker import BARRIER, Worker
 
 if TYPE_CHECKING:
     from .batching import Batcher
+
+__all__ = ["NO_SKIP", "EarlyStopException", "HookSet", "Run", "Site", "Tree"]
 
 NO_SKIP = object()
 
@@ -248,7 +251,7 @@ class Tree:
         self.envoys: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self.run: Run | None = None
         self._hooksets: dict[int, HookSet] = {}
-        # id(module) -> (bound recompiled forward, its Compiled), see source.py
+        # id(module) -> (bound recompiled forward, its Compiled), see `source`
         self.sourced: dict[int, tuple[Any, Any]] = {}
 
     def source_installed(self, module: nn.Module) -> None:
@@ -370,8 +373,6 @@ class HookSet:
 
 
 def _has_hooks(module: nn.Module) -> bool:
-    from torch.nn.modules import module as torch_module
-
     return bool(
         module._forward_hooks
         or module._forward_pre_hooks

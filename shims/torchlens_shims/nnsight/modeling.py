@@ -15,10 +15,18 @@ import warnings
 from typing import Any
 
 import torch
+import transformers
 
-from . import NNsightDeprecationWarning, processing
+from . import processing
 from .envoy import Envoy, traceable
-from .errors import ModelDownloadError, TaskInferenceError, TensorParallelUnsupportedError
+from .errors import (
+    ModelDownloadError,
+    NNsightDeprecationWarning,
+    TaskInferenceError,
+    TensorParallelUnsupportedError,
+)
+
+__all__ = ["Generator", "GeneratorEnvoy", "LanguageModel", "TransformersModel"]
 
 _PREPROCESSORS = ("tokenizer", "image_processor", "feature_extractor", "processor")
 _ARCH_TASK = {
@@ -98,8 +106,6 @@ def _infer_task(module: torch.nn.Module) -> str:
 
 def _load_local(repo_id: str, task: str | None, revision: str | None, kwargs: dict) -> tuple[Any, str, Any]:
     """A checkpoint from a local directory or the local cache, never from the network."""
-    import transformers
-
     try:
         config = transformers.AutoConfig.from_pretrained(repo_id, revision=revision, local_files_only=True)
     except (OSError, ValueError) as error:
@@ -226,6 +232,7 @@ class TransformersModel(Envoy):
     def pipe(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the task's transformers pipeline around this model; returns what it postprocesses to."""
         if self.pipeline is None:
+            # Lazy: transformers.pipelines is heavy (it loads every task's code); only pipe() needs it.
             from transformers import pipeline
 
             object.__setattr__(

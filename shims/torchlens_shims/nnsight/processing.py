@@ -19,6 +19,25 @@ from torch._guards import detect_fake_mode
 
 from .errors import BatchingNotSupportedError
 
+__all__ = [
+    "ROW_FIELDS",
+    "SHARED_FIELDS",
+    "TARGET_FIELDS",
+    "TOKENIZER_KWARGS",
+    "as_encoding",
+    "batch_forward",
+    "batch_pipe",
+    "batch_size",
+    "collate",
+    "encode_pretokenized",
+    "input_key",
+    "is_token_ids",
+    "positions",
+    "preprocess_invoke",
+    "split",
+    "supply_position_ids",
+]
+
 # Per-row model inputs, and what a narrower row is padded with (None: pad token).
 ROW_FIELDS: dict[str, Any] = {
     "input_ids": None,

@@ -24,11 +24,17 @@ import threading
 from types import CellType, CodeType, FunctionType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from .errors import SourceNotAvailableError
-from .served import Served
+from torchlens.core.names import nearest
+
+from . import _worker
+from ._served import Served, first_input_repack, first_input_view
+from .errors import ShimUnsupportedError, SourceNotAvailableError
+from .interleaver import NO_SKIP
 
 if TYPE_CHECKING:
     from .envoy import Envoy
+
+__all__ = ["Compiled", "Source", "SourceOp", "compile_forward", "install", "instrument", "make_op"]
 
 OP = "__tl_op__"
 BIND = "__tl_bind__"
@@ -200,8 +206,6 @@ def instrument(module: Any, op: Any) -> tuple[Any, Compiled]:
 
 def make_op(envoy: Envoy) -> Any:
     """The ``__tl_op__`` of one module: report an operation's input, skip and output to the run."""
-    from .interleaver import NO_SKIP
-
     tree = envoy._tree
     prefix = f"{envoy.path}.source."
     get_ident = threading.get_ident
@@ -224,29 +228,12 @@ def make_op(envoy: Envoy) -> Any:
     return op
 
 
-def _first(value: Any) -> Any:
-    args, kwargs = value
-    if args:
-        return args[0]
-    return next(iter(kwargs.values()))
-
-
-def _repack(op: SourceOp, value: Any) -> Any:
-    from . import worker
-
-    args, kwargs = worker.read(f"{op.path}.input")
-    if args:
-        return ((value, *args[1:]), kwargs)
-    key = next(iter(kwargs))
-    return (args, {**kwargs, key: value})
-
-
 class SourceOp:
     """One operation of a sourced forward: ``.output``, ``.input``, ``.inputs``, ``.skip(v)``."""
 
     output = Served("output")
     inputs = Served("input")
-    input = Served("input", view=lambda op, value: _first(value), repack=_repack)
+    input = Served("input", view=first_input_view, repack=first_input_repack)
 
     def __init__(self, envoy: Envoy, label: str, compiled: Compiled) -> None:
         self.envoy = envoy
@@ -255,14 +242,10 @@ class SourceOp:
         self._compiled = compiled
 
     def skip(self, replacement: Any) -> None:
-        from . import worker
-
-        worker.skip(f"{self.path}.skip", replacement)
+        _worker.skip(f"{self.path}.skip", replacement)
 
     @property
     def source(self) -> Any:
-        from .errors import ShimUnsupportedError
-
         raise ShimUnsupportedError(
             f"{self.path}.source: drilling into a called function is not available in the shim",
             remedy="Source the submodule that runs it instead, or record every op with torchlens.trace(model, x).",
@@ -286,8 +269,6 @@ class Source:
     def __getattr__(self, name: str) -> SourceOp:
         compiled = self._compiled
         if name not in compiled.lines:
-            from torchlens.capture.names import nearest
-
             raise SourceNotAvailableError(
                 f"{self._envoy.path}.source has no operation {name!r}; nearest: "
                 f"{nearest(name, compiled.labels)}"

@@ -1,6 +1,6 @@
 """The context managers behind ``model.trace``, ``tracer.invoke``, ``model.session`` ...
 
-Each one lifts its ``with`` body out of the caller's frame (see `blocks`) and, in
+Each one lifts its ``with`` body out of the caller's frame (see `_blocks`) and, in
 ``__exit__``, decides what running it means:
 
 * `Tracer` (``model.session()``): run the body in place; values flow freely
@@ -21,9 +21,10 @@ import warnings
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any
 
-from . import saving, worker
-from .barrier import Barrier
-from .blocks import (
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from . import _saving, _worker
+from ._blocks import (
     Block,
     BlockScope,
     SkipBody,
@@ -35,21 +36,40 @@ from .blocks import (
     shared_store,
     snapshot,
 )
+from ._served import Served
+from .barrier import Barrier
 from .cache import CPU, Cache, CacheView
-from .errors import CacheOrderError, InvokeError, IterStepError, OutOfOrderError
+from .errors import (
+    CacheOrderError,
+    InvokeError,
+    IterStepError,
+    NNsightDeprecationWarning,
+    OutOfOrderError,
+)
 from .interleaver import EarlyStopException
-from .served import Served
 
 if TYPE_CHECKING:
     from .envoy import Envoy
+
+__all__ = [
+    "EditBlock",
+    "EditingTracer",
+    "InterleavingTracer",
+    "Invoker",
+    "Iterations",
+    "ScanningTracer",
+    "Tracer",
+    "clean_traceback",
+    "push_result",
+]
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def push_result(frame: Any, variables: dict) -> None:
     """Hand a block's names back to ``frame``: only saved ones from the outermost trace."""
-    if saving.depth() == 1:
-        variables = {key: value for key, value in variables.items() if saving.is_marked(value)}
+    if _saving.depth() == 1:
+        variables = {key: value for key, value in variables.items() if _saving.is_marked(value)}
     push(frame, variables)
 
 
@@ -98,7 +118,7 @@ class Tracer:
         if exc_type is not SkipBody and exc_type is not None:
             self._frame = None
             return False
-        saving.enter()
+        _saving.enter()
         try:
             self.execute()
         except BaseException as error:
@@ -106,7 +126,7 @@ class Tracer:
             tb = getattr(error, "_shim_block_tb", None) or error.__traceback__
             raise error.with_traceback(clean_traceback(tb)) from error.__cause__
         finally:
-            saving.leave()
+            _saving.leave()
             self._frame = None
         return True
 
@@ -149,7 +169,7 @@ class Iterations(Tracer):
             step += 1
 
     def __iter__(self):
-        current = worker.current("tracer.iter")
+        current = _worker.current("tracer.iter")
         previous = current.iteration
         try:
             for step in self._indices():
@@ -161,8 +181,6 @@ class Iterations(Tracer):
             current.iteration = previous
 
     def execute(self) -> None:
-        from . import NNsightDeprecationWarning
-
         frame = self._frame
         warnings.warn_explicit(
             "The `with tracer.iter[...]:` / `with tracer.all():` block form is deprecated; use "
@@ -171,7 +189,7 @@ class Iterations(Tracer):
             frame.f_code.co_filename,
             self._block.node.lineno,
         )
-        current = worker.current("tracer.iter")
+        current = _worker.current("tracer.iter")
         previous = current.iteration
         scope = BlockScope(snapshot(frame), {}, frame.f_globals)
         try:
@@ -199,7 +217,7 @@ class InterleavingTracer(Tracer):
         self.args = args
         self.kwargs = kwargs
         self.batcher: Any = None
-        self._workers: list[worker.Worker] = []
+        self._workers: list[_worker.Worker] = []
         self.path = ""
 
     def __exit__(self, exc_type, exc_value, traceback) -> bool:
@@ -245,7 +263,7 @@ class InterleavingTracer(Tracer):
         non_blocking: bool = False,
     ) -> CacheView:
         """Record many modules' (post-intervention) values during the run."""
-        current = worker.current("tracer.cache()")
+        current = _worker.current("tracer.cache()")
         if current.pending is not None:
             raise CacheOrderError("tracer.cache() must be declared before reading or modifying a model value")
         cache = Cache(
@@ -259,7 +277,7 @@ class InterleavingTracer(Tracer):
             non_blocking=non_blocking,
         )
         current.caches.append(cache)
-        return saving.save(CacheView(cache, None))
+        return _saving.save(CacheView(cache, None))
 
     # -- running ----------------------------------------------------------------------
     def execute(self) -> None:
@@ -270,7 +288,7 @@ class InterleavingTracer(Tracer):
         self.batcher = envoy._batcher_class(envoy, self.kwargs)
         try:
             if envoy._batch_size(*self.args, **self.kwargs):
-                body = worker.Worker(code, BlockScope(snapshot(frame), {}, glbls))
+                body = _worker.Worker(code, BlockScope(snapshot(frame), {}, glbls))
                 body.group = self.batcher.add(*self.args, **self.kwargs)
                 self._workers.append(body)
                 forward_kwargs: dict = {}
@@ -303,7 +321,7 @@ class Invoker(Tracer):
 
     def execute(self) -> None:
         frame = self._frame
-        body = worker.Worker(self._block.code, BlockScope(snapshot(frame), shared_store(frame), frame.f_globals))
+        body = _worker.Worker(self._block.code, BlockScope(snapshot(frame), shared_store(frame), frame.f_globals))
         body.group = self.tracer.batcher.add(*self.args, **self.kwargs)
         self.tracer._workers.append(body)
 
@@ -316,8 +334,8 @@ class EditBlock:
         self.names = names
         self.glbls = glbls
 
-    def spawn(self) -> worker.Worker:
-        return worker.Worker(self.code, BlockScope(dict(self.names), {}, self.glbls), None, replay=True)
+    def spawn(self) -> _worker.Worker:
+        return _worker.Worker(self.code, BlockScope(dict(self.names), {}, self.glbls), None, replay=True)
 
 
 class EditingTracer(InterleavingTracer):
@@ -345,7 +363,7 @@ class ScanningTracer(InterleavingTracer):
     """``with model.scan(...)``: the same trace, run on fake tensors (shapes and dtypes only)."""
 
     def execute(self) -> None:
-        from torch._subclasses.fake_tensor import FakeTensorMode
+        # Lazy: heavy (about 0.6 s and ~500 modules the first time), and only scan() needs it.
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
         with FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(assume_static_by_default=True)):

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+__all__ = ["first_input", "map_tensors", "replace_first_input"]
+
 
 def map_tensors(data: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     """``data`` rebuilt with ``fn`` applied to every tensor inside its containers.
@@ -42,6 +44,7 @@ def first_input(args: tuple, kwargs: dict) -> Any:
 
 
 def replace_first_input(args: tuple, kwargs: dict, value: Any) -> tuple:
+    """``(args, kwargs)`` with ``value`` in place of the first input (see `first_input`)."""
     if args:
         return ((value, *args[1:]), kwargs)
     key = next(iter(kwargs))

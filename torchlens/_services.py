@@ -1,0 +1,60 @@
+"""The services every trace calls for work that lives above the core (installed on import).
+
+``torchlens.core`` never imports the packages above it; this module wires them in:
+binding canonical names (``arch``), replay and re-execution (``edit``), saving (``store``),
+tables and facets (``analysis``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .analysis.display import op_table
+from .api import rerun
+from .arch.resolve import bind
+from .core.selectors import Selector
+from .core.services import install
+from .core.steps import Step
+from .edit.replay import replay_step
+from .edit.validate import validate
+from .plugins import facets_for
+from .store.recipes import save_intervention
+from .store.traces import save_trace
+
+__all__ = ["Services", "install_services"]
+
+
+class Services:
+    """The default :class:`torchlens.core.services.TraceServices`."""
+
+    def bind(self, model: Any, selector: Selector, *, strings_as_modules: bool) -> Selector:
+        return bind(model, selector, strings_as_modules=strings_as_modules)
+
+    def replay(self, fork: Any, step: Step, *, model: Any, inputs: Any, check: bool) -> Any:
+        if model is not None:
+            step = Step(bind(model, step.site), step.edit, step.phase)
+        return replay_step(fork, step, model=model, inputs=inputs, check=check, rerun=rerun)
+
+    def rerun(self, trace: Any, model: Any, args: tuple, kwargs: dict, steps: list[Step],
+              until: Selector | None) -> Any:
+        return rerun(model, args, kwargs, steps, until)
+
+    def validate(self, trace: Any, **kwargs: Any) -> Any:
+        return validate(trace, **kwargs)
+
+    def save_trace(self, trace: Any, path: Any, *, selector: Any, overwrite: bool) -> Any:
+        return save_trace(trace, path, selector=selector, overwrite=overwrite)
+
+    def save_intervention(self, trace: Any, path: Any, *, level: str, overwrite: bool) -> Any:
+        return save_intervention(trace, path, level=level, overwrite=overwrite)
+
+    def table(self, trace: Any, selector: Any, limit: int | None) -> str:
+        return op_table(trace, selector, limit)
+
+    def facets(self, site: Any) -> Any:
+        return facets_for(site)
+
+
+def install_services() -> None:
+    """Make :class:`Services` the services of every trace (``import torchlens`` calls this)."""
+    install(Services())

@@ -1,0 +1,4 @@
+"""Reading a trace: attention facets (``facets``), head patching (``heads``), trace comparison
+(``compare``) and text tables (``display``)."""
+
+__all__: list[str] = []

@@ -1,0 +1,249 @@
+"""Resolving site names at the edge, once: canonical names become this model's real sites.
+
+``blocks.3.mlp`` means ``transformer.h.3.mlp`` on GPT-2 and ``model.layers.3.mlp`` on Llama;
+``blocks.3.resid_mid`` is an op, not a module output. Every entry point that takes a site
+(``tl.trace``/``tl.when``/``tl.extract`` before capture, ``trace.bind`` for reads and
+``fork.do``) passes it through :func:`bind`; core selectors then match real addresses only.
+"""
+
+from __future__ import annotations
+
+import re
+import weakref
+from typing import Any
+
+from torch import nn
+
+from ..capture.hooks import resolve_module
+from ..core.names import nearest
+from ..core.selectors import InModule, Label, ModuleOutput, Selector, _And, _Or, split_pass
+from ..errors import PluginError, SiteNotFoundError, TorchLensError, UnsupportedModelError
+from ..plugins import adapter_with_owner, generation, report_failure
+from .views import ADAPTER_REMEDY, ArchView, is_canonical
+
+__all__ = ["arch", "arch_view", "bind", "canonical_selector", "real_address", "resolve_canonical"]
+
+# model -> (plugin generation, structure token, ArchView): canonical names are resolved on every
+# lookup that misses a real address, and building a view walks the model.
+_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# How op labels look (``linear_3``, ``scaled_dot_product_attention_1``, ``input_0``, ``input_ids``).
+_OP_LABEL = re.compile(r"^(?:[A-Za-z0-9_]+_\d+|input_.+)$")
+
+
+def arch_view(model: Any) -> ArchView:
+    """The serving adapter's view of ``model`` (what ``tl.arch`` returns).
+
+    Raises:
+        UnsupportedModelError: no adapter serves the model (remedy: how to write one).
+        PluginError: the adapter raised something other than a TorchLens error.
+    """
+    adapter, owner = adapter_with_owner(model)
+    if adapter is None:
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        raise UnsupportedModelError(
+            f"no architecture adapter serves {type(model).__name__} (config.model_type={model_type!r})",
+            remedy=ADAPTER_REMEDY,
+        )
+    name = getattr(adapter, "name", type(adapter).__name__)
+    try:
+        return adapter.view(model)
+    except TorchLensError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - reported with the plugin's name
+        report_failure(owner, f"adapter {name}.view()", exc)
+        raise PluginError(
+            f"adapter {name!r} (plugin {owner}) failed on {type(model).__name__}: {exc!r}",
+            plugin=owner,
+            remedy="Fix or uninstall the plugin named; real module paths work without an adapter.",
+        ) from exc
+
+
+def canonical_selector(model: Any, path: str) -> Selector | None:
+    """The selector a canonical name (``blocks.3.resid_mid``, ``embed``) stands for in ``model``.
+
+    Returns None when ``path`` is not a canonical name or no adapter serves the model, so
+    callers fall back to treating it as a module path.
+
+    Raises:
+        SiteNotFoundError: the name is canonical but this model has no such site (a block
+        index out of range, GPT-NeoX's parallel residual has no ``resid_mid`` ...).
+    """
+    if model is None or not is_canonical(split_pass(path)[0]):
+        return None
+    view = _cached_view(model)
+    return None if view is None else view.selector(path)
+
+
+def resolve_canonical(model: Any, path: str) -> str | None:
+    """Real module address for a canonical name (``blocks.3.mlp``), or None if not canonical
+    or if the site is not a module's output (``resid_mid`` is an op: use ``canonical_selector``).
+
+    Raises:
+        SiteNotFoundError: the name is canonical but this model has no such site.
+    """
+    sel = canonical_selector(model, path)
+    if sel is None:
+        return None
+    paths = sel.module_paths()
+    return paths[0] if paths and len(paths) == 1 else None
+
+
+def real_address(model: nn.Module, path: str) -> tuple[str, int | None]:
+    """Address and pass of a module path, canonical adapter names resolved; raises if absent.
+
+    Raises:
+        SiteNotFoundError: no such module, or a canonical name this model does not have (or
+        one that names an op, not a module output, such as ``blocks.0.resid_mid``).
+    """
+    address, pass_index = split_pass(path)
+    try:
+        resolve_module(model, address)
+        return address, pass_index
+    except LookupError:
+        real = resolve_canonical(model, address)
+        if real is None:
+            raise
+        resolve_module(model, real)
+        return real, pass_index
+
+
+def _canonical(model: nn.Module, path: str) -> Selector | None:
+    """The adapter's selector for ``path`` when it is not a real module address of ``model``."""
+    try:
+        resolve_module(model, split_pass(path)[0])
+        return None
+    except LookupError:
+        return canonical_selector(model, path)
+
+
+def _bind_module(model: nn.Module, path: str) -> ModuleOutput | None:
+    """A ModuleOutput for a canonical name, bound to what it means in this model."""
+    target = _canonical(model, path)
+    if target is None:
+        return None
+    bound = ModuleOutput(path)  # the canonical name stays (recipes stay portable across families)
+    bound._target = target
+    return bound
+
+
+def bind(model: nn.Module, selector: Selector, *, strings_as_modules: bool = True) -> Selector:
+    """Resolve a selector's names against ``model``, once, before it is matched.
+
+    Canonical adapter names (``blocks.3.mlp``, ``blocks.3.resid_mid``) are bound to the module
+    output or op they stand for in this model. With ``strings_as_modules`` (capture-time sites
+    and ``fork.do``), plain strings that name modules become module selectors (every pass, so
+    hooks can serve them) and a string that is neither a module nor an op label is refused.
+
+    Raises:
+        SiteNotFoundError: a string site that names nothing (with ``strings_as_modules``), or a
+        canonical name this model does not have.
+    """
+    if isinstance(selector, ModuleOutput):
+        if selector._target is not None:
+            return selector
+        return _bind_module(model, selector.path) or selector
+    if isinstance(selector, InModule):
+        return _bind_in_module(model, selector)
+    if isinstance(selector, Label):
+        return _bind_label(model, selector, strings_as_modules)
+    if isinstance(selector, _Or):
+        return _Or(bind(model, selector.a, strings_as_modules=strings_as_modules),
+                   bind(model, selector.b, strings_as_modules=strings_as_modules))
+    if isinstance(selector, _And):
+        return _And(bind(model, selector.a, strings_as_modules=strings_as_modules),
+                    bind(model, selector.b, strings_as_modules=strings_as_modules))
+    return selector
+
+
+def _bind_in_module(model: nn.Module, selector: InModule) -> Selector:
+    target = _canonical(model, selector.path)
+    if target is None:
+        return selector
+    paths = target.module_paths()
+    if not paths or len(paths) != 1:
+        raise SiteNotFoundError(
+            f"tl.in_module({selector.path!r}) needs a module, but this canonical name is an op "
+            f"({target.describe()})",
+            site=selector.path,
+            remedy=f"Use tl.module({selector.path!r}) for the op itself.",
+        )
+    bound = InModule(selector.path)
+    bound._address, bound._pass = split_pass(paths[0])
+    return bound
+
+
+def _bind_label(model: nn.Module, selector: Label, strings_as_modules: bool) -> Selector:
+    bound = _bind_module(model, selector.label)
+    if bound is not None:
+        return bound
+    if not strings_as_modules:
+        return selector
+    try:
+        real_address(model, selector.label)
+    except LookupError:
+        if _OP_LABEL.match(selector.label):
+            return selector  # an op label: known once the op runs
+        names = [n for n, _ in model.named_modules() if n]
+        raise SiteNotFoundError(
+            f"{selector.label!r} is neither a module of {type(model).__name__} nor an op label; "
+            f"nearest modules: {nearest(selector.label, names)}",
+            site=selector.label,
+            candidates=nearest(selector.label, names),
+        ) from None
+    return ModuleOutput(selector.label)
+
+
+def _cached_view(model: Any) -> ArchView | None:
+    """The model's view, rebuilt when plugins changed or its config object or block list did."""
+    current = generation()
+    try:
+        hit = _views.get(model)
+    except TypeError:  # not weak-referenceable
+        hit = None
+    if hit is not None and hit[0] == current and hit[1] == _view_token(model, hit[2]):
+        return hit[2]
+    try:
+        view = arch_view(model)
+    except (UnsupportedModelError, PluginError):
+        view = None
+    try:
+        _views[model] = (current, _view_token(model, view), view)
+    except TypeError:
+        pass
+    return view
+
+
+def _view_token(model: Any, view: ArchView | None) -> tuple:
+    """What a cached view depends on, cheap to recompute (no walk over every module)."""
+    token: tuple = (id(getattr(model, "config", None)),)
+    if view is not None and view.blocks:
+        container = view.blocks[0].rpartition(".")[0]
+        try:
+            blocks = model.get_submodule(container) if container else model
+        except AttributeError:
+            return (*token, None)
+        token += (id(blocks), len(blocks._modules))
+    else:
+        token += (len(model._modules),)
+    return token
+
+
+def arch(model: nn.Module) -> ArchView:
+    """The architecture view of ``model`` from its adapter (or the generic one).
+
+    Args:
+        model: an eager ``nn.Module``; transformers models are matched by ``config.model_type``.
+
+    Returns:
+        an ArchView: ``n_layers``, ``n_heads``, ``n_kv_heads``, ``head_dim``, ``d_model``,
+        ``blocks`` (real addresses) and the canonical sites (``names()``, ``selector()``,
+        ``resolve()``).
+
+    Raises:
+        UnsupportedModelError: no adapter serves the model and no repeated block list was found.
+        PluginError: the adapter that claimed the model failed.
+    """
+    if not isinstance(model, nn.Module):
+        raise UnsupportedModelError(f"tl.arch() takes an nn.Module, got {type(model).__name__}",
+                                    remedy="Pass the model itself (for an nnsight wrapper: model._model).")
+    return arch_view(model)

@@ -1,0 +1,73 @@
+"""What a trace asks of the layers above the core, behind one small protocol.
+
+The core holds records and answers reads; replaying an edit, saving, validating, printing,
+resolving canonical site names and reading facets are done by packages above it
+(``edit/``, ``store/``, ``analysis/``, ``arch/``). The core never imports them: the top
+package installs one :class:`TraceServices` object when it is imported
+(``torchlens/_services.py``), and ``Trace`` methods call through it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ..errors import TorchLensError
+
+if TYPE_CHECKING:
+    from .selectors import Selector
+    from .sites import Site
+    from .steps import Step
+    from .trace import Fork, Trace
+
+__all__ = ["TraceServices", "install", "services"]
+
+
+class TraceServices(Protocol):
+    """The operations of a trace that live above the core."""
+
+    def bind(self, model: Any, selector: Selector, *, strings_as_modules: bool) -> Selector:
+        """``selector`` with canonical names (``blocks.3.mlp``) resolved to this model's sites;
+        with ``strings_as_modules``, plain strings naming modules become module selectors."""
+
+    def replay(self, fork: Fork, step: Step, *, model: Any, inputs: Any, check: bool) -> Fork:
+        """Apply ``step`` on ``fork`` (replay, or re-execution when model/inputs are given)."""
+
+    def rerun(self, trace: Trace, model: Any, args: tuple, kwargs: dict, steps: list[Step],
+              until: Selector | None) -> Trace:
+        """Capture the model again with ``steps`` as capture-time edits (stop after ``until``)."""
+
+    def validate(self, trace: Trace, **kwargs: Any) -> Any:
+        """``tl.validate(trace, **kwargs)``."""
+
+    def save_trace(self, trace: Trace, path: Any, *, selector: Any, overwrite: bool) -> Any:
+        """Write the trace (graph + activations)."""
+
+    def save_intervention(self, trace: Trace, path: Any, *, level: str, overwrite: bool) -> Any:
+        """Write the trace's steps as a ``.tlspec/`` recipe."""
+
+    def table(self, trace: Trace, selector: Any, limit: int | None) -> str:
+        """A text table of the trace's ops."""
+
+    def facets(self, site: Site) -> Any:
+        """The facet object a plugin offers for ``site``."""
+
+
+_installed: TraceServices | None = None
+
+
+def install(impl: TraceServices) -> None:
+    """Make ``impl`` the services every trace uses (done once by ``import torchlens``)."""
+    global _installed
+    _installed = impl
+
+
+def services() -> TraceServices:
+    """The installed services.
+
+    Raises:
+        TorchLensError: nothing installed (the core was used without importing ``torchlens``).
+    """
+    if _installed is None:
+        raise TorchLensError("the TorchLens services are not installed",
+                             remedy="import torchlens before using torchlens.core")
+    return _installed

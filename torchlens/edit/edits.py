@@ -1,0 +1,146 @@
+"""What an edit is and how one is applied to an activation.
+
+An edit is a tensor (replaces the value, broadcasting), a number (fills it), or a callable
+``edit(activation, *, ctx) -> tensor``. Named helpers (``tl.zero_ablate()`` ...) are such
+callables that also know how to describe themselves, so recipes can be saved without code.
+"""
+
+from __future__ import annotations
+
+import inspect
+import numbers
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..core.steps import CAPTURE, Step, check_edit
+from ..core.tree import flatten, unflatten
+from ..errors import EditShapeError, InvalidArgumentError
+
+
+@dataclass
+class EditContext:
+    """Where an edit is being applied: passed to function edits as ``ctx``."""
+
+    site: str
+    label: str
+    module: str | None
+    pass_index: int | None
+    op: Any
+    trace: Any
+
+    def __repr__(self) -> str:
+        return f"EditContext(site={self.site!r}, label={self.label!r}, pass={self.pass_index})"
+
+
+@dataclass
+class AppliedEdit:
+    """One edit that landed: where, on which pass, and how many elements it changed."""
+
+    site: str
+    label: str
+    pass_index: int | None
+    n_changed: int
+
+
+When = Step  # ``tl.When``: the capture-time step type (one step type for capture, replay, recipes)
+
+
+def when(site: Any, edit: Any) -> Step:
+    """Edit ``site`` during capture: ``tl.trace(model, x, intervene=tl.when(site, edit))``.
+
+    Args:
+        site: a selector or label; module selectors are served by hooks alone.
+        edit: tensor, number, or ``fn(activation, *, ctx)``.
+
+    Raises:
+        InvalidArgumentError: ``site`` is not a selector or label, or ``edit`` is not an edit.
+    """
+    return Step(site, edit, CAPTURE)
+
+
+def _edit_tensor(value: torch.Tensor, edit: Any, ctx: EditContext) -> torch.Tensor:
+    if isinstance(edit, torch.Tensor):
+        try:
+            shape = torch.broadcast_shapes(edit.shape, value.shape)
+        except RuntimeError:
+            shape = None
+        if shape != value.shape:
+            raise EditShapeError(
+                f"edit tensor of shape {tuple(edit.shape)} does not broadcast to the activation at "
+                f"{ctx.site} of shape {tuple(value.shape)}",
+                site=ctx.site,
+                edit_shape=tuple(edit.shape),
+                activation_shape=tuple(value.shape),
+            )
+        return edit.to(dtype=value.dtype, device=value.device).expand(value.shape).clone()
+    if isinstance(edit, numbers.Number):
+        return torch.full_like(value, edit)
+    raise InvalidArgumentError(f"cannot apply edit of type {type(edit).__name__}")
+
+
+def apply_edit(value: Any, edit: Any, ctx: EditContext) -> Any:
+    """The edited value. Callables get the whole value (tuple outputs included); tensor and
+    number edits replace the first tensor of a structured output (a block's hidden state)."""
+    if callable(edit) and not isinstance(edit, torch.Tensor):
+        result = call_edit(edit, value, ctx)
+        if result is None:  # an in-place function edit: the value itself was changed
+            return value
+        if isinstance(value, torch.Tensor) and isinstance(result, torch.Tensor):
+            if result.shape != value.shape:
+                try:
+                    torch.broadcast_shapes(result.shape, value.shape)
+                except RuntimeError:
+                    raise EditShapeError(
+                        f"edit at {ctx.site} returned shape {tuple(result.shape)} for an activation of "
+                        f"shape {tuple(value.shape)}",
+                        site=ctx.site,
+                    ) from None
+        return result
+    if isinstance(value, torch.Tensor):
+        return _edit_tensor(value, edit, ctx)
+    leaves, spec = flatten(value)
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            leaves[i] = _edit_tensor(leaf, edit, ctx)
+            return unflatten(leaves, spec)
+    raise InvalidArgumentError(f"the output at {ctx.site} holds no tensor to edit")
+
+
+def call_edit(edit: Callable, value: Any, ctx: EditContext) -> Any:
+    """Call a function edit, passing ``ctx`` only to functions that accept it."""
+    wants = getattr(edit, "_tl_wants_ctx", None)
+    if wants is None:
+        wants = _accepts_ctx(edit)
+        try:
+            edit._tl_wants_ctx = wants
+        except (AttributeError, TypeError):
+            pass
+    return edit(value, ctx=ctx) if wants else edit(value)
+
+
+def _accepts_ctx(fn: Callable) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return True
+    return "ctx" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def count_changed(old: Any, new: Any) -> int:
+    """Elements that differ between two values (all of them when shapes differ)."""
+    a_leaves, _ = flatten(old)
+    b_leaves, _ = flatten(new)
+    total = 0
+    for a, b in zip(a_leaves, b_leaves):
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            if a.shape != b.shape:
+                total += b.numel()
+            else:
+                total += int((a != b).sum().item()) if a is not b else 0
+    return total
+
+
+__all__ = ["AppliedEdit", "EditContext", "When", "apply_edit", "call_edit", "check_edit", "count_changed", "when"]

@@ -1,0 +1,83 @@
+"""Torch functions by qualified name, from an allowlist, so a loaded trace never imports.
+
+A saved op names its function (``torch.nn.functional.relu``); loading looks the name up
+in a table built from torch's own overridable-function list plus a few tensor factories,
+minus anything that touches storage, files, hooks or pickling. An unknown name leaves
+the op readable but not replayable.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import get_overridable_functions
+
+__all__ = ["function_name", "function_table"]
+
+_FACTORIES = {
+    "torch": frozenset({
+        "arange", "tensor", "as_tensor", "scalar_tensor", "zeros", "ones", "full", "empty", "empty_strided",
+        "empty_permuted", "eye", "linspace", "logspace", "range", "tril_indices", "triu_indices", "rand", "randn",
+        "randint", "randperm", "normal", "rand_like", "randn_like", "randint_like", "as_strided", "fill", "vander",
+        "hann_window", "hamming_window", "bartlett_window", "blackman_window", "kaiser_window",
+    }),
+    "torch.Tensor": frozenset({
+        "new_empty", "new_empty_strided", "new_full", "new_ones", "new_tensor", "new_zeros", "unflatten",
+    }),
+}
+_DENIED = frozenset({
+    "register_hook", "register_post_accumulate_grad_hook", "apply_", "map_", "map2_", "__setstate__",
+    "__reduce__", "__reduce_ex__", "__deepcopy__", "module_load", "set_", "share_memory_", "storage",
+    "untyped_storage", "_typed_storage", "data_ptr", "tolist", "numpy", "__array__", "__array_wrap__",
+    "pin_memory", "record_stream", "backward", "from_file", "load", "save", "from_numpy", "frombuffer",
+})
+_FUNCS: tuple[dict[str, Any], dict[Any, str]] | None = None
+
+
+def function_table() -> tuple[dict[str, Any], dict[Any, str]]:
+    """``(name -> function, function -> name)`` for every torch function a trace may replay."""
+    global _FUNCS
+    if _FUNCS is not None:
+        return _FUNCS
+    allowed: set[Any] = set()
+    for funcs in get_overridable_functions().values():
+        for fn in funcs:
+            try:
+                allowed.add(fn)
+            except TypeError:
+                pass
+    spaces = {"torch": torch, "torch.Tensor": torch.Tensor, "torch.nn.functional": F, "torch.linalg": torch.linalg,
+              "torch.fft": torch.fft, "torch.special": torch.special}
+    by_name: dict[str, Any] = {}
+    by_func: dict[Any, str] = {}
+    for prefix, space in spaces.items():
+        for attr in sorted(dir(space)):
+            dunder = attr.startswith("__") and attr.endswith("__")
+            if attr in _DENIED or (attr.startswith("_") and not dunder):
+                continue
+            try:
+                obj = getattr(space, attr)
+                found = [(f"{prefix}.{attr}", obj)]
+                if prefix == "torch.Tensor" and type(obj).__name__ == "getset_descriptor" or isinstance(obj, property):
+                    found.append((f"{prefix}.{attr}.__get__", obj.__get__))
+            except Exception:  # noqa: BLE001 - some attributes refuse to be read on the class
+                continue
+            for name, fn in found:
+                try:
+                    ok = fn in allowed or attr in _FACTORIES.get(prefix, ())
+                except TypeError:
+                    continue
+                if ok:
+                    by_name[name] = fn
+                    by_func.setdefault(fn, name)
+    _FUNCS = (by_name, by_func)
+    return _FUNCS
+
+
+def function_name(fn: Any) -> str | None:
+    try:
+        return function_table()[1].get(fn)
+    except TypeError:
+        return None
