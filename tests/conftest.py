@@ -566,3 +566,117 @@ def rewrite(path: pathlib.Path, manifest: dict) -> None:
     import json
 
     (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+# -- routing and control flow (guarded replay) ------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def routing_mixtral() -> Case:
+    """A 2-layer Mixtral (4 experts, top-2 routing) with random weights: block 0 feeds block 1's router."""
+    import transformers
+
+    config = transformers.MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+    )
+    model = _seeded(lambda: transformers.MixtralForCausalLM(config).eval())
+    return Case("routing_mixtral", model, (torch.tensor([[5, 9, 17, 3, 44, 21, 8, 30]]),), block="model.layers.0")
+
+
+class IfCNN(nn.Module):
+    """A CNN whose forward takes a Python ``if`` on an activation's mean."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 4, 3, padding=1)
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.conv1(x))
+        if h.mean() > 0:
+            h = self.conv2(h)
+        else:
+            h = -h
+        return self.head(h.mean(dim=(2, 3)))
+
+
+class EarlyExitNet(nn.Module):
+    """Stops after the first layer whose confidence passes a threshold (an ``.item()`` read)."""
+
+    def __init__(self, n_layers: int = 4, threshold: float = 0.55) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(n_layers))
+        self.exit = nn.Linear(8, 2)
+        self.threshold = threshold
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+            confidence = torch.softmax(self.exit(x), dim=-1).max().item()
+            if confidence > self.threshold:
+                break
+        return self.exit(x)
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral() -> Case:
+    """A 1-layer random-weight Mixtral: a top-2 router over 4 experts, renormalised in place."""
+    import transformers
+
+    config = transformers.MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+    )
+    model = _seeded(lambda: transformers.MixtralForCausalLM(config))
+    ids = torch.tensor([[1, 5, 9, 3, 7, 2]])
+    return Case("tiny_mixtral", model, (ids,), block="model.layers.0")
+
+
+# -- a linear toy language model (attribution patching is exact on it) -------------------------
+
+
+class CausalMix(nn.Module):
+    """Linear attention stand-in: each position reads the running mean of the positions up to it."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        counts = torch.arange(1, x.shape[1] + 1, dtype=x.dtype).view(1, -1, 1)
+        return self.proj(x.cumsum(1) / counts)
+
+
+class LinearToyBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.attn = CausalMix(d)
+        self.mlp = nn.Linear(d, d)
+
+    def forward(self, x):
+        x = x + self.attn(x)
+        return x + self.mlp(x)
+
+
+class LinearToyLM(nn.Module):
+    """Embedding, three linear residual blocks, unembedding: every site is linear in every earlier one."""
+
+    def __init__(self, vocab: int = 16, d: int = 8, n_layers: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(LinearToyBlock(d) for _ in range(n_layers))
+        self.lm_head = nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.lm_head(h)
+
+
+@pytest.fixture(scope="session")
+def linear_toy() -> Case:
+    model = _seeded(LinearToyLM)
+    return Case("linear_toy", model, (torch.tensor([[1, 5, 3, 9, 2]]),))

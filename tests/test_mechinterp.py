@@ -261,9 +261,13 @@ def test_capture_time_pattern_edit_refuses_a_stale_replay(spec, monkeypatch):
     label = label_trace.find_sites(tl.func(SDPA))[1].label
     live = tl.trace(spec.fused, spec.a, intervene=tl.when(label, head_edit(0, uniform_causal(6), "pattern")))
     fork = live.fork("upstream")
-    with pytest.raises(ReplayNotExactError) as err:
-        fork.do(spec.attn.format(0), tl.scale(0.5))  # changes layer 1's v under the recorded edit
+    with pytest.raises(ReplayNotExactError) as err:  # changes layer 1's v under the recorded edit
+        fork.do(spec.attn.format(0), tl.scale(0.5), replay="strict")
     assert "model=" in err.value.remedy
+    with pytest.warns(tl.errors.ReplayFellBack):  # by default the trace's model re-executes it
+        fork.do(spec.attn.format(0), tl.scale(0.5))
+    real = live.fork("real").do(spec.attn.format(0), tl.scale(0.5), model=spec.fused, inputs=spec.a)
+    assert torch.equal(fork.output.logits, real.output.logits)
 
 
 # -- what the fused kernel cannot do, and bad input ------------------------------------------------------

@@ -377,8 +377,10 @@ def test_bad_arguments(mlp, x, tmp_path):
 
 
 def test_missing_directory_is_a_format_error(tmp_path):
-    with pytest.raises(RecipeFormatError, match="does not exist"):
-        tl.load_intervention(tmp_path / "nope")
+    for load in (tl.load_intervention, tl.load_trace):
+        with pytest.raises(RecipeFormatError, match="does not exist") as err:
+            load(tmp_path / "nope")
+        assert "Check the path" in err.value.remedy and "Re-save" not in err.value.remedy
 
 
 def test_loading_a_saved_trace_as_a_recipe_names_the_right_loader(mlp, x, tmp_path):

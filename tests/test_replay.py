@@ -321,21 +321,25 @@ def test_edit_that_changes_a_baked_in_shape_is_refused():
     torch.manual_seed(0)
     model, x = ReshapeNet().eval(), torch.randn(2, 4)
     trace = tl.trace(model, x)
-    err = _assert_refused(lambda: trace.fork().do("fc1", lambda a: a[:1]), "reshape_1")
+    err = _assert_refused(lambda: trace.fork().do("fc1", lambda a: a[:1], replay="strict"), "reshape_1")
     assert err.op_label == "reshape_1"
     fork = trace.fork().do("fc1", tl.scale(3.0))  # same shape: fine
     assert torch.allclose(fork.output, edited_forward(model, "fc1", lambda o: o * 3, (x,)), atol=1e-6)
     plain = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)).eval()
     trace = tl.trace(plain, x)
-    _assert_refused(lambda: trace.fork().do("0", lambda a: a[:1]), "shape")
+    _assert_refused(lambda: trace.fork().do("0", lambda a: a[:1], replay="strict"), "shape")
 
 
-def test_data_dependent_branch_downstream_is_refused():
+def test_data_dependent_branch_downstream_is_refused_in_strict_mode():
     torch.manual_seed(0)
     model, x = BranchyNet().eval(), torch.randn(2, 4)
     trace = tl.trace(model, x)
-    err = _assert_refused(lambda: trace.fork().do("fc1", tl.scale(-5.0)), "data-dependent")
-    assert "conftest.py" in err.source
+    fork = trace.fork()
+    err = _assert_refused(lambda: fork.do("fc1", tl.scale(-5.0), replay="strict"), "branched on")
+    assert isinstance(err, tl.errors.GuardChangedError) and (err.recorded, err.new) == (True, False)
+    line = BranchyNet.forward.__code__.co_firstlineno + 2
+    assert err.source.endswith(f"conftest.py:{line}")
+    assert fork.recipe == [] and fork.edits == [] and torch.equal(fork.output, trace.output)  # nothing lost
     fork = trace.fork().do("fc2", tl.scale(-5.0))  # downstream of the branch: exact
     assert torch.allclose(fork.output, trace.output * -5)
     real = trace.fork().do("fc1", tl.scale(-5.0), model=model, inputs=x)  # the remedy works

@@ -48,18 +48,16 @@ def test_validate_with_a_stricter_or_looser_tolerance(tiny_gpt2, zoo_traces):
     assert tl.validate(trace, atol=1.0, rerun=False).ok
 
 
-def test_a_data_dependent_branch_is_reported_not_passed():
+def test_a_data_dependent_branch_is_a_guard_note_not_a_failure():
     torch.manual_seed(0)
     model, x = BranchyNet().eval(), torch.randn(2, 4)
     trace = tl.trace(model, x)
     report = tl.validate(trace)
-    assert not report.ok
-    assert report.divergences == []  # every op replays exactly: the problem is the branch
-    (unstable,) = report.unstable
-    assert "data-dependent" in unstable and "gt_1" in unstable
+    assert report.ok and report.divergences == [] and report.unstable == []  # the capture is exact
+    (guard,) = report.guards
     line = BranchyNet.forward.__code__.co_firstlineno + 2
-    assert f"conftest.py:{line}" in unstable
-    assert "unstable" in report.summary() and "NOT OK" in report.summary()
+    assert f"conftest.py:{line}" in guard and "bool()" in guard and "saw True" in guard
+    assert "1 guard(s)" in report.summary() and "OK" in report.summary() and "NOT OK" not in report.summary()
 
 
 def test_a_branch_on_the_input_alone_is_not_unstable():

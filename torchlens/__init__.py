@@ -7,8 +7,11 @@ the recorded graph; ``tl.when`` edits during capture; ``tl.validate`` checks a c
 
 from importlib.metadata import PackageNotFoundError, version
 
-from . import debug, errors, mechinterp
+from . import debug, errors, mechinterp, patching
 from ._services import install_services
+from .analysis import plots
+from .analysis.draw import Drawing, draw
+from .analysis.patching_lens import logit_lens
 from .api import extract, trace
 from .arch import arch
 from .core.records import ModuleCall, Op
@@ -21,10 +24,13 @@ from .edit.helpers import Helper, add, mean_ablate, noise, patch_from, register_
 from .edit.validate import ValidationReport, validate
 from .errors import (
     AmbiguousSiteError,
+    EditHadNoEffect,
+    EditHadNoEffectError,
     EditNotAppliedError,
     EditShapeError,
     EmptySelectionError,
     FusedKernelError,
+    LegacyArgumentError,
     OutOfOrderError,
     RecipeFormatError,
     ReplayNotExactError,
@@ -33,6 +39,7 @@ from .errors import (
     UnsupportedModelError,
 )
 from .plugins import plugins
+from .store.datasets import ActivationDataset, cache_activations, load_activations, map_dataset
 from .store.recipes import Recipe, load_intervention
 from .store.traces import load_trace
 
@@ -44,15 +51,20 @@ except PackageNotFoundError:  # running from a source tree without installing
     __version__ = "0+unknown"
 
 __all__ = [
+    "ActivationDataset",
     "AmbiguousSiteError",
     "AppliedEdit",
     "EditContext",
+    "EditHadNoEffect",
+    "EditHadNoEffectError",
     "EditNotAppliedError",
+    "Drawing",
     "EditShapeError",
     "EmptySelectionError",
     "Fork",
     "FusedKernelError",
     "Helper",
+    "LegacyArgumentError",
     "ModuleCall",
     "Op",
     "OutOfOrderError",
@@ -72,18 +84,25 @@ __all__ = [
     "__version__",
     "add",
     "arch",
+    "cache_activations",
     "debug",
+    "draw",
     "errors",
     "extract",
     "func",
     "in_module",
+    "load_activations",
     "load_intervention",
     "load_trace",
+    "logit_lens",
+    "map_dataset",
     "mean_ablate",
     "mechinterp",
     "module",
     "noise",
     "patch_from",
+    "patching",
+    "plots",
     "plugins",
     "register_helper",
     "scale",

@@ -2,16 +2,21 @@
 
 ``torchlens.core`` never imports the packages above it; this module wires them in:
 binding canonical names (``arch``), replay and re-execution (``edit``), saving (``store``),
-tables and facets (``analysis``).
+tables, facets, pictures, summaries and notebook HTML (``analysis``).
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from .analysis.display import op_table
+from .analysis.draw import draw, to_dot
+from .analysis.notebook import call_html, op_html, trace_html
+from .analysis.summary import summary, to_pandas
 from .api import rerun
 from .arch.resolve import bind
+from .core.records import ModuleCall, Op
 from .core.selectors import Selector
 from .core.services import install
 from .core.steps import Step
@@ -30,14 +35,15 @@ class Services:
     def bind(self, model: Any, selector: Selector, *, strings_as_modules: bool) -> Selector:
         return bind(model, selector, strings_as_modules=strings_as_modules)
 
-    def replay(self, fork: Any, step: Step, *, model: Any, inputs: Any, check: bool) -> Any:
+    def replay(self, fork: Any, step: Step, *, model: Any, inputs: Any, check: bool, replay: str) -> Any:
         if model is not None:
             step = Step(bind(model, step.site), step.edit, step.phase)
-        return replay_step(fork, step, model=model, inputs=inputs, check=check, rerun=rerun)
+        strict = partial(rerun, strict=getattr(fork, "strict", False))  # a re-executed strict fork stays strict
+        return replay_step(fork, step, model=model, inputs=inputs, check=check, rerun=strict, replay=replay)
 
     def rerun(self, trace: Any, model: Any, args: tuple, kwargs: dict, steps: list[Step],
               until: Selector | None) -> Any:
-        return rerun(model, args, kwargs, steps, until)
+        return rerun(model, args, kwargs, steps, until, strict=getattr(trace, "strict", False))
 
     def validate(self, trace: Any, **kwargs: Any) -> Any:
         return validate(trace, **kwargs)
@@ -53,6 +59,25 @@ class Services:
 
     def facets(self, site: Any) -> Any:
         return facets_for(site)
+
+    def to_dot(self, trace: Any, **options: Any) -> str:
+        return to_dot(trace, **options)
+
+    def draw(self, trace: Any, path: Any, **options: Any) -> Any:
+        return draw(trace, path, **options)
+
+    def summary(self, trace: Any) -> Any:
+        return summary(trace)
+
+    def to_pandas(self, trace: Any) -> Any:
+        return to_pandas(trace)
+
+    def html(self, obj: Any) -> str:
+        if isinstance(obj, Op):
+            return op_html(obj)
+        if isinstance(obj, ModuleCall):
+            return call_html(obj)
+        return trace_html(obj)
 
 
 def install_services() -> None:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
+import os
+import time
+import weakref
 from dataclasses import replace
 from typing import Any
 
@@ -9,19 +13,21 @@ import torch
 from torch import nn
 
 from .arch.resolve import bind
+from .capture._offload import ValueOffload
 from .capture.request import CaptureRequest, module_address
-from .core.inputs import split_inputs
+from .core.inputs import call_inputs, split_inputs
 from .core.selectors import Selector, as_selector
 from .core.steps import Step
 from .core.trace import Trace
 from .errors import (
-    AmbiguousSiteError,
     EditNotAppliedError,
     InvalidArgumentError,
+    LegacyArgumentError,
     SiteNotFoundError,
     UnsupportedModelError,
 )
 from .plugins import choose_engine, engines
+from .store._trace_store import TraceStore
 
 __all__ = ["check_model", "extract", "rerun", "trace", "trace_until"]
 
@@ -101,6 +107,84 @@ def _capture(request: CaptureRequest, backend: str | None) -> Trace:
     return trace
 
 
+# Keywords of the older TorchLens package's ``log_forward_pass`` and what to write here instead.
+_VIS = "drop it: TorchLens draws after capture, with tl.draw(trace) or trace.table() for the ops"
+_LEGACY_KEYWORDS = {
+    "input_args": "pass the inputs positionally: tl.trace(model, x) or tl.trace(model, *args)",
+    "input_kwargs": "pass keyword inputs as keywords or as a dict: tl.trace(model, {'input_ids': ids})",
+    "layers_to_save": "save= (a selector: save=tl.func('relu') | tl.module('fc1'); omit it to keep every op)",
+    "which_layers": "save= (a selector: save=tl.func('relu') | tl.module('fc1'); omit it to keep every op)",
+    "keep_unsaved_layers": "nothing: the graph always keeps every op; save= only decides whose values stay",
+    "output_device": "move values when you read them: trace[label].out.to('cpu')",
+    "activation_postfunc": "post-process values when you read them (site.out), or edit with intervene=tl.when(...)",
+    "gradient_postfunc": "grad=True, then post-process the gradients you read",
+    "save_raw_activation": "nothing: values are kept as the forward produced them",
+    "save_raw_gradient": "grad=True",
+    "save_gradients": "grad=True",
+    "save_grads": "grad=True",
+    "gradients_to_save": "grad=True (with save= a selector for the values to keep)",
+    "detach_saved_tensors": "grad=False (the default) records without autograd",
+    "save_function_args": "nothing: every op's arguments are recorded (op.args_spec, op.parents)",
+    "mark_distances": "nothing: walk op.parents / op.children",
+    "mark_input_output_distances": "nothing: walk op.parents / op.children",
+    "save_source_context": "nothing: every op records its model line (op.source)",
+    "num_context_lines": "nothing: every op records its model line (op.source)",
+    "save_rng_states": "nothing: ops that draw random numbers are flagged, and replay refuses them",
+    "random_seed": "seed before capturing: torch.manual_seed(n); tl.trace(model, x)",
+    "vis_opt": _VIS, "vis_nesting_depth": _VIS, "vis_outpath": _VIS, "vis_save_only": _VIS,
+    "vis_fileformat": _VIS, "vis_buffer_layers": _VIS, "vis_direction": _VIS, "vis_graph_overrides": _VIS,
+    "vis_node_overrides": _VIS, "vis_nested_node_overrides": _VIS, "vis_edge_overrides": _VIS,
+    "vis_gradient_edge_overrides": _VIS, "vis_module_overrides": _VIS,
+}
+
+
+_SIGNATURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # forward function -> its parameters
+
+
+def _forward_parameters(model: nn.Module) -> dict[str, inspect.Parameter] | None:
+    """The parameters of ``model.forward`` by name (None when its signature cannot be read)."""
+    forward = model.forward
+    func = getattr(forward, "__func__", None)
+    if func is not None and func in _SIGNATURES:  # reading a signature costs ~0.1 ms on a transformers model
+        return _SIGNATURES[func]
+    try:
+        params = dict(inspect.signature(forward).parameters)
+    except (TypeError, ValueError):
+        return None
+    if func is not None:
+        _SIGNATURES[func] = params
+    return params
+
+
+def _check_keywords(model: nn.Module, given: dict, from_dict: dict) -> None:
+    """Refuse keywords meant for the older TorchLens package, and dict inputs the model cannot take.
+
+    A keyword the model's ``forward`` names explicitly always passes through to the model.
+    """
+    legacy = [k for k in given if k in _LEGACY_KEYWORDS]
+    if not legacy and not from_dict:
+        return
+    params = _forward_parameters(model)
+    if params is None:
+        return
+    legacy = [k for k in legacy if k not in params]
+    if legacy:
+        raise LegacyArgumentError(
+            f"{', '.join(f'{k}=' for k in legacy)} is spelled as in the older TorchLens package (log_forward_pass) "
+            f"and is not a parameter of {type(model).__name__}.forward; here: "
+            + "; ".join(f"{k}= -> {_LEGACY_KEYWORDS[k]}" for k in legacy),
+            keywords=legacy,
+        )
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    unknown = [k for k in from_dict if k not in params]
+    if unknown and not takes_any:
+        raise InvalidArgumentError(
+            f"the input dict's keys {unknown} are not parameters of {type(model).__name__}.forward "
+            f"({list(params)}); a dict input is passed as keyword inputs",
+            remedy="To pass the dict itself as the one positional input, wrap it in a tuple: tl.trace(model, (d,)).",
+        )
+
+
 def trace(
     model: nn.Module,
     *args: Any,
@@ -108,12 +192,21 @@ def trace(
     intervene: Any = None,
     backend: str | None = None,
     grad: bool = False,
+    strict: bool = False,
+    store: Any = None,
+    offload_values: Any = None,
+    max_bytes: int | str | None = "auto",
     **kwargs: Any,
 ) -> Trace:
     """Run ``model(*args, **kwargs)`` once and record every executed op.
 
+    Inputs follow the one input convention (docs/concepts.md, "Inputs"): a tensor, a tuple of
+    positional inputs, a dict of keyword inputs, or the model's ``*args, **kwargs`` directly.
+
     Args:
         model: an eager ``nn.Module``; it is left exactly as it was, also if it raises.
+        *args: the model's positional inputs; one tuple or dict is read by the input convention.
+        **kwargs: the model's keyword inputs.
         save: keep only the outputs of ops matching this selector (the graph is still recorded).
             With ``intervene=`` and only module sites in both, module hooks serve the
             capture: the trace then holds those module outputs and the model output, no ops.
@@ -122,6 +215,15 @@ def trace(
         backend: a capture engine by name (``tl.plugins()`` lists them); default: the cheapest
             that can serve the request.
         grad: run with autograd enabled (default off: faster, no graph kept).
+        strict: an edit that changes no element raises ``EditHadNoEffectError`` instead of
+            warning ``tl.EditHadNoEffect``, during this capture and on every fork of the trace.
+        store: a directory: every kept value is written there (safetensors shards) as the
+            forward produces it and read back lazily; memory holds the graph, not the values.
+        offload_values: a device (``"cpu"``) to keep recorded values on while the model runs
+            on an accelerator; they are moved back to the op's device when replay needs them.
+        max_bytes: the most bytes an in-memory capture may add to the process's resident
+            memory before it is stopped with ``CaptureMemoryError`` (checked every 64 ops);
+            ``"auto"``: 90% of the memory available when the capture starts; None: no limit.
 
     Returns:
         the Trace.
@@ -130,16 +232,90 @@ def trace(
         UnsupportedModelError: the model is not an eager nn.Module (compiled, scripted, a wrapper).
         SiteNotFoundError: a site names no module or op of the model.
         EditNotAppliedError: an edit's site never fired during the forward.
-        InvalidArgumentError: ``save=`` or ``intervene=`` has the wrong type.
+        EditHadNoEffectError: with ``strict=True``, an edit changed nothing.
+        InvalidArgumentError: ``save=`` or ``intervene=`` has the wrong type, or a dict input's
+            keys are not parameters of the model's forward.
+        LegacyArgumentError: a keyword spelled as in the older TorchLens package
+            (``layers_to_save=`` ...) that the model's forward does not take.
         FingerprintMismatchError: a loaded recipe was saved for a different model.
+        CaptureMemoryError: the capture grew the process by more than ``max_bytes`` (the
+            forward is stopped before memory runs out; ``save=`` or ``store=`` bound it).
     """
     model = check_model(model)
+    call_args, call_kwargs = call_inputs(args, kwargs)
+    _check_keywords(model, kwargs, call_kwargs if len(args) == 1 and isinstance(args[0], dict) else {})
+    sink = _sink(store, offload_values)
+    limit = _byte_limit(max_bytes) if sink is None or offload_values is not None else None
+    return _trace(model, call_args, call_kwargs, save=save, intervene=intervene, backend=backend, grad=grad,
+                  strict=strict, sink=sink, max_bytes=limit)
+
+
+def _sink(store: Any, offload_values: Any) -> Any:
+    """Where values go as the forward produces them: a disk store, a device, or nowhere (None)."""
+    if store is not None and offload_values is not None:
+        raise InvalidArgumentError("store= and offload_values= both say where values go; pass one",
+                                   remedy="store=path keeps them on disk; offload_values='cpu' in CPU memory.")
+    if store is not None:
+        if not isinstance(store, (str, os.PathLike)):
+            raise InvalidArgumentError(f"store= takes a directory path, got {type(store).__name__}")
+        return TraceStore(store)
+    if offload_values is not None:
+        try:
+            return ValueOffload(offload_values)
+        except (RuntimeError, TypeError) as exc:
+            raise InvalidArgumentError(f"offload_values= takes a device such as 'cpu', got {offload_values!r}",
+                                       remedy="Pass offload_values='cpu'.") from exc
+    return None
+
+
+def _byte_limit(max_bytes: int | str | None) -> int | None:
+    if max_bytes is None:
+        return None
+    if max_bytes == "auto":
+        available = _available_memory()
+        return None if available is None else int(available * 0.9)
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
+        raise InvalidArgumentError(f"max_bytes= takes a positive number of bytes, 'auto' or None; got {max_bytes!r}")
+    return max_bytes
+
+
+_AVAILABLE: list[float] = [-1.0, 0.0]  # (when read, bytes): read at most once a second
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory available to new allocations (MemAvailable on Linux), None when unknown."""
+    now = time.monotonic()
+    if now - _AVAILABLE[0] < 1.0:
+        return int(_AVAILABLE[1]) or None
+    _AVAILABLE[0], _AVAILABLE[1] = now, _read_available() or 0
+    return int(_AVAILABLE[1]) or None
+
+
+def _read_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _trace(model: nn.Module, args: tuple, kwargs: dict, *, save: Any = None, intervene: Any = None,
+           backend: str | None = None, grad: bool = False, strict: bool = False, sink: Any = None,
+           max_bytes: int | None = None) -> Trace:
+    """``tl.trace`` on inputs already split into the model's (args, kwargs)."""
     whens = _bound_steps(model, intervene)
     saved = _as_save(save)
     if saved is not None:
         saved = bind(model, saved)
-    request = CaptureRequest(model, args, kwargs, record_ops=True, intervene=whens, save=saved, grad=grad)
-    module_request = replace(request, record_ops=False, sites=saved, save=None)
+    request = CaptureRequest(model, args, kwargs, record_ops=True, intervene=whens, save=saved, grad=grad,
+                             strict=strict, sink=sink, max_bytes=max_bytes)
+    module_request = replace(request, record_ops=False, sites=saved, save=None, sink=None)
     if backend is None:
         if whens and saved is not None and module_request.module_only():
             # An edit plus a module read needs no op graph: module hooks serve it at hook cost.
@@ -156,19 +332,21 @@ def _bound_steps(model: nn.Module, intervene: Any) -> list[Step]:
     return [Step(bind(model, s.site), s.edit) for s in _as_steps(intervene, model)]
 
 
-def rerun(model: nn.Module, args: tuple, kwargs: dict, steps: list[Step], until: Selector | None = None) -> Trace:
+def rerun(model: nn.Module, args: tuple, kwargs: dict, steps: list[Step], until: Selector | None = None, *,
+          strict: bool = False) -> Trace:
     """Capture ``model`` again on (args, kwargs) with ``steps`` applied during capture;
     with ``until``, stop right after it (a partial trace)."""
     if until is not None:
-        return trace_until(model, args, kwargs, until, intervene=steps or None)
-    return trace(model, *args, intervene=steps or None, **kwargs)
+        return trace_until(model, args, kwargs, until, intervene=steps or None, strict=strict)
+    return _trace(check_model(model), args, kwargs, intervene=steps or None, strict=strict)
 
 
-def trace_until(model: nn.Module, args: tuple, kwargs: dict, until: Any, intervene: Any = None) -> Trace:
+def trace_until(model: nn.Module, args: tuple, kwargs: dict, until: Any, intervene: Any = None, *,
+                strict: bool = False) -> Trace:
     """Record the forward and stop right after ``until`` fires (a partial trace)."""
     model = check_model(model)
     request = CaptureRequest(model, args, kwargs, intervene=_bound_steps(model, intervene),
-                             until=bind(model, as_selector(until)))
+                             until=bind(model, as_selector(until)), strict=strict)
     result = _capture(request, None)
     if result.complete:
         raise EditNotAppliedError(
@@ -179,14 +357,18 @@ def trace_until(model: nn.Module, args: tuple, kwargs: dict, until: Any, interve
     return result
 
 
-def extract(model: nn.Module, x: Any, sites: Any, *, grad: bool = False, backend: str | None = None) -> dict:
+def extract(model: nn.Module, x: Any, sites: Any, *, grad: bool = False, backend: str | None = None,
+            intervene: Any = None) -> dict:
     """Read activations in one forward; module outputs are read with forward hooks only.
 
     Args:
         model: an eager ``nn.Module``.
-        x: the input: a tensor, a tuple of positional inputs, or a dict of keyword inputs.
+        x: the input: a tensor, a tuple of positional inputs, or a dict of keyword inputs
+            (the one input convention of every entry point: docs/concepts.md, "Inputs").
         sites: a list of module addresses / selectors (result keyed by each), or a dict
             ``{name: address_or_selector}`` (result keyed by name).
+        intervene: ``tl.when(site, edit)``, a list of them, or a loaded recipe, applied while
+            the forward runs (module edits with module reads still run on hooks only).
 
     Returns:
         ``{key: value}`` where a module's value is exactly what a forward hook on it sees;
@@ -208,7 +390,8 @@ def extract(model: nn.Module, x: Any, sites: Any, *, grad: bool = False, backend
     for sel in selectors.values():
         union = sel if union is None else union | sel
     args, kwargs = split_inputs(x)
-    request = CaptureRequest(model, args, kwargs, record_ops=False, sites=union, save=union, grad=grad)
+    request = CaptureRequest(model, args, kwargs, record_ops=False, sites=union, save=union, grad=grad,
+                             intervene=_bound_steps(model, intervene))
     if not request.module_only():
         request.record_ops = True
     result = _capture(request, backend)
@@ -224,19 +407,11 @@ def extract(model: nn.Module, x: Any, sites: Any, *, grad: bool = False, backend
 
 
 def _module_value(result: Trace, path: str, key: str) -> Any:
-    address, pass_index = module_address(result.model, path)
+    address, _ = module_address(result.model, path)
     calls = result.calls_of(address)
     if not calls:
         raise SiteNotFoundError(f"module {address!r} exists but did not run in this forward", site=key,
                                 remedy="Check the model's forward: this module is skipped for this input.")
-    if pass_index is None:
-        if len(calls) > 1:
-            passes = [f"{address}:{i + 1}" for i in range(len(calls))]
-            raise AmbiguousSiteError(f"module {address!r} ran {len(calls)} times; say which pass: {passes}",
-                                     site=key, passes=passes)
-        return result.module_output(calls[0])
-    if not 1 <= pass_index <= len(calls):
-        raise SiteNotFoundError(f"module {address!r} ran {len(calls)} time(s); there is no pass {pass_index}",
-                                site=key, remedy=f"Use a pass between 1 and {len(calls)}.")
-    return result.module_output(calls[pass_index - 1])
+    # The trace picks the pass (and names the real passes when the address alone is ambiguous).
+    return result.module_output(result.module_call(path))
 

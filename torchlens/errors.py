@@ -10,11 +10,15 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
-    "AmbiguousSiteError", "CaptureError", "EditError", "EditNotAppliedError", "EditShapeError",
-    "EmptySelectionError", "FacetReadOnlyError", "FingerprintMismatchError", "FormatVersionError",
-    "FusedKernelError", "InvalidArgumentError", "NotPortableError", "OutOfOrderError", "PickleNotAllowedError",
-    "PluginError", "RecipeError", "RecipeExistsError", "RecipeFormatError", "RecipeHelperError", "ReplayError",
-    "ReplayNotExactError", "ShimUnsupportedError", "SiteError", "SiteNotFoundError", "StopCapture",
+    "AmbiguousSiteError", "CaptureError", "CaptureMemoryError", "DatasetError", "DatasetFormatError",
+    "DatasetRowError", "EditError",
+    "EditHadNoEffect", "EditHadNoEffectError", "EditNotAppliedError", "EditShapeError", "EmptySelectionError",
+    "FacetReadOnlyError", "FingerprintMismatchError", "FormatVersionError", "FusedKernelError",
+    "GraphvizNotFoundError", "GuardChangedError", "InvalidArgumentError", "JobMismatchError",
+    "LegacyArgumentError", "NotPortableError", "OptionalDependencyError", "OutOfOrderError",
+    "PickleNotAllowedError", "PluginError", "RecipeError", "RecipeExistsError", "RecipeFormatError",
+    "RecipeHelperError", "ReplayError", "ReplayFellBack", "ReplayNotExactError", "ShardWriteError",
+    "ShimUnsupportedError", "SiteError", "SiteNotFoundError", "StopCapture", "TokenizerRequiredError",
     "TooManySitesError", "TorchLensError", "UnknownHelperError", "UnsafePathError", "UnsupportedModelError",
     "ValueNotSavedError", "all_error_classes",
 ]
@@ -49,7 +53,13 @@ class SiteError(TorchLensError, LookupError):
     """A site or selector could not be resolved against a model or trace."""
 
 
-class SiteNotFoundError(SiteError):
+class EmptySelectionError(SiteError):
+    """A selector matched no op or module of the trace (the nearest names are listed)."""
+
+    remedy = "Check the selector against trace.modules and trace.layers; combine selectors with | to widen."
+
+
+class SiteNotFoundError(EmptySelectionError):
     """No module, op label or selector match has the name you gave."""
 
     remedy = "Use one of the nearest valid names listed, or list them with trace.modules / trace.layers."
@@ -58,13 +68,8 @@ class SiteNotFoundError(SiteError):
 class AmbiguousSiteError(SiteError):
     """The name matches several passes of a module; say which one (``address:N``)."""
 
-    remedy = "Add the pass number, e.g. 'transformer.h.0:2', or use tl.module(path) with find_sites."
-
-
-class EmptySelectionError(SiteError):
-    """A selector matched no op or module of the trace."""
-
-    remedy = "Check the selector against trace.modules and trace.layers; combine selectors with | to widen."
+    remedy = "Add the pass number to the address ('address:N', the passes are listed), or use tl.module(address) " \
+             "with find_sites to get every pass."
 
 
 class TooManySitesError(SiteError):
@@ -86,6 +91,13 @@ class CaptureError(TorchLensError):
     """Capturing a forward failed for a reason of TorchLens's, not the model's."""
 
 
+class CaptureMemoryError(CaptureError, MemoryError):
+    """The values an in-memory capture would hold do not fit in the memory available."""
+
+    remedy = ("Keep fewer values with save= (a selector: only they are held, the rest is freed as the forward "
+              "runs), or write every value to disk with store=path; max_bytes= sets the limit.")
+
+
 class UnsupportedModelError(CaptureError):
     """The object cannot be captured eagerly (not an nn.Module, compiled, scripted...)."""
 
@@ -96,6 +108,12 @@ class InvalidArgumentError(TorchLensError, TypeError):
     """An argument of a TorchLens call has the wrong type or value."""
 
     remedy = "See the call's docstring for the accepted types."
+
+
+class LegacyArgumentError(InvalidArgumentError):
+    """A keyword spelled as in the older TorchLens package (``log_forward_pass``), which this one names differently."""
+
+    remedy = "Use the spelling given in the message (docs/concepts.md, 'Inputs', lists them all)."
 
 
 class StopCapture(Exception):
@@ -121,6 +139,17 @@ class EditNotAppliedError(EditError):
     remedy = "Pick a site from the ones that fired (listed), or a pass that exists."
 
 
+class EditHadNoEffectError(EditError):
+    """An edit changed no element of the activation, and the trace is strict (``strict=True``)."""
+
+    remedy = "Check the edit against the activation (a mean over a dimension of size 1 is the value itself); " \
+             "an edit that may legitimately change nothing sets may_change_nothing = True."
+
+
+class EditHadNoEffect(UserWarning):
+    """Warning: an edit changed no element of the activation (an error under ``tl.trace(..., strict=True)``)."""
+
+
 class UnknownHelperError(EditError, LookupError):
     """No edit helper is registered under that name."""
 
@@ -138,6 +167,17 @@ class ReplayNotExactError(ReplayError):
     """The recorded graph cannot reproduce this edit exactly, so replay refuses."""
 
     remedy = "Re-execute the real forward instead: fork.do(site, edit, model=model, inputs=x)."
+
+
+class GuardChangedError(ReplayNotExactError):
+    """An edit changed a value the forward branched on (a guard), so the recorded path no longer holds."""
+
+    remedy = ("Let replay fall back to re-executing the real forward: fork.do(site, edit, replay='fallback') "
+              "(needs the trace's model), or re-execute explicitly: fork.do(site, edit, model=model, inputs=x).")
+
+
+class ReplayFellBack(UserWarning):
+    """A fork's edit changed a guard, so the real forward was re-executed instead of replaying."""
 
 
 class FusedKernelError(TorchLensError):
@@ -205,6 +245,61 @@ class RecipeExistsError(RecipeError, FileExistsError):
     """Saving would replace an existing path."""
 
     remedy = "Pass overwrite=True to replace an earlier TorchLens save, or choose another path."
+
+
+# -- pictures, tables and other optional extras ---------------------------------------------
+
+
+class OptionalDependencyError(TorchLensError, ImportError):
+    """The feature needs an optional package that is not installed (matplotlib, pandas, graphviz ...)."""
+
+    remedy = "pip install 'torchlens[viz]' (pictures, plots, progress bars, tables)."
+
+
+class GraphvizNotFoundError(OptionalDependencyError):
+    """Graphviz's ``dot`` program is not installed, so a graph cannot be laid out; ``to_dot()`` still works."""
+
+    remedy = ("Install Graphviz: apt-get install graphviz (Debian/Ubuntu), brew install graphviz (macOS) or "
+              "conda install graphviz; or render trace.to_dot() with any Graphviz viewer.")
+
+
+# -- activation datasets (tl.cache_activations / tl.map_dataset) -------------------------
+
+
+class DatasetError(TorchLensError):
+    """Streaming a dataset through a model to disk failed; finished shards are kept."""
+
+    remedy = "Fix the cause named, then rerun the same call: it resumes after the last finished shard."
+
+
+class DatasetRowError(DatasetError, ValueError):
+    """A dataset row is not token ids or text (or cannot be fed to this model as it is)."""
+
+    remedy = "Give rows of token ids (lists of ints, 1-D integer tensors, {'input_ids': ...}) or text with tokenizer=."
+
+
+class TokenizerRequiredError(DatasetRowError):
+    """The dataset holds text, but no tokenizer was given to turn it into token ids."""
+
+    remedy = "Pass tokenizer= a Hugging Face tokenizer (AutoTokenizer.from_pretrained(...)), or give token ids."
+
+
+class JobMismatchError(DatasetError):
+    """The output directory holds a different job (another model, other arguments, other data)."""
+
+    remedy = "Rerun with exactly the arguments of the first run, choose a new out= directory, or pass overwrite=True."
+
+
+class ShardWriteError(DatasetError, OSError):
+    """Writing a shard failed (disk full, I/O error); the directory is left resumable."""
+
+    remedy = "Free space or fix the disk, then rerun the same call: it resumes after the last finished shard."
+
+
+class DatasetFormatError(DatasetError, ValueError):
+    """An activation dataset on disk is malformed, incomplete or fails its checksums."""
+
+    remedy = "Rerun the job that wrote it (it resumes and rewrites what is missing), or delete the directory."
 
 
 # -- plugins and shims -------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -21,6 +22,7 @@ from ..core.records import EDIT, ModuleCall, Op
 from ..core.trace import Fork
 from ..core.tree import flatten
 from ..errors import InvalidArgumentError, TorchLensError
+from .notebook import comparison_html
 
 
 @dataclass
@@ -65,6 +67,8 @@ class Comparison:
     rtol: float
     only_in_a: list[str] = field(default_factory=list)
     only_in_b: list[str] = field(default_factory=list)
+    # weak references to (a, b), so tl.draw(comparison) can show the graph without keeping activations alive
+    sources: tuple = field(default=(), repr=False, compare=False)
     diffs: list[Diff] = field(default_factory=list)
 
     @property
@@ -132,6 +136,9 @@ class Comparison:
         first = self.first_divergence
         state = "same" if first is None else f"{len(self.diverged)} diverge, first {first.label}"
         return f"<Comparison {self.a!r} vs {self.b!r}: {state}>"
+
+    def _repr_html_(self) -> str:
+        return comparison_html(self)
 
 
 def _num(v: float | None) -> str:
@@ -318,7 +325,8 @@ def compare(a: Any, b: Any, *, atol: float = 1e-5, rtol: float = 1e-4) -> Compar
     in_a = {(kind, key) for kind, key, _ in ev_a}
     edited_a, edited_b = _edited_ops(a), _edited_ops(b)
     replayed = _replay_targets(a) ^ _replay_targets(b)
-    result = Comparison(getattr(a, "name", "a"), getattr(b, "name", "b"), atol, rtol)
+    result = Comparison(getattr(a, "name", "a"), getattr(b, "name", "b"), atol, rtol,
+                        sources=(weakref.ref(a), weakref.ref(b)))
     result.only_in_a = [key for kind, key, _ in ev_a if (kind, key) not in in_b]
     result.only_in_b = [key for kind, key, _ in ev_b if (kind, key) not in in_a]
     result.only_in_a += [op.label for op in a.ops if op.flags & EDIT and not b.has_label(op.label)]

@@ -5,18 +5,46 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..core.records import ModuleCall, Op
+from ..errors import EmptySelectionError
+
+__all__ = ["op_table", "selected_ops"]
+
 
 def _short_source(source: str) -> str:
     path, _, line = source.rpartition(":")
     return f"{os.path.basename(path)}:{line}" if path else source
 
 
-def op_table(trace, selector: Any = None, limit: int | None = None) -> str:
-    """Label, function, module:pass, shape and source line of each op (of ``selector``)."""
-    if selector is None:
-        records = [op for op in trace.ops]
-    else:
-        records = [s.record for s in trace.find_sites(selector) if s.kind == "op"]
+def selected_ops(trace: Any, selector: Any) -> list[Op]:
+    """The ops a selector covers, in execution order: matched ops, and every op run inside a matched
+    module call (``"transformer.h.0"`` or ``tl.module(...)`` shows that module's ops).
+
+    Raises:
+        EmptySelectionError: the selector matches nothing (``SiteNotFoundError`` for a name that
+            does not exist), or matches module calls in which no op was recorded.
+    """
+    found: dict[int, Op] = {}
+    for site in trace.find_sites(selector):
+        record = site.record
+        ops = trace.ops[record.op_start:record.op_end] if isinstance(record, ModuleCall) else [record]
+        for op in ops:
+            found.setdefault(op.index, op)
+    if not found:
+        remedy = ("This trace holds module outputs only (no op graph); capture with tl.trace(model, x) to see ops."
+                  if not trace.has_op_graph else "The module ran no tensor op (it returned its input); pick another.")
+        raise EmptySelectionError(f"{selector!s} matches module calls but no op ran inside them", site=str(selector),
+                                  remedy=remedy)
+    return [found[i] for i in sorted(found)]
+
+
+def op_table(trace: Any, selector: Any = None, limit: int | None = None) -> str:
+    """Label, function, module:pass, shape and source line of each op (of ``selector``).
+
+    Raises:
+        EmptySelectionError: ``selector`` matches nothing (the nearest names are listed).
+    """
+    records = list(trace.ops) if selector is None else selected_ops(trace, selector)
     if limit is not None:
         records = records[:limit]
     rows = [("label", "func", "module:pass", "shape", "source")]
@@ -27,6 +55,3 @@ def op_table(trace, selector: Any = None, limit: int | None = None) -> str:
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
-
-
-__all__ = ["op_table"]

@@ -122,7 +122,7 @@ def _head_from_pattern(ctx: Any, op: Op, activation: torch.Tensor, head: int, pa
             site=op.label,
             remedy="Call model.eval() before capturing, or re-capture with attn_implementation='eager'.",
         )
-    if not hasattr(trace, "recipe") and op.saved and op._out is not None and not torch.equal(activation, op._out):
+    if not hasattr(trace, "recipe") and op.saved and op._out is not None and not torch.equal(activation, op.out):
         # A capture-time edit re-applied on a fork whose upstream changed: its context still
         # points at the original run, whose v is no longer the one this op saw.
         raise ReplayNotExactError(

@@ -10,7 +10,8 @@ import inspect
 from typing import Any
 
 __all__ = [
-    "DATA_READ_NAMES", "DROPOUT_NAMES", "FuncInfo", "INPLACE_DUNDERS", "NOT_INPLACE", "RANDOM_NAMES", "info_for",
+    "DATA_READ_NAMES", "DROPOUT_NAMES", "FuncInfo", "GUARD_NAMES", "INPLACE_DUNDERS", "NOT_INPLACE", "RANDOM_NAMES",
+    "info_for",
 ]
 
 RANDOM_NAMES = frozenset(
@@ -30,6 +31,16 @@ DATA_READ_NAMES = frozenset(
         "allclose", "is_nonzero", "numpy", "__array__", "__format__",
     }
 )
+# Ops whose index-valued outputs choose what runs next (which experts, which rows, how many):
+# replay compares their integer outputs with the recorded ones (guards). ``where`` is one only
+# with a single argument (the indices of nonzero elements).
+GUARD_NAMES = frozenset(
+    {
+        "topk", "sort", "argsort", "argmax", "argmin", "max", "min", "median", "nanmedian", "kthvalue", "mode",
+        "nonzero", "nonzero_static", "argwhere", "unique", "unique_consecutive", "searchsorted", "bucketize",
+        "where",
+    }
+)
 INPLACE_DUNDERS = frozenset(
     {
         "__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
@@ -40,7 +51,7 @@ NOT_INPLACE = frozenset({"__get__", "requires_grad_", "share_memory_", "retain_g
 
 
 class FuncInfo:
-    __slots__ = ("name", "stem", "inplace", "inplace_pos", "random", "training_pos", "data_read")
+    __slots__ = ("name", "stem", "inplace", "inplace_pos", "random", "training_pos", "data_read", "guard")
 
     def __init__(self, func: Any) -> None:
         raw = getattr(func, "__name__", None) or type(func).__name__
@@ -50,7 +61,7 @@ class FuncInfo:
         self.name = name
         self.stem = name.rstrip("_") or name
         self.inplace = raw in INPLACE_DUNDERS or (
-            raw.endswith("_") and not raw.startswith("_") and raw not in NOT_INPLACE
+            raw.endswith("_") and not raw.endswith("__") and raw not in NOT_INPLACE  # _foreach_add_ too
         )
         self.inplace_pos = _param_pos(func, "inplace")
         self.random = raw in RANDOM_NAMES
@@ -58,6 +69,7 @@ class FuncInfo:
         if raw in DROPOUT_NAMES and self.training_pos is None:
             self.random = True
         self.data_read = raw in DATA_READ_NAMES
+        self.guard = name in GUARD_NAMES
 
 
 def _param_pos(func: Any, param: str) -> int | None:

@@ -9,6 +9,8 @@ op is about to overwrite a recorded value (copy on write).
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 import sys
 import weakref
@@ -17,12 +19,18 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..core.records import ALIAS_MUTATION, EDIT, INPLACE, OPEN, RANDOM, ModuleCall, Op
+try:
+    import resource
+except ImportError:  # Windows has no resource module: max_bytes= then reads no peak
+    resource = None
+
+from ..core.records import ALIAS_MUTATION, DISPATCH, EDIT, GUARD, INPLACE, OPEN, RANDOM, Deferred, ModuleCall, Op
+from ..core.selectors import Selector
 from ..core.steps import Step
 from ..core.trace import Trace
 from ..core.tree import clone_value, flatten, unflatten
-from ..edit.edits import AppliedEdit, EditContext, apply_edit, count_changed
-from ..errors import StopCapture
+from ..edit.edits import AppliedEdit, EditContext, apply_edit, count_changed, land_edit
+from ..errors import CaptureMemoryError, StopCapture
 from ._classify import info_for
 
 __all__ = ["EditApplier", "Recorder"]
@@ -35,11 +43,47 @@ _OWN = tuple(_PKG_DIR + p for p in ("capture" + os.sep, "core" + os.sep, "edit" 
 _INTERNAL: dict[Any, bool] = {}
 
 
+def _package_dirs(*names: str) -> tuple[str, ...]:
+    """Where these packages are installed (found without importing them)."""
+    found = []
+    for name in names:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        for loc in (spec.submodule_search_locations or ()) if spec is not None else ():
+            found.append(os.path.join(loc, ""))
+    return tuple(found)
+
+
+# Packages that move a model's weights and activations between devices around its forward
+# (accelerate's dispatch and offload hooks): the ops they issue are not the model's.
+_DISPATCHER_DIRS = _package_dirs("accelerate")
+_DISPATCHER: dict[Any, bool] = {}
+# In-place ops that change which memory a tensor describes, not the data in it: only the
+# records holding that very tensor object change.
+_RESHAPES_IN_PLACE = frozenset(
+    {"t_", "transpose_", "squeeze_", "unsqueeze_", "as_strided_", "swapdims_", "swapaxes_", "detach_", "set_"}
+)
+# In-place ops that may move the whole storage elsewhere: every record on it changes address.
+_REALLOCATES = frozenset({"resize_", "resize_as_"})
+
+
+def _is_dispatcher(code) -> bool:
+    """Whether the frame that called a torch function is a dispatcher's own code."""
+    found = _DISPATCHER.get(code)
+    if found is None:
+        found = _DISPATCHER[code] = code.co_filename.startswith(_DISPATCHER_DIRS)
+    return found
+
+
 def _is_internal(code) -> bool:
     internal = _INTERNAL.get(code)
     if internal is None:
         fn = code.co_filename
-        internal = fn.startswith(_TORCH_DIR) or fn.startswith(_OWN) or fn.startswith("<frozen")
+        # A dispatcher's forward wrapper stands between the model's line and the module it calls.
+        internal = fn.startswith(_TORCH_DIR) or fn.startswith(_OWN) or fn.startswith("<frozen") or \
+            bool(_DISPATCHER_DIRS) and fn.startswith(_DISPATCHER_DIRS)
         _INTERNAL[code] = internal
     return internal
 
@@ -64,8 +108,22 @@ class EditApplier:
 class Recorder(TorchFunctionMode):
     """Records every torch function / tensor method call made while it is active."""
 
-    def __init__(self, trace: Trace, op_steps: list[Step] | None = None, until: Any = None) -> None:
+    def __init__(self, trace: Trace, op_steps: list[Step] | None = None, until: Any = None, *,
+                 save: Selector | None = None, grad: bool = False, sink: Any = None,
+                 max_bytes: int | None = None) -> None:
         super().__init__()
+        # The process may grow by max_bytes during the capture; checked every _CHECK_EVERY ops
+        # (a read of the resident size, ~10 us), so the check costs nothing per op.
+        self.max_bytes = max_bytes
+        self.rss0 = _resident_bytes() if max_bytes is not None else None
+        self.until_check = _CHECK_EVERY
+        # With store=, each kept value is copied to ``sink`` (a disk store) as it is produced.
+        self.sink = sink
+        self.transient = save is not None or sink is not None
+        # With save=, values the selector does not ask for are held weakly (freed when the forward
+        # frees them): the peak is bounded, not only what is kept.
+        self.save = save
+        self.grad = grad  # hook every kept output so a backward leaves its gradient on the trace
         self.trace = trace
         self.trace_ref = weakref.ref(trace)
         self.ops = trace.ops
@@ -110,8 +168,11 @@ class Recorder(TorchFunctionMode):
         if inplace:
             flags |= INPLACE
             target = kwargs.get("out") if kwargs.get("out") is not None else (args[0] if args else None)
-            if isinstance(target, Tensor) and self._before_inplace(target):
-                flags |= ALIAS_MUTATION
+            out_arg = target is not None and target is kwargs.get("out")
+            # out=(values, indices) and the _foreach_*_ ops mutate several tensors at once.
+            for t in (target,) if isinstance(target, Tensor) else target if isinstance(target, (tuple, list)) else ():
+                if isinstance(t, Tensor) and self._before_inplace(t, info.name, out_arg):
+                    flags |= ALIAS_MUTATION
         if info.random:
             flags |= RANDOM
         elif info.training_pos is not None:
@@ -120,6 +181,8 @@ class Recorder(TorchFunctionMode):
                 flags |= RANDOM
         elif info.name == "scaled_dot_product_attention" and kwargs.get("dropout_p", 0.0):
             flags |= RANDOM
+        if info.guard and (info.name != "where" or len(args) + len(kwargs) == 1):
+            flags |= GUARD
 
         out = func(*args, **kwargs)
 
@@ -132,7 +195,7 @@ class Recorder(TorchFunctionMode):
                 return self._record(func, info, out, args, kwargs, flags, True)
             return out
         if info.data_read:
-            self._data_read(info.name, args)
+            self._data_read(func, info.name, args, kwargs, out)
         return out
 
     def _record(self, func, info, out, args, kwargs, flags, multi) -> Any:
@@ -140,6 +203,12 @@ class Recorder(TorchFunctionMode):
         ops = self.ops
         index = len(ops)
         code, lineno = self.source()
+        if _DISPATCHER_DIRS and _is_dispatcher(sys._getframe(2).f_code):
+            # A dispatcher's move of an activation is kept (the model reads its output: an edit
+            # must propagate through it) under its own stem; its weight on/offloads are not ops.
+            if not any(trace.producer_ref(t, index) is not None for t in _tensor_args(args, kwargs)):
+                return out
+            flags |= DISPATCH
         stack = self.stack
         if stack:
             call = stack[-1]
@@ -148,13 +217,27 @@ class Recorder(TorchFunctionMode):
             module, module_pass = "", 1
         if list in map(type, args):  # a list may be appended to later by the model: keep it as it is now
             args = tuple(list(a) if type(a) is list else a for a in args)
-        stem = info.stem
+        stem = info.stem if not flags & DISPATCH else "dispatch_" + info.stem
         n = self.counters.get(stem, 0) + 1
         self.counters[stem] = n
         label = f"{stem}_{n}"
-        op = Op(index, label, func, info.name, out, module, module_pass, code, lineno, args, kwargs, flags)
+        # A list the model is handed may be changed in place later: the record keeps its own.
+        value = list(out) if multi and type(out) is list else out
+        op = Op(index, label, func, info.name, value, module, module_pass, code, lineno, args, kwargs, flags)
         op._trace_ref = self.trace_ref
-        trace.add_recorded_op(op, multi)
+        if not self.transient:
+            trace.add_recorded_op(op, multi)
+        else:
+            keep = bool(flags & GUARD) or self.save is None or self.save.matches_op(op)
+            trace.add_transient_op(op, multi, keep)
+            if keep and self.sink is not None and not flags & GUARD:  # guard values stay: replay compares them
+                trace.spill(index, self.sink)
+        if self.rss0 is not None:
+            self.until_check -= 1
+            if not self.until_check:
+                self._check_memory()
+        if self.grad:
+            self._hook_grad(op)
         if self.storage is not None:
             self._index_storage(op)
         if self.op_steps:
@@ -163,25 +246,77 @@ class Recorder(TorchFunctionMode):
             raise StopCapture(op.label)
         return out
 
-    def _data_read(self, name: str, args: tuple) -> None:
+    def _check_memory(self) -> None:
+        """Stop the capture before memory runs out: the process grew by more than ``max_bytes``."""
+        self.until_check = _CHECK_EVERY
+        grown = _resident_bytes() - self.rss0
+        if grown > self.max_bytes:
+            raise CaptureMemoryError(
+                f"the capture grew this process by {grown / 2**20:.0f} MiB after {len(self.ops)} ops, more than "
+                f"max_bytes={self.max_bytes / 2**20:.0f} MiB; the forward was stopped before memory ran out",
+                grown=grown, max_bytes=self.max_bytes,
+            )
+
+    def _keep(self, index: int) -> None:
+        """Keep op ``index``'s value after all (a saved module returned it), on disk with store=."""
+        trace = self.trace
+        trace.keep_value(index)
+        op = self.ops[index]
+        if not op.saved:
+            return
+        if self.sink is not None:
+            trace.spill(index, self.sink)
+        elif self.storage is not None:  # copy on write protects it from now on
+            self._index_storage(op)
+        if self.grad:
+            self._hook_grad(op)
+
+    def _hook_grad(self, op: Op) -> None:
+        """Leave the gradient of each output tensor that requires one on the trace, when a backward runs."""
+        out = self._live_out(op) if op.saved else None
+        leaves = ((None, out),) if isinstance(out, Tensor) else enumerate(out) if out is not None else ()
+        store = self.trace.store_grad
+        with torch._C.DisableTorchFunction():  # our hook, not an op of the model
+            for elem, t in leaves:
+                if isinstance(t, Tensor) and t.requires_grad:
+                    t.register_hook(functools.partial(_keep_grad, store, op.index, elem))
+
+    def _data_read(self, func: Any, name: str, args: tuple, kwargs: dict, seen: Any) -> None:
+        """Record a read of tensor data into Python (a guard): what was read, from which ops,
+        and the value the forward saw, so replay can recompute it and compare."""
+        position = len(self.ops)
+        leaves, spec = flatten((args, kwargs))
         ref = None
-        for a in args:
-            if isinstance(a, Tensor):
-                ref = self.trace.producer_ref(a, len(self.ops))
-                if ref is not None:
-                    break
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, Tensor):
+                found = self.trace.producer_ref(leaf, position)
+                if found is not None:
+                    leaves[i] = found
+                    ref = ref or found
+        if _DISPATCHER_DIRS and _is_dispatcher(sys._getframe(2).f_code):
+            return  # a dispatcher looking at a tensor (its device, its pointer), not the model branching
         code, lineno = self.source()
-        self.trace.record_data_read(len(self.ops), ref, code, lineno, name)
+        self.trace.record_data_read(position, ref, code, lineno, name, func=func, args_spec=(leaves, spec), seen=seen)
 
     # -- copy on write for in-place ops -----------------------------------------------------------
     def _storage_key(self, t: Tensor) -> int | None:
         try:
-            return t.untyped_storage().data_ptr()
+            # Views share their base's storage, whatever their offset. A tensor with no memory
+            # yet (torch.empty(0), later filled through out=) is keyed by the object itself.
+            return t.untyped_storage().data_ptr() or -id(t)
         except (RuntimeError, NotImplementedError):
             return None
 
-    def _index_storage(self, op: Op) -> None:
+    def _live_out(self, op: Op) -> Any:
+        """The tensors op ``op`` produced, as the model still holds them (a bounded or disk-backed
+        capture keeps only weak references, or its own copy on disk)."""
         out = op._out
+        if self.transient and (out is None or isinstance(out, Deferred)):
+            return self.trace.live_value(op.index)
+        return out
+
+    def _index_storage(self, op: Op) -> None:
+        out = self._live_out(op)
         leaves = out if isinstance(out, (tuple, list)) else (out,)
         for t in leaves:
             if isinstance(t, Tensor):
@@ -189,39 +324,70 @@ class Recorder(TorchFunctionMode):
                 if key:
                     self.storage.setdefault(key, []).append(op.index)
 
-    def _before_inplace(self, target: Tensor) -> bool:
-        """Snapshot every recorded value the in-place op is about to overwrite.
+    def _before_inplace(self, target: Tensor, name: str, out_arg: bool = False) -> bool:
+        """Snapshot every recorded tensor the in-place op ``name`` on ``target`` is about to change.
 
-        Returns True when the overwritten memory is viewed by other recorded tensors, whose
-        later readers would see data the recorded graph does not describe.
+        Works leaf by leaf: one element of a tuple output (``topk``, ``split``...) is copied
+        when it is the target or overlaps the memory the op writes; the other elements keep
+        sharing memory with the model and stay indexed.
+
+        Args:
+            target: the tensor the op mutates (``args[0]`` or an ``out=`` tensor).
+            name: the op's name, which says whether it writes data or only moves metadata.
+            out_arg: ``target`` is an ``out=`` argument, which the op may resize (and so move).
+
+        Returns:
+            True when the overwritten memory is viewed by other recorded tensors, whose
+            later readers would see data the recorded graph does not describe.
         """
         if self.storage is None:
             self.storage = {}
             for op in self.ops:
                 self._index_storage(op)
         key = self._storage_key(target)
-        if not key:
+        bucket = self.storage.pop(key, None) if key else None
+        if not bucket:
             return False
+        # ``span``: the memory the op writes (None: no data written, only ``target`` changes
+        # shape or storage). ``moves``: the op may give the storage new memory, which changes
+        # where every tensor on it points: all of them are copied (their values stay).
+        span = None if name in _RESHAPES_IN_PLACE or name in _REALLOCATES else _span(target)
+        moves = out_arg or name in _REALLOCATES
         aliased = False
+        keep: list[int] = []
         ops = self.ops
-        for index in self.storage.pop(key, ()):
-            # Each op sharing this memory keeps a private copy of its value as it was; it no
-            # longer shares the memory, so it leaves the index.
+        position = len(ops)
+        for index in dict.fromkeys(bucket):
             op = ops[index]
-            out = op._out
-            if isinstance(out, Tensor):
-                op._out = out.clone()
-                is_target = out is target
-            elif isinstance(out, (tuple, list)):
-                op._out = type(out)(x.clone() if isinstance(x, Tensor) else x for x in out) \
-                    if type(out) in (tuple, list) else out
-                is_target = False
-            else:
-                continue
-            op.snapshotted = True
-            if not is_target:
+            out = self._live_out(op)
+            if out is None:
+                continue  # freed: nothing left to overwrite
+            detached = out is not op._out  # the record holds its own copy (on disk) or nothing: never copy it
+            multi = not isinstance(out, Tensor)
+            leaves = list(out) if multi else [out]
+            copied = shared = others = False
+            for i, t in enumerate(leaves):
+                if not isinstance(t, Tensor) or (multi and self._storage_key(t) != key):
+                    continue
+                written = t is not target and span is not None and _overlap(_span(t), span)
+                if t is target or written or moves:
+                    if not detached:
+                        leaves[i] = t.clone()
+                        copied = True
+                    others = others or written
+                else:
+                    shared = True
+            if shared:  # still views the model's memory: a later write must find it again
+                keep.append(index)
+            if others:
                 aliased = True
-                self.stale.setdefault(index, len(ops))
+                self.stale.setdefault(index, position)
+            if not copied:
+                continue
+            op._out = type(out)(leaves) if multi else leaves[0]
+            op.snapshotted = True
+        if keep:
+            self.storage[key] = keep
         return aliased
 
     # -- capture-time edits --------------------------------------------------------------------
@@ -234,7 +400,9 @@ class Recorder(TorchFunctionMode):
         try:
             result = applier(*leaves)
             edited = result if spec is None else unflatten(list(result), spec)
-            changed = count_changed(value, edited)
+            applied = AppliedEdit(when.site.describe(), label, module_pass, count_changed(value, edited), "captured",
+                                  before=value)
+            land_edit(self.trace, when.edit, applied)  # reported (or refused, strict) before it enters the graph
         finally:
             self.paused = False
         index = len(self.ops)
@@ -242,6 +410,8 @@ class Recorder(TorchFunctionMode):
                 EDIT)
         op._code, op._lineno = getattr(record, "_code", None), getattr(record, "_lineno", 0)
         self.trace.add_op(op)
+        if self.save is not None:
+            self.trace.link_args(op)  # the value before the edit is not held through its arguments
         if spec is None:
             self.trace.register_tensor(result, index, None)
         else:
@@ -251,7 +421,6 @@ class Recorder(TorchFunctionMode):
         if self.storage is not None:
             self._index_storage(op)
         when.fired.append(label)
-        self.trace.record_edit(AppliedEdit(when.site.describe(), label, module_pass, changed))
         return edited
 
     def _apply_op_steps(self, op: Op, out: Any) -> Any:
@@ -278,8 +447,82 @@ class Recorder(TorchFunctionMode):
                     output = self._edit_op(when, output, call.address, call.pass_index, call.address, call)
                     replaced = output
         call.op_end = len(self.ops)
-        call._out = output
-        call.out_refs, call.out_spec = self.trace.refs_for_value(output, len(self.ops))
+        refs, call.out_spec = self.trace.refs_for_value(output, len(self.ops))
+        if self.stale:
+            # Memory of that op was overwritten through another view before the module returned:
+            # no recorded op produced what it returns, so the call keeps its own copy instead.
+            refs = [None if r is not None and r.index in self.stale else r for r in refs]
+        call.out_refs = refs
+        if self.save is None or self.save.matches_call(call):
+            call._out = self._kept_output(output, refs, call.out_spec)
+            if self.sink is not None:  # on disk, its tensors are read through the ops that produced them
+                leaves, spec = flatten(call._out)
+                # placeholders must not be None: a ModelOutput drops None fields, losing leaves
+                call._out = unflatten([0 if r is not None else x for x, r in zip(leaves, refs)], spec)
+            for ref in refs if self.save is not None else ():
+                if ref is not None and not self.ops[ref.index].saved:
+                    self._keep(ref.index)
+        if self.transient:
+            call.args, call.kwargs = (), {}  # the module's inputs are ops' values: freed with them
         if stop:
             raise StopCapture(call.key)
         return replaced
+
+    @staticmethod
+    def _kept_output(output: Any, refs: list, spec: Any) -> Any:
+        """The module output as the call record keeps it, safe from later changes by the model.
+
+        Tensors some recorded op produced are guarded by copy on write already; a tensor no
+        op produced (a buffer, a tensor made outside the capture) is copied now, and a
+        container the model could refill (list, dict, ``ModelOutput``) is rebuilt.
+        """
+        if spec is None and refs[0] is not None:
+            return output
+        leaves, _ = flatten(output)
+        copied = False
+        for i, ref in enumerate(refs):
+            if ref is None and isinstance(leaves[i], Tensor):
+                with torch._C.DisableTorchFunction():  # our copy, not an op of the model
+                    leaves[i] = leaves[i].clone()
+                copied = True
+        if copied or type(output) is not tuple:
+            return unflatten(leaves, spec)
+        return output
+
+
+_CHECK_EVERY = 64  # ops between two reads of the resident size (max_bytes=)
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _resident_bytes() -> int:
+    """The process's resident memory now (Linux), or its peak so far where that is all there is."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except OSError:
+        if resource is None:
+            return 0
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024
+
+
+def _keep_grad(store, index: int, elem: int | None, grad: Tensor) -> None:
+    store(index, elem, grad)
+
+
+def _tensor_args(args: tuple, kwargs: dict) -> list[Tensor]:
+    return [t for t in flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+
+
+def _span(t: Tensor) -> tuple[int, int]:
+    """The bytes ``[start, end)`` of its storage that ``t`` can touch (empty for no elements)."""
+    if t.numel() == 0:
+        return (0, 0)
+    size = t.element_size()
+    start = t.storage_offset() * size
+    reach = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return (start, start + reach * size)
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1] and a[0] < a[1] and b[0] < b[1]

@@ -12,9 +12,10 @@ from ..core.records import INPUT, OPEN, ModuleCall, Op
 from ..core.steps import Step
 from ..core.trace import Trace
 from ..core.tree import clone_value, flatten
-from ..edit.edits import AppliedEdit, EditContext, apply_edit, count_changed
+from ..edit.edits import AppliedEdit, EditContext, apply_edit, count_changed, land_edit
 from ..errors import StopCapture
 from ..hookspecs import hookimpl
+from ._offload import defer_offloaded_weights
 from ._recorder import Recorder
 from .hooks import ModuleHooks
 from .request import CaptureRequest, module_address
@@ -55,7 +56,8 @@ class HooksEngine:
         return 1.0
 
     def capture(self, request: CaptureRequest) -> Trace:
-        trace = Trace(request.model, request.args, request.kwargs, engine=self.name, op_graph=False)
+        trace = Trace(request.model, request.args, request.kwargs, engine=self.name, op_graph=False,
+                      strict=request.strict)
         edits, _ = _module_steps(request)
         stops = _until_addresses(request)
         wanted: dict[str, None] = {}
@@ -63,6 +65,7 @@ class HooksEngine:
             for path in sel.module_paths() or ():
                 wanted[module_address(request.model, path)[0]] = None
         hooks = ModuleHooks(request.model)
+        handed: list[tuple[ModuleCall, object, object]] = []
         for address in dict.fromkeys([*wanted, *edits, *stops]):
             steps = edits.get(address)
             stop_pass = stops.get(address, -1)
@@ -75,13 +78,16 @@ class HooksEngine:
                         ctx = EditContext(when.site.describe(), info.address, info.address, info.pass_index, call,
                                           trace)
                         edited = apply_edit(clone_value(output), when.edit, ctx)
-                        trace.record_edit(
-                            AppliedEdit(when.site.describe(), info.address, info.pass_index,
-                                        count_changed(output, edited))
-                        )
+                        land_edit(trace, when.edit, AppliedEdit(when.site.describe(), info.address, info.pass_index,
+                                                                count_changed(output, edited), "captured",
+                                                                before=output))
                         when.fired.append(info.address)
                         output = replaced = edited
-                call._out = output
+                # No op graph here, so no copy on write: the model may still change the tensor
+                # (or the container) it got back, so a copy made now is kept next to it.
+                with torch._C.DisableTorchFunction():  # our copy, not an op of the model
+                    call._out = clone_value(output)
+                handed.append((call, output, _versions(output)))
                 trace.add_call(call)
                 if stop_pass != -1 and (stop_pass is None or stop_pass == info.pass_index):
                     raise StopCapture(info.address)
@@ -95,8 +101,40 @@ class HooksEngine:
                 output = request.model(*request.args, **request.kwargs)
             except StopCapture:
                 complete = False
+        for call, handed_out, versions in handed:
+            # The object the forward really used (what a forward hook sees, with its autograd
+            # graph) is kept when the model left it as it was; the copy otherwise.
+            if _unchanged(handed_out, call._out, versions):
+                call._out = handed_out
         trace.finish(output, steps=request.intervene, grad=request.grad, complete=complete)
         return trace
+
+
+def _versions(value: object) -> list[int | None]:
+    """The version counter of each tensor leaf (bumped by every in-place change, views included)."""
+    found: list[int | None] = []
+    for leaf in flatten(value)[0]:
+        try:
+            found.append(leaf._version if isinstance(leaf, torch.Tensor) else None)
+        except RuntimeError:  # an inference-mode tensor keeps no version counter
+            found.append(None)
+    return found
+
+
+def _unchanged(value: object, copy: object, versions: list[int | None]) -> bool:
+    """Whether ``value`` still holds what ``copy`` was taken from: same structure and elements."""
+    leaves, spec = flatten(value)
+    copies, copy_spec = flatten(copy)
+    if spec != copy_spec or len(leaves) != len(copies) or _versions(value) != versions:
+        return False
+    for a, b in zip(leaves, copies):
+        if isinstance(a, torch.Tensor):
+            # Writes through ``.data`` bypass the version counter: compare the elements too.
+            if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
+                return False
+        elif a is not b:
+            return False
+    return True
 
 
 def _record_inputs(trace: Trace, args: tuple, kwargs: dict) -> None:
@@ -124,11 +162,12 @@ class FunctionModeEngine:
 
     def capture(self, request: CaptureRequest) -> Trace:
         model = request.model
-        trace = Trace(model, request.args, request.kwargs, engine=self.name)
+        trace = Trace(model, request.args, request.kwargs, engine=self.name, strict=request.strict)
         module_steps, op_steps = _module_steps(request)
         stops = _until_addresses(request)
         op_until = request.until if request.until is not None and not stops else None
-        recorder = Recorder(trace, op_steps, op_until)
+        recorder = Recorder(trace, op_steps, op_until, save=request.save, grad=request.grad, sink=request.sink,
+                            max_bytes=request.max_bytes)
         _record_inputs(trace, request.args, request.kwargs)
         hooks = ModuleHooks(model)
         enter = recorder.enter_module
@@ -152,6 +191,9 @@ class FunctionModeEngine:
         for call in trace.calls:  # calls a stopped (until=) forward never finished
             if call.op_end == OPEN:
                 call.op_end = len(trace.ops)
+        defer_offloaded_weights(trace, model)  # offloaded weights: references, not a second copy
+        if request.sink is not None:
+            request.sink.close()
         trace.finish(output, steps=request.intervene, save=request.save, grad=request.grad, complete=complete,
                      stale=recorder.stale)
         return trace

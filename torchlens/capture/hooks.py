@@ -137,9 +137,12 @@ class ModuleHooks:
         counts = self._counts
         open_passes = self._open.setdefault(address, [])
 
-        def pre_hook(mod, args, kwargs):
-            if threading.get_ident() != self._owner:
+        def pre_hook(mod, args, *rest):
+            # ``*rest``: another thread's forward may run this hook while torch is still
+            # registering it (hook added, with_kwargs flag not yet), without kwargs.
+            if threading.get_ident() != self._owner or not rest:
                 return None
+            kwargs = rest[0]
             n = counts.get(address, 0) + 1
             counts[address] = n
             open_passes.append(n)
@@ -159,9 +162,11 @@ class ModuleHooks:
         counts = self._counts
         open_passes = self._open.setdefault(address, [])
 
-        def post_hook(mod, args, kwargs, output):
-            if threading.get_ident() != self._owner:
+        def post_hook(mod, args, *rest):
+            # ``*rest`` as in pre_hook: (kwargs, output), or (output,) mid-registration elsewhere.
+            if threading.get_ident() != self._owner or len(rest) != 2:
                 return None
+            kwargs, output = rest
             if counted_by_pre:
                 n = open_passes.pop() if open_passes else counts.get(address, 0)
             else:

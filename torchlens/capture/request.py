@@ -7,6 +7,7 @@ at the edge), so an engine deals in real module addresses and op labels only.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
@@ -28,6 +29,11 @@ class CaptureRequest:
     save: Selector | None = None
     grad: bool = False
     until: Selector | None = None
+    strict: bool = False  # an edit that changes nothing raises instead of warning (kept by the trace)
+    # Where recorded values go as they are produced (``put(key, value)`` returns a handle that reads
+    # the value back, ``close()`` once the forward ends): a disk store (store=) or a device offload.
+    sink: Any = None
+    max_bytes: int | None = None  # values held in memory beyond this raise CaptureMemoryError (None: no limit)
 
     def selectors(self) -> list[Selector]:
         found = [w.site for w in self.intervene]

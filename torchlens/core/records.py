@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import ValueNotSavedError
+from .services import services
 from .tree import describe_shape, tensor_leaves, unflatten
 
 if TYPE_CHECKING:
@@ -23,10 +24,14 @@ RANDOM = 4  # output depends on the RNG (dropout in training, randn, ...)
 EDIT = 8  # an edit applied during capture (its func re-applies the edit)
 ALIAS_MUTATION = 16  # mutated storage that other recorded tensors view
 NOT_REPLAYABLE = 32  # cannot be re-issued from recorded arguments
+GUARD = 64  # its index-valued outputs choose what runs next (topk indices, nonzero ...): replay checks them
+# Issued by a dispatcher (accelerate's device moves), not by the model: labelled ``dispatch_*``,
+# kept in the graph so edits propagate through it, never matched by ``tl.func``.
+DISPATCH = 128
 
 __all__ = [
-    "ALIAS_MUTATION", "EDIT", "INPLACE", "INPUT", "NOT_REPLAYABLE", "OPEN", "RANDOM", "ModuleCall", "Op", "Ref",
-    "build_args",
+    "ALIAS_MUTATION", "DISPATCH", "EDIT", "GUARD", "INPLACE", "INPUT", "NOT_REPLAYABLE", "OPEN", "RANDOM", "Deferred",
+    "ModuleCall", "Op", "Ref", "build_args",
 ]
 
 OPEN = 1 << 62  # ModuleCall.op_end while the call is still running
@@ -59,6 +64,21 @@ class Ref:
 
     def __repr__(self) -> str:
         return f"Ref({self.index})" if self.elem is None else f"Ref({self.index}[{self.elem}])"
+
+
+class Deferred:
+    """A recorded argument kept as a way to fetch the tensor, not the tensor itself.
+
+    An offloaded model's weights exist in memory only while their module runs; keeping them in
+    the recorded arguments would hold a second copy of every offloaded weight. A subclass
+    (``torchlens.capture._offload``) knows where the weight lives and loads it on demand.
+    """
+
+    __slots__ = ()
+
+    def load(self) -> torch.Tensor:
+        """The tensor, fetched now (not cached: the caller holds it only while it needs it)."""
+        raise NotImplementedError
 
 
 class Op(_TraceLink):
@@ -113,11 +133,14 @@ class Op(_TraceLink):
         """The output as it was when the op ran (later in-place changes are not seen)."""
         if not self.saved:
             raise ValueNotSavedError(f"op {self.label!r} was recorded but its output was not saved", site=self.label)
-        return self._out
+        out = self._out
+        return out.load() if isinstance(out, Deferred) else out
 
     @property
     def shape(self) -> Any:
-        return describe_shape(self._out) if self.saved else self._meta_shape()
+        if not self.saved or isinstance(self._out, Deferred):
+            return self._meta_shape()
+        return describe_shape(self._out)
 
     def _meta_shape(self):
         return self._meta[0] if self._meta else None
@@ -129,8 +152,28 @@ class Op(_TraceLink):
         self._out = None
 
     @property
+    def grad(self) -> Any:
+        """The gradient of the loss with respect to this op's output (``tl.trace(..., grad=True)``, then backward).
+
+        Raises:
+            ValueNotSavedError: the trace was captured without ``grad=True``, ``save=`` excluded
+                this op, or no backward reached it yet.
+        """
+        return self.trace.grad_of(self)
+
+    def defer_value(self, handle: Deferred) -> None:
+        """Keep the output as ``handle`` (on disk), with its shape and dtype at hand."""
+        self._meta = (self.shape, self.dtype)
+        self._out = handle
+
+    def restore_value(self, value: Any) -> None:
+        """Keep ``value`` as the output after all (a bounded capture found a reader for it)."""
+        self._out = value
+        self.saved = True
+
+    @property
     def dtype(self) -> torch.dtype | None:
-        if not self.saved:
+        if not self.saved or isinstance(self._out, Deferred):
             return self._meta[1] if self._meta else None
         out = self._out
         if isinstance(out, torch.Tensor):
@@ -165,6 +208,9 @@ class Op(_TraceLink):
     def __repr__(self) -> str:
         where = f" in {self.module}" if self.module else ""
         return f"<Op {self.label} {self.func_name}{where} shape={self.shape}>"
+
+    def _repr_html_(self) -> str:
+        return services().html(self)
 
 
 class ModuleCall(_TraceLink):
@@ -216,9 +262,13 @@ class ModuleCall(_TraceLink):
     def __repr__(self) -> str:
         return f"<ModuleCall {self.key} ({self.module_type}) ops {self.op_start}:{self.op_end}>"
 
+    def _repr_html_(self) -> str:
+        return services().html(self)
+
 
 def build_args(op: Op, resolve: Callable[[Ref], Any]) -> tuple[tuple, dict]:
     """An op's (args, kwargs) rebuilt from its ``args_spec``, each parent ``Ref`` through ``resolve``."""
     leaves, spec = op.args_spec
-    leaves = [resolve(leaf) if type(leaf) is Ref else leaf for leaf in leaves]
+    leaves = [resolve(leaf) if type(leaf) is Ref else leaf.load() if isinstance(leaf, Deferred) else leaf
+              for leaf in leaves]
     return unflatten(leaves, spec)

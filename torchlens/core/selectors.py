@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import EmptySelectionError, FusedKernelError, InvalidArgumentError, SiteError, SiteNotFoundError
 from .names import nearest
-from .records import ModuleCall, Op
+from .records import DISPATCH, ModuleCall, Op
 
 __all__ = [
     "Func", "InModule", "Label", "ModuleOutput", "Record", "Selector", "as_selector", "func", "in_module",
@@ -45,6 +45,15 @@ class Selector:
 
     def matches_op(self, op: Op) -> bool:
         """Whether a just-executed op belongs to this selector (for capture-time use)."""
+        return False
+
+    def matches_call(self, call: ModuleCall) -> bool:
+        """Whether a module call that just returned is one of this selector's module outputs
+        (for capture-time use: a bounded ``save=`` keeps its value)."""
+        for path in self.module_paths() or ():
+            address, pass_index = split_pass(path)
+            if address == call.address and (pass_index is None or pass_index == call.pass_index):
+                return True
         return False
 
     def describe(self) -> str:
@@ -178,12 +187,13 @@ class Func(Selector):
         self.name = name.strip("_") if name.startswith("__") else name
 
     def matches_op(self, op: Op) -> bool:
-        return op.func_name == self.name
+        # A dispatcher's device moves (accelerate's ``.to``) are not the model's ops.
+        return op.func_name == self.name and not op.flags & DISPATCH
 
     def match(self, trace: Trace) -> list[Record]:
-        found = [op for op in trace.ops if op.func_name == self.name]
+        found = [op for op in trace.ops if op.func_name == self.name and not op.flags & DISPATCH]
         if not found:
-            names = {op.func_name for op in trace.ops}
+            names = {op.func_name for op in trace.ops if not op.flags & DISPATCH}
             if self.name in _INSIDE_FUSED_ATTENTION and "scaled_dot_product_attention" in names:
                 raise FusedKernelError(
                     f"no {self.name!r} op ran: this model computes attention with one fused "
@@ -214,6 +224,9 @@ class Label(Selector):
     def matches_op(self, op: Op) -> bool:
         return op.label == self.label
 
+    def matches_call(self, call: ModuleCall) -> bool:
+        return self.label in (call.address, call.key)
+
     def match(self, trace: Trace) -> list[Record]:
         return [trace.lookup(self.label)]
 
@@ -232,6 +245,9 @@ class _And(Selector):
 
     def matches_op(self, op: Op) -> bool:
         return self.a.matches_op(op) and self.b.matches_op(op)
+
+    def matches_call(self, call: ModuleCall) -> bool:
+        return self.a.matches_call(call) and self.b.matches_call(call)
 
     def match(self, trace: Trace) -> list[Record]:
         right = {id(r) for r in self.b.match(trace)}
@@ -256,6 +272,9 @@ class _Or(Selector):
 
     def matches_op(self, op: Op) -> bool:
         return self.a.matches_op(op) or self.b.matches_op(op)
+
+    def matches_call(self, call: ModuleCall) -> bool:
+        return self.a.matches_call(call) or self.b.matches_call(call)
 
     def match(self, trace: Trace) -> list[Record]:
         # A union fails only when both sides find nothing (then with the first side's error).

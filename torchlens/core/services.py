@@ -29,8 +29,9 @@ class TraceServices(Protocol):
         """``selector`` with canonical names (``blocks.3.mlp``) resolved to this model's sites;
         with ``strings_as_modules``, plain strings naming modules become module selectors."""
 
-    def replay(self, fork: Fork, step: Step, *, model: Any, inputs: Any, check: bool) -> Fork:
-        """Apply ``step`` on ``fork`` (replay, or re-execution when model/inputs are given)."""
+    def replay(self, fork: Fork, step: Step, *, model: Any, inputs: Any, check: bool, replay: str) -> Fork:
+        """Apply ``step`` on ``fork`` (replay, or re-execution when model/inputs are given or a
+        changed guard makes replay fall back, as ``replay`` allows)."""
 
     def rerun(self, trace: Trace, model: Any, args: tuple, kwargs: dict, steps: list[Step],
               until: Selector | None) -> Trace:
@@ -50,6 +51,21 @@ class TraceServices(Protocol):
 
     def facets(self, site: Site) -> Any:
         """The facet object a plugin offers for ``site``."""
+
+    def to_dot(self, trace: Trace, **options: Any) -> str:
+        """The DOT source of the trace's graph (``torchlens.analysis.draw.to_dot`` options)."""
+
+    def draw(self, trace: Trace, path: Any, **options: Any) -> Any:
+        """Draw the trace's graph (to ``path`` when given); a ``Drawing``."""
+
+    def summary(self, trace: Trace) -> Any:
+        """Per module call: ops, parameters, output shape, memory held (text and HTML)."""
+
+    def to_pandas(self, trace: Trace) -> Any:
+        """One row per op as a pandas DataFrame."""
+
+    def html(self, obj: Any) -> str:
+        """The notebook HTML of a trace, fork, op or module call."""
 
 
 _installed: TraceServices | None = None

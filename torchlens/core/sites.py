@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from .records import ModuleCall, Op
 from .services import services
 
-__all__ = ["Site", "Sites"]
+__all__ = ["ModuleSites", "Site", "Sites"]
 
 if TYPE_CHECKING:
     from .trace import Trace
@@ -56,6 +56,39 @@ class Site:
 
     def __hash__(self) -> int:
         return hash((id(self.trace), id(self.record)))
+
+
+class ModuleSites(list):
+    """``trace.modules``: every module call in call order, indexed by position or by address.
+
+    ``trace.modules[0]`` is the first call; ``trace.modules["transformer.h.0"]`` (or
+    ``"block:2"``, or a canonical name) is that module's call, as ``trace[...]`` finds it.
+    """
+
+    def __init__(self, trace: Trace, sites: list[Site]) -> None:
+        super().__init__(sites)
+        self._trace = trace
+
+    def __getitem__(self, key: int | slice | str) -> Any:
+        """The site at a position (or slice), or the module call an address names.
+
+        Raises:
+            SiteNotFoundError: no module that ran has that address (the nearest are listed).
+            AmbiguousSiteError: a module that ran several times, named without a pass.
+        """
+        if isinstance(key, str):
+            return Site(self._trace, self._trace.module_call(key))
+        return super().__getitem__(key)
+
+    def __contains__(self, key: object) -> bool:
+        if isinstance(key, str):
+            return any(site.record.address == key or site.record.key == key for site in self)
+        return super().__contains__(key)
+
+    @property
+    def addresses(self) -> list[str]:
+        """The address of each call, in order (repeated for a module that ran several times)."""
+        return [site.record.address for site in self]
 
 
 class Sites:

@@ -13,6 +13,7 @@ replay, validate and facets all ask it.
 from __future__ import annotations
 
 import bisect
+import weakref
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -25,13 +26,14 @@ from ..errors import (
     ReplayNotExactError,
     SiteNotFoundError,
     TooManySitesError,
+    ValueNotSavedError,
 )
-from .inputs import split_inputs
+from .inputs import call_inputs, split_inputs
 from .names import nearest
-from .records import INPUT, ModuleCall, Op, Ref
+from .records import EDIT, GUARD, INPUT, ModuleCall, Op, Ref
 from .selectors import Label, Selector, as_selector, split_pass
 from .services import services
-from .sites import Site, Sites
+from .sites import ModuleSites, Site, Sites
 from .steps import REPLAY, Step
 from .tree import flatten, unflatten
 
@@ -39,13 +41,32 @@ __all__ = ["DataRead", "Fork", "ForkState", "Trace"]
 
 
 class DataRead(NamedTuple):
-    """A data-dependent read the forward made (``bool``, ``.item()`` ...) before op ``position``."""
+    """A data-dependent read the forward made (``bool``, ``.item()`` ...) before op ``position``: a guard.
+
+    ``func`` and ``args_spec`` (arguments with ``Ref`` leaves for recorded tensors) let replay
+    recompute the read; ``seen`` is the value the forward saw. A read loaded from disk may lack
+    them (``func is None``): replay then cannot check it and refuses to cross it.
+    """
 
     position: int
     ref: Ref | None
     code: Any
     lineno: int
     name: str
+    func: Any = None
+    args_spec: Any = None
+    seen: Any = None
+
+    @property
+    def source(self) -> str:
+        return f"{getattr(self.code, 'co_filename', '<unknown>')}:{self.lineno}"
+
+    @property
+    def refs(self) -> list[Ref]:
+        """Every recorded op this read reads from."""
+        if self.args_spec is None:
+            return [self.ref] if self.ref is not None else []
+        return [leaf for leaf in self.args_spec[0] if type(leaf) is Ref]
 
 
 class ForkState(NamedTuple):
@@ -73,8 +94,9 @@ class Trace:
     """
 
     def __init__(self, model: torch.nn.Module | None = None, args: tuple = (), kwargs: dict | None = None, *,
-                 engine: str = "", op_graph: bool = True) -> None:
+                 engine: str = "", op_graph: bool = True, strict: bool = False) -> None:
         self.model = model
+        self.strict = strict  # an edit on it (or its forks) that changes nothing raises, not warns
         self.args = args
         self.kwargs = kwargs or {}
         self.name = "trace"
@@ -100,6 +122,10 @@ class Trace:
         self._graph_ready = False
         self._values: dict[int, Any] = {}
         self._stale: dict[int, int] = {}  # op index -> position after which its memory was overwritten
+        # A bounded capture (save=) keeps weak references to every op output, to link arguments to
+        # live producers and to keep a module output the selector asks for once the module returns.
+        self._weak: dict[int, Any] = {}
+        self._grads: dict[int, Any] = {}  # op index -> gradient of its output (grad=True, after a backward)
 
     # -- capabilities ------------------------------------------------------------------------
     @property
@@ -137,6 +163,125 @@ class Trace:
             if t is not None:
                 self.register_tensor(t, index, i)
 
+    def add_transient_op(self, op: Op, multi: bool, keep: bool) -> None:
+        """A bounded capture's hot path: append ``op``, link its arguments now, and unless ``keep``
+        hold its output only weakly, so it is freed as soon as the forward itself lets go of it."""
+        self.add_recorded_op(op, multi)
+        out = op._out
+        self._weak[op.index] = (type(out), [None if t is None else weakref.ref(t) for t in out]) if multi \
+            else weakref.ref(out)
+        self.link_args(op)
+        if not keep:
+            op.drop_value()
+
+    def link_args(self, op: Op) -> None:
+        """Turn ``op``'s raw arguments into ``args_spec`` now, refs to live producers only, and drop them."""
+        leaves, spec = flatten((op.args, op.kwargs))
+        refs: list[Ref] = []
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor):
+                ref = self.producer_ref(leaf, op.index)
+                if ref is not None:
+                    leaves[i] = ref
+                    refs.append(ref)
+        op.args_spec = (leaves, spec)
+        op.parent_refs = refs
+        op.args = op.kwargs = None
+
+    def _alive(self, ref: Ref) -> Any:
+        """The live tensor op ``ref`` produced in a bounded capture (None once freed): an id reused
+        by a newer tensor must not link it to the op that made the old one."""
+        weak = self._weak.get(ref.index)
+        if weak is None:  # an input or a capture-time edit: held strongly
+            op = self.ops[ref.index]
+            if not op.saved:
+                return None
+            return op._out if ref.elem is None else op._out[ref.elem]
+        if isinstance(weak, tuple):
+            weaks = weak[1]
+            weak = weaks[ref.elem] if ref.elem is not None and ref.elem < len(weaks) else None
+        elif ref.elem is not None:
+            weak = None
+        return weak() if weak is not None else None
+
+    def live_value(self, index: int) -> Any:
+        """Op ``index``'s output as the model still holds it in a bounded capture (None: freed)."""
+        weak = self._weak.get(index)
+        if weak is None:
+            op = self.ops[index]
+            return op._out if op.saved else None
+        if isinstance(weak, tuple):
+            kind, weaks = weak
+            leaves = [None if w is None else w() for w in weaks]
+            return None if all(v is None for v in leaves) else kind(leaves)
+        return weak()
+
+    def spill(self, index: int, sink: Any) -> None:
+        """Move op ``index``'s value into ``sink`` (a disk store: ``put(key, value)`` returns a
+        ``Deferred`` that reads it back); the op keeps that handle, not the tensor."""
+        op = self.ops[index]
+        op.defer_value(sink.put(op.label, op._out))
+
+    def keep_value(self, index: int) -> None:
+        """A bounded capture keeps op ``index``'s output after all (a module the selector saves returned it)."""
+        op = self.ops[index]
+        if op.saved:
+            return
+        weak = self._weak.get(index)
+        if isinstance(weak, tuple):
+            kind, weaks = weak
+            leaves = [None if w is None else w() for w in weaks]
+            if any(v is None and w is not None for v, w in zip(leaves, weaks)):
+                return  # freed already: nothing left to keep
+            op.restore_value(kind(leaves))
+        elif weak is not None and weak() is not None:
+            op.restore_value(weak())
+
+    def store_grad(self, index: int, elem: int | None, grad: torch.Tensor) -> None:
+        """Note the gradient a backward computed for op ``index``'s output (element ``elem``)."""
+        if elem is None:
+            self._grads[index] = grad
+        else:
+            self._grads.setdefault(index, {})[elem] = grad
+
+    def grad_of(self, op: Op) -> Any:
+        """The gradient of op ``op``'s output (a tuple for a multi-output op).
+
+        Raises:
+            ValueNotSavedError: no gradient was recorded for it (see the message for why).
+        """
+        g = self._grads.get(op.index, _MISSING)
+        if g is _MISSING:
+            why = ("the trace was captured without grad=True" if not self.grad else
+                   "no backward has reached it yet (call .backward() on something computed from the output)"
+                   if op.saved else "save= excluded it")
+            raise ValueNotSavedError(f"op {op.label!r} has no gradient: {why}", site=op.label,
+                                     remedy="Capture with tl.trace(model, x, grad=True) (and a save= that "
+                                            "includes it), then call loss.backward().")
+        if isinstance(g, dict):
+            n = len(op._out) if op.saved else max(g) + 1
+            return tuple(g.get(i) for i in range(n))
+        return g
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the recorded op values and module outputs (each storage counted once)."""
+        seen: set[int] = set()
+        total = 0
+        values = [op._out for op in self.ops if op.saved] + [c._out for c in self.calls if c._out is not None]
+        for value in values:
+            for t in flatten(value)[0]:
+                if isinstance(t, torch.Tensor) and not t.is_meta:
+                    try:
+                        storage = t.untyped_storage()
+                    except (RuntimeError, NotImplementedError):
+                        continue
+                    key = storage.data_ptr() or id(storage)
+                    if key not in seen:
+                        seen.add(key)
+                        total += storage.nbytes()
+        return total
+
     def add_call(self, call: ModuleCall) -> None:
         """Append one module call record."""
         call.trace = self
@@ -168,15 +313,22 @@ class Trace:
         k = bisect.bisect_left(idx, before) - 1
         if k < 0:
             return None
-        return Ref(idx[k], elems[k])
+        ref = Ref(idx[k], elems[k])
+        if self._weak and self._alive(ref) is not tensor:
+            return None  # a bounded capture freed that op's output: this is a newer tensor with its id
+        return ref
 
     def refs_for_value(self, value: Any, before: int) -> tuple[list[Ref | None], Any]:
         leaves, spec = flatten(value)
         refs = [self.producer_ref(leaf, before) if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
         return refs, spec
 
-    def record_data_read(self, position: int, ref: Ref | None, code: Any, lineno: int, name: str) -> None:
-        self.data_reads.append(DataRead(position, ref, code, lineno, name))
+    def record_data_read(self, position: int, ref: Ref | None, code: Any, lineno: int, name: str, *,
+                         func: Any = None, args_spec: Any = None, seen: Any = None) -> None:
+        """Note a read of tensor data into Python made before op ``position`` (a guard)."""
+        if hasattr(seen, "shape") and hasattr(seen, "copy") and not isinstance(seen, torch.Tensor):
+            seen = seen.copy()  # a NumPy array may share the tensor's memory
+        self.data_reads.append(DataRead(position, ref, code, lineno, name, func, args_spec, seen))
 
     def record_edit(self, applied: Any) -> None:
         """Note an edit that landed (an ``AppliedEdit``)."""
@@ -207,8 +359,10 @@ class Trace:
             for r in matched:  # a kept module output is read through the ops that produced it
                 if isinstance(r, ModuleCall):
                     keep.update(id(self.ops[ref.index]) for ref in r.out_refs if ref is not None)
+                elif self.capture_edit_of(r.index) is not None:  # a kept edited op reads as its edit
+                    keep.add(id(self.ops[self.capture_edit_of(r.index)]))
             for op in self.ops:
-                if id(op) not in keep and not op.flags & INPUT:
+                if id(op) not in keep and not op.flags & (INPUT | GUARD):  # guard ops: replay compares them
                     op.drop_value()
             for call in self.calls:
                 if id(call) not in keep:
@@ -321,10 +475,36 @@ class Trace:
         return {}
 
     def read(self, record: Op | ModuleCall) -> Any:
-        """The value at a record as a user reads it (``site.out``)."""
+        """The value at a record as a user reads it (``site.out``): what the ops after it consumed.
+
+        An op edited during capture reads as its edited value (the output of the ``edit_N`` op
+        that replaced it), as an op edited on a fork does; the value before the edit is kept
+        on the applied-edit record, ``trace.edits[i].before``.
+        """
         if isinstance(record, Op):
-            return self.seen_value(Ref(record.index, None))
+            edit_index = self.capture_edit_of(record.index)
+            if edit_index is None:
+                return self.seen_value(Ref(record.index, None))
+            edited = self.seen_value(Ref(edit_index, None))
+            spec = getattr(self.ops[edit_index].func, "spec", None)  # a structured output, flattened by the edit
+            return edited if spec is None else unflatten(list(edited), spec)
         return self.module_output(record)
+
+    _edit_targets: tuple[int, dict[int, int]] | None = None  # (ops seen, {op index: its last edit op})
+
+    def capture_edit_of(self, index: int) -> int | None:
+        """Index of the last capture-time ``edit_N`` op that replaced op ``index``'s output (None: none)."""
+        cached = self._edit_targets
+        if cached is None or cached[0] != len(self.ops):
+            found: dict[int, int] = {}
+            for op in self.ops:
+                if op.flags & EDIT:
+                    # The edit op's function knows its target (an Op, or a ModuleCall for a module edit).
+                    target = getattr(getattr(op.func, "ctx", None), "op", None)
+                    if isinstance(target, Op):
+                        found[target.index] = op.index
+            cached = self._edit_targets = (len(self.ops), found)
+        return cached[1].get(index)
 
     def module_output(self, call: ModuleCall) -> Any:
         """What module call ``call`` returned in this trace (an edited output on a fork)."""
@@ -365,7 +545,9 @@ class Trace:
             return self._output_raw
         leaves, spec = flatten(self._output_raw)
         for i, ref in enumerate(self._output_refs):
-            if ref is not None:
+            # Memory of the producing op overwritten (through another view) before the model returned:
+            # the recorded op does not describe what was returned, the returned tensor does.
+            if ref is not None and self.stale_after(ref.index) is None:
                 leaves[i] = self.seen_value(ref)
         return unflatten(leaves, spec)
 
@@ -385,9 +567,36 @@ class Trace:
         return [Site(self, op) for op in self.ops]
 
     @property
-    def modules(self) -> list[Site]:
-        """Every module call in the order the calls started."""
-        return [Site(self, c) for c in sorted(self.calls, key=lambda c: c.op_start)]
+    def modules(self) -> ModuleSites:
+        """Every module call in the order the calls started; also indexed by address
+        (``trace.modules["transformer.h.0"]``, ``"block:2"``), like ``trace[...]``."""
+        return ModuleSites(self, [Site(self, c) for c in sorted(self.calls, key=lambda c: c.op_start)])
+
+    def module_call(self, key: str) -> ModuleCall:
+        """The module call an address names (``addr``, ``addr:N``, or a canonical name).
+
+        Raises:
+            SiteNotFoundError: no module that ran has that address (the nearest are listed).
+            AmbiguousSiteError: a module that ran several times, named without a pass.
+        """
+        if not isinstance(key, str):
+            raise InvalidArgumentError(f"trace.modules[...] takes a module address or a position, "
+                                       f"got {type(key).__name__}")
+        address, pass_index = split_pass(key)
+        calls = self._calls_by_address.get(address)
+        if calls:
+            return self._pick_pass(key, address, pass_index, calls)
+        found = None
+        if self.model is not None and not self.has_label(key):
+            try:
+                found = self.lookup(key)  # a canonical name (blocks.0) bound to this model
+            except SiteNotFoundError:
+                found = None
+        if isinstance(found, ModuleCall):
+            return found
+        near = nearest(key, self._calls_by_address)
+        raise SiteNotFoundError(f"{key!r} is not the address of a module that ran in this trace; nearest: {near}",
+                                site=key, candidates=near)
 
     @property
     def module_addresses(self) -> list[str]:
@@ -452,14 +661,17 @@ class Trace:
             if paths and len(paths) == 1 and pass_index is None:
                 real = split_pass(paths[0])[0]
                 return self._pick_pass(key, real, None, self._calls_by_address.get(real, []))
+            names = [r.key if isinstance(r, ModuleCall) else r.label for r in found]
             raise AmbiguousSiteError(
-                f"{key!r} matches {len(found)} sites; use find_sites to get them all", site=key
+                f"{key!r} matches {len(found)} sites: {names[:8]}", site=key, passes=names,
+                remedy=f"Name one of them, e.g. trace[{names[0]!r}], or get them all with "
+                       f"trace.find_sites({key!r}).",
             )
-        pool = [*self._calls_by_address, *self._labels]
+        near = nearest(key, [*self._calls_by_address, *self._labels])
         raise SiteNotFoundError(
-            f"{key!r} is neither an op label nor a module address of this trace; nearest: {nearest(key, pool)}",
+            f"{key!r} is neither an op label nor a module address of this trace; nearest: {near}",
             site=key,
-            candidates=nearest(key, pool),
+            candidates=near,
         )
 
     def _pick_pass(self, key: str, address: str, pass_index: int | None, calls: list[ModuleCall]) -> ModuleCall:
@@ -470,6 +682,9 @@ class Trace:
                     f"module {address!r} ran {len(calls)} times; say which pass: {passes}",
                     site=key,
                     passes=passes,
+                    remedy=f"Add the pass number: {passes[0]!r} is its first call, {passes[-1]!r} its last "
+                           f"(trace[{passes[0]!r}], tl.module({passes[0]!r})); tl.module({address!r}) selects every "
+                           "pass (trace.find_sites).",
                 )
             return calls[0]
         if 1 <= pass_index <= len(calls):
@@ -489,13 +704,14 @@ class Trace:
         """All sites a selector matches, in execution order.
 
         Raises:
-            SiteNotFoundError / EmptySelectionError: nothing matches.
+            EmptySelectionError: nothing matches (``SiteNotFoundError``, a subclass, when a name
+                does not exist); the nearest valid names are listed.
             TooManySitesError: more than ``max_fanout`` matches.
         """
         sel = self.bind(selector)
         records = sel.match(self)
         if not records:
-            raise EmptySelectionError(f"{sel.describe()} matches nothing in this trace", site=sel.describe())
+            raise self.empty_selection(sel)
         if max_fanout is not None and len(records) > max_fanout:
             raise TooManySitesError(
                 f"{sel.describe()} matches {len(records)} sites, more than max_fanout={max_fanout}",
@@ -503,6 +719,14 @@ class Trace:
                 count=len(records),
             )
         return Sites([Site(self, r) for r in records], sel)
+
+    def empty_selection(self, sel: Selector) -> EmptySelectionError:
+        """The error for a selector that matched nothing, with the names nearest to the one it uses."""
+        name = next((v for v in (getattr(sel, a, None) for a in ("path", "name", "label")) if isinstance(v, str)),
+                    sel.describe())
+        near = nearest(name, [*self._calls_by_address, *self._labels])
+        return EmptySelectionError(f"{sel.describe()} matches nothing in this trace; nearest names: {near}",
+                                   site=sel.describe(), candidates=near)
 
     # -- branching and editing -------------------------------------------------------------
     def fork(self, name: str | None = None) -> Fork:
@@ -522,8 +746,7 @@ class Trace:
     def run(self, model: torch.nn.Module | None = None, *args: Any, **kwargs: Any) -> Trace:
         """Run the model again with this trace's steps as capture-time edits; a new trace."""
         model = model if model is not None else self.model
-        if not args and not kwargs:
-            args, kwargs = self.args, self.kwargs
+        args, kwargs = (self.args, self.kwargs) if not args and not kwargs else call_inputs(args, kwargs)
         steps = [s.for_capture() for s in self.all_steps()]
         return services().rerun(self, model, args, kwargs, steps, None)
 
@@ -561,6 +784,58 @@ class Trace:
             f"<{type(self).__name__} {self.name!r}: {len(self.ops)} ops, {len(self.calls)} module calls, "
             f"outputs {self.output_layers}>"
         )
+
+    # -- pictures, summaries, notebooks (implemented in torchlens.analysis) -----------------------
+    def to_dot(self, *, depth: int | str | None = "auto", focus: Any = None, rolled: bool = False,
+               highlight: Any = None) -> str:
+        """The DOT source of the executed graph (works without Graphviz installed).
+
+        Args:
+            depth: collapse module calls nested this deep into single nodes; None: every op;
+                "auto": the deepest level that stays readable.
+            focus: a selector: draw that region at full detail, with its inputs and readers.
+            rolled: draw a module called several times once, with loop edges.
+            highlight: a ``tl.debug.compare`` result whose divergences to highlight.
+
+        Returns:
+            the DOT text.
+        """
+        return services().to_dot(self, depth=depth, focus=focus, rolled=rolled, highlight=highlight)
+
+    def draw(self, path: Any = None, *, fmt: str | None = None, depth: int | str | None = "auto",
+             focus: Any = None, rolled: bool = False, highlight: Any = None) -> Any:
+        """Draw the executed graph with Graphviz: a file at ``path`` (.svg/.png/.pdf/.dot), inline in notebooks.
+
+        Args:
+            path: where to write the picture (None: only return the Drawing).
+            fmt: the format when ``path`` has no known suffix.
+            depth: see :meth:`to_dot`.
+            focus: see :meth:`to_dot`.
+            rolled: see :meth:`to_dot`.
+            highlight: see :meth:`to_dot`.
+
+        Returns:
+            a ``Drawing`` (``.dot``, ``.path``, ``.svg()``; shown inline by Jupyter).
+
+        Raises:
+            GraphvizNotFoundError: Graphviz's ``dot`` program is not installed (``to_dot()`` still works).
+        """
+        return services().draw(self, path, fmt=fmt, depth=depth, focus=focus, rolled=rolled, highlight=highlight)
+
+    def summary(self) -> Any:
+        """Per module call: ops, parameters, output shape and memory held (``print`` it, or show it in a notebook)."""
+        return services().summary(self)
+
+    def to_pandas(self) -> Any:
+        """One row per op (label, func, module, pass, shape, dtype, source, parents) as a pandas DataFrame.
+
+        Raises:
+            OptionalDependencyError: pandas is not installed.
+        """
+        return services().to_pandas(self)
+
+    def _repr_html_(self) -> str:
+        return services().html(self)
 
 
 class Fork(Trace):
@@ -647,18 +922,27 @@ class Fork(Trace):
         self.recipe = list(state.recipe)
         self.edits = list(state.edits)
 
-    def do(self, site: Any, edit: Any, *, model=None, inputs=None, check: bool = False) -> Fork:
+    def do(self, site: Any, edit: Any, *, model=None, inputs=None, check: bool = False,
+           replay: str = "auto") -> Fork:
         """Apply ``edit`` at ``site`` on this fork and push it down the recorded graph.
 
         Without ``model``/``inputs`` only ops downstream of the site are re-executed from
         their recorded arguments. With both, the real forward is re-executed with the
         fork's whole recipe. ``check=True`` replays and then re-executes to compare.
 
+        Replay follows the recorded path only while every guard (a value the forward branched
+        on: ``if x.sum() > 0``, ``.item()``, the experts a router's ``topk`` picked, data-dependent
+        shapes) is unchanged. When the edit changes one, ``replay`` decides: ``"strict"`` raises
+        ``GuardChangedError``; ``"fallback"`` re-executes the real forward with the fork's steps
+        (warns ``ReplayFellBack`` and marks the fork's ``edits`` ``how="re-executed: ..."``);
+        ``"auto"`` (default) falls back when the trace holds its model, else raises.
+
         Returns:
             this fork, for chaining.
 
         Raises:
+            GuardChangedError: a guard changed and no fallback was allowed or possible.
             ReplayNotExactError: the recorded graph cannot reproduce this edit exactly.
         """
         step = Step(self.bind(site, strings_as_modules=True), edit, REPLAY)
-        return services().replay(self, step, model=model, inputs=inputs, check=check)
+        return services().replay(self, step, model=model, inputs=inputs, check=check, replay=replay)

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import inspect
 import numbers
+import os
+import sys
+import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..core.steps import CAPTURE, Step, check_edit
 from ..core.tree import flatten, unflatten
-from ..errors import EditShapeError, InvalidArgumentError
+from ..errors import EditHadNoEffect, EditHadNoEffectError, EditShapeError, InvalidArgumentError
 
 
 @dataclass
@@ -37,12 +40,21 @@ class EditContext:
 
 @dataclass
 class AppliedEdit:
-    """One edit that landed: where, on which pass, and how many elements it changed."""
+    """One edit that landed: where, on which pass, and how many elements it changed.
+
+    Reading the edited site (``trace[label].out``) gives the edited value, what the ops
+    downstream consumed; ``before`` keeps the value the edit received (not written by
+    ``trace.save``: None on a loaded trace).
+    """
 
     site: str
     label: str
     pass_index: int | None
     n_changed: int
+    how: str = "applied"  # "captured", "replayed", or "re-executed: <why>" (a fork that fell back)
+    before: Any = field(default=None, repr=False, compare=False)
+    # replayed edits: what replay recomputed (a torchlens.edit._slicing.ReplayLog: ops, rows, fallbacks)
+    replay: Any = field(default=None, repr=False, compare=False)
 
 
 When = Step  # ``tl.When``: the capture-time step type (one step type for capture, replay, recipes)
@@ -143,4 +155,49 @@ def count_changed(old: Any, new: Any) -> int:
     return total
 
 
-__all__ = ["AppliedEdit", "EditContext", "When", "apply_edit", "call_edit", "check_edit", "count_changed", "when"]
+_PKG_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def _caller_stacklevel() -> int:
+    """``stacklevel`` of the first frame outside TorchLens and torch (where the warning is shown)."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith((_PKG_DIR, _TORCH_DIR)):
+        level, frame = level + 1, frame.f_back
+    return level
+
+
+def land_edit(trace: Any, edit: Any, applied: AppliedEdit) -> None:
+    """Record ``applied`` on ``trace``; an edit that changed no element is reported first.
+
+    Every path that applies an edit (capture hooks, the recorder, replay) ends here, so all
+    report alike: ``EditHadNoEffect`` is warned, or, on a strict trace
+    (``tl.trace(..., strict=True)`` and its forks), ``EditHadNoEffectError`` is raised and
+    nothing is recorded. Edits whose class sets ``may_change_nothing = True`` (patching a value
+    that may equal the current one) are never reported.
+
+    Raises:
+        EditHadNoEffectError: the edit changed nothing and the trace is strict.
+    """
+    if applied.n_changed == 0 and not getattr(edit, "may_change_nothing", False):
+        hint = getattr(edit, "no_effect_hint", None)
+        why = hint(applied.before) if callable(hint) and applied.before is not None else ""
+        message = (f"the edit {_edit_name(edit)} at {applied.site} (landed on {applied.label}, pass "
+                   f"{applied.pass_index}) changed no element of the activation" + (f": {why}" if why else ""))
+        if getattr(trace, "strict", False):
+            raise EditHadNoEffectError(message, site=applied.site, label=applied.label)
+        warnings.warn(message, EditHadNoEffect, stacklevel=_caller_stacklevel())
+    trace.record_edit(applied)
+
+
+def _edit_name(edit: Any) -> str:
+    if isinstance(edit, torch.Tensor):
+        return f"tensor{tuple(edit.shape)}"
+    if isinstance(edit, numbers.Number):
+        return repr(edit)
+    return repr(edit) if hasattr(edit, "params") else getattr(edit, "__name__", type(edit).__name__)
+
+
+__all__ = [
+    "AppliedEdit", "EditContext", "When", "apply_edit", "call_edit", "check_edit", "count_changed", "land_edit", "when",
+]

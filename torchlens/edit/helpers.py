@@ -25,9 +25,15 @@ __all__ = [
 
 
 class Helper:
-    """Base of named helpers: equality, repr and (de)serialisation come from ``params()``."""
+    """Base of named helpers: equality, repr and (de)serialisation come from ``params()``.
+
+    An edit that changes no element is reported (``tl.EditHadNoEffect``, an error on a strict
+    trace); a helper for which that can be legitimate sets ``may_change_nothing = True``, and
+    one that knows why it may do nothing says so in ``no_effect_hint``.
+    """
 
     name: ClassVar[str] = ""
+    may_change_nothing: ClassVar[bool] = False
 
     def params(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -37,6 +43,10 @@ class Helper:
 
     def to_dict(self) -> dict[str, Any]:
         return {"helper": self.name, "params": self.params()}
+
+    def no_effect_hint(self, activation: Any) -> str:
+        """Why this edit left ``activation`` unchanged, when the helper can tell ("" otherwise)."""
+        return ""
 
     def __eq__(self, other: object) -> bool:
         if type(other) is not type(self):
@@ -150,6 +160,17 @@ class MeanAblate(Helper):
             return t.mean().expand_as(t)
         return t.mean(dim=self.dims, keepdim=True)
 
+    def no_effect_hint(self, activation: Any) -> str:
+        leaves = tensor_leaves(activation)
+        if self.reference is not None or self.dims is None or not leaves:
+            return ""
+        shape = tuple(leaves[0].shape)
+        dims = self.dims if isinstance(self.dims, tuple) else (self.dims,)
+        if all(-len(shape) <= d < len(shape) and shape[d] == 1 for d in dims):
+            return (f"the mean over dims={self.dims} of an activation of shape {shape} averages a dimension of "
+                    "size 1, which is the value itself; pass reference= a trace of a larger batch, or other dims")
+        return ""
+
     def __call__(self, activation, *, ctx):
         source = activation if self.reference is None else _site_value(self.reference, ctx)
         mean = self._mean(_first_leaf(source))
@@ -198,6 +219,7 @@ class PatchFrom(Helper):
     """Replace the activation with the value at the same site (or ``site``) of another trace."""
 
     name = "patch_from"
+    may_change_nothing = True  # the donor's value may equal this one (a clean run patched into itself)
 
     def __init__(self, source: Any, site: Any = None) -> None:
         self.source = source

@@ -7,24 +7,52 @@ an error while doing so names the op and the model line that issued it.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 
 from ..core.inputs import split_inputs
-from ..core.records import EDIT, INPLACE, INPUT, NOT_REPLAYABLE, RANDOM, ModuleCall, Op, build_args
+from ..core.records import EDIT, GUARD, INPLACE, INPUT, NOT_REPLAYABLE, RANDOM, ModuleCall, Op, build_args
 from ..core.steps import Step
+from ..core.trace import DataRead
 from ..core.tree import clone_value, describe_shape, flatten, tensor_leaves
-from ..errors import EmptySelectionError, InvalidArgumentError, ReplayError, ReplayNotExactError
-from .edits import AppliedEdit, EditContext, apply_edit, count_changed
+from ..errors import (
+    EmptySelectionError,
+    GuardChangedError,
+    InvalidArgumentError,
+    ReplayError,
+    ReplayFellBack,
+    ReplayNotExactError,
+    ValueNotSavedError,
+)
+from ._guards import index_leaves, recompute_read, same_value, short
+from ._slicing import WHOLE, Plan, ReplayLog, Rows, diff_region, plan_op, region_lookup, union
+from .edits import AppliedEdit, EditContext, apply_edit, count_changed, land_edit
 
-__all__ = ["REEXECUTE", "Replayer", "execute", "refuse_reason", "replay_step"]
+__all__ = ["REEXECUTE", "REPLAY_MODES", "UNINITIALISED", "Replayer", "execute", "refuse_reason", "replay_step"]
 
 REEXECUTE = "do(site, edit, model=model, inputs=x) re-executes the real forward instead."
+# How fork.do handles a changed guard: "strict" raises GuardChangedError; "fallback" re-executes
+# the real forward (the trace must hold its model); "auto" falls back when it can, else raises.
+REPLAY_MODES = ("auto", "strict", "fallback")
+EVAL_REMEDY = ("Call model.eval() before capturing if this is dropout left on by training mode; otherwise "
+               + REEXECUTE)
+
+
+# Ops whose output memory is uninitialised: re-issuing them gives arbitrary values, so replay
+# gives them the recorded contents (the model overwrites what it uses; this keeps replay exact).
+UNINITIALISED = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "empty_permuted"})
 
 
 def execute(op: Op, args: tuple, kwargs: dict) -> Any:
     """Call an op's function; in-place ops work on a clone so recorded values stay intact."""
+    if op.func_name in UNINITIALISED:
+        fresh = op.func(*args, **kwargs)
+        if op.saved and isinstance(fresh, torch.Tensor) and isinstance(op.out, torch.Tensor) \
+                and fresh.shape == op.out.shape and fresh.dtype == op.out.dtype:
+            fresh.copy_(op.out)
+        return fresh
     if op.flags & INPLACE:
         if "out" in kwargs and isinstance(kwargs["out"], torch.Tensor):
             target = kwargs["out"] = kwargs["out"].clone()
@@ -45,6 +73,7 @@ def execute(op: Op, args: tuple, kwargs: dict) -> Any:
 
 
 def refuse_reason(op: Op) -> str | None:
+    """Why ``op`` can never be re-issued exactly from its recorded arguments (None: it can)."""
     if op.flags & RANDOM:
         return f"op {op.label} ({op.func_name}) at {op.source} draws random numbers"
     if op.flags & NOT_REPLAYABLE or op.func is None:
@@ -62,16 +91,30 @@ class _Target:
         self.position = record.op_end if isinstance(record, ModuleCall) else record.index + 1
 
 
-def replay_step(fork, step: Step, *, model=None, inputs=None, check: bool = False, rerun=None):
+def replay_step(fork, step: Step, *, model=None, inputs=None, check: bool = False, rerun=None,
+                replay: str = "auto", sliced: bool = True):
     """Apply a (bound) replay step on ``fork``: push it down the recorded graph, or, with
     ``model`` and ``inputs``, re-execute the real forward through ``rerun`` (a capture function
     ``(model, args, kwargs, steps) -> Trace``) with the fork's whole recipe.
 
+    When the edit changes a guard (a value the forward branched on, see ``torchlens.edit._guards``),
+    ``replay`` decides: ``"strict"`` raises, ``"fallback"`` re-executes the real forward with the
+    fork's recipe (the trace must hold its model), ``"auto"`` falls back when the model is there.
+    A fallback warns (``ReplayFellBack``) and says so on the fork's applied edits (``how``).
+    On any error the fork is left exactly as it was.
+
+    With ``sliced`` (the default) each op downstream recomputes only the rows the edit can reach
+    (``torchlens.edit._slicing``); the applied edit's ``replay`` log lists what was recomputed,
+    and every op replayed whole because no rule could bound it, with the reason.
+
     Raises:
-        InvalidArgumentError: only one of ``model``/``inputs`` given.
+        InvalidArgumentError: only one of ``model``/``inputs`` given, or an unknown ``replay``.
+        GuardChangedError: a guard changed and no fallback was allowed or possible.
         ReplayNotExactError: the recorded graph cannot reproduce the edit exactly.
         EmptySelectionError: the site matches nothing in the trace.
     """
+    if replay not in REPLAY_MODES:
+        raise InvalidArgumentError(f"replay= is one of {REPLAY_MODES}, got {replay!r}")
     if (model is None) != (inputs is None):
         raise InvalidArgumentError(
             "do(..., model=, inputs=) needs both the model and its inputs to re-execute",
@@ -79,25 +122,45 @@ def replay_step(fork, step: Step, *, model=None, inputs=None, check: bool = Fals
         )
     if model is not None:
         args, kwargs = split_inputs(inputs)
-        recipe = [*fork.recipe, step]
-        fresh = rerun(model, args, kwargs, [s.for_capture() for s in [*fork.steps, *recipe]])
-        fork.adopt(fresh, recipe)
+        _reexecute(fork, step, model, args, kwargs, rerun, "re-executed (model= and inputs= given)")
         return fork
     fork.require_op_graph("replaying an edit")
     records = step.site.match(fork)
     if not records:
         raise EmptySelectionError(f"{step.site.describe()} matches nothing in this trace", site=step.site.describe())
+    before = fork.fork_state()
     fork.add_step(step)
     step = fork.recipe[-1]
     try:
         with torch.set_grad_enabled(fork.grad):
-            Replayer(fork).push(step, [_Target(r) for r in records])
+            Replayer(fork, sliced=sliced).push(step, [_Target(r) for r in records])
+    except GuardChangedError as exc:
+        fork.restore_fork(before, fork.unsaved_steps)
+        if replay == "strict" or (replay == "auto" and fork.model is None):
+            raise
+        if fork.model is None:
+            raise GuardChangedError(
+                f"{exc.message}; replay='fallback' needs the model, and this trace holds none (it was loaded "
+                "from disk)", remedy=REEXECUTE, **exc.fields) from exc
+        reason = f"re-executed: {exc.message}"
+        _reexecute(fork, step, fork.model, fork.args, fork.kwargs, rerun, reason)
+        warnings.warn(f"fork {fork.name!r}: {reason}", ReplayFellBack, stacklevel=4)
+        return fork
     except BaseException:
-        fork.drop_last_step()
+        fork.restore_fork(before, fork.unsaved_steps)
         raise
     if check:
         _check_against_forward(fork)
     return fork
+
+
+def _reexecute(fork, step: Step, model, args: tuple, kwargs: dict, rerun, how: str) -> None:
+    """Make ``fork`` a real re-executed capture of its recipe plus ``step`` (recorded as ``how``)."""
+    recipe = [*fork.recipe, step]
+    fresh = rerun(model, args, kwargs, [s.for_capture() for s in [*fork.steps, *recipe]])
+    fork.adopt(fresh, recipe)
+    for applied in fork.edits:
+        applied.how = how
 
 
 def _check_against_forward(fork) -> None:
@@ -116,11 +179,15 @@ def _check_against_forward(fork) -> None:
 class Replayer:
     """Pushes one new step down a fork's recorded graph, re-applying later steps it crosses."""
 
-    def __init__(self, fork) -> None:
+    def __init__(self, fork, *, sliced: bool = True) -> None:
         self.fork = fork
         fork.ensure_graph()
         self.ops = fork.ops
         self.changed: set[int] = set()
+        self.sliced = sliced
+        self.regions: dict[int, Any] = {}  # op index -> changed region of its new value (see _slicing)
+        self.previous: dict[int, Any] = {}  # op index -> its value on the fork before this push
+        self.log = ReplayLog(sliced)
 
     def push(self, new_step: Step, new_targets: list[_Target]) -> None:
         fork = self.fork
@@ -138,15 +205,8 @@ class Replayer:
         for j in range(start, n + 1):
             if j in plan:
                 self._apply_steps(plan[j])
-            while read_i < len(reads) and reads[read_i][0] <= j:
-                pos, ref, code, lineno, name = reads[read_i]
-                if ref is not None and ref.index in self.changed:
-                    raise ReplayNotExactError(
-                        f"the edit reaches a data-dependent read ({name}) at {code.co_filename}:{lineno}: "
-                        "control flow may change",
-                        op_label=self.ops[ref.index].label,
-                        source=f"{code.co_filename}:{lineno}",
-                    )
+            while read_i < len(reads) and reads[read_i].position <= j:
+                self._check_read(reads[read_i])
                 read_i += 1
             if j == n:
                 break
@@ -157,11 +217,25 @@ class Replayer:
                 continue
             self._rerun(op)
 
+    def _check_read(self, read: DataRead) -> None:
+        """A data read the edit reaches: recompute it; unchanged, the recorded path still holds."""
+        if not any(r.index in self.changed for r in read.refs):
+            return
+        fork = self.fork
+        new = recompute_read(read, lambda r: fork.seen_value(r, read.position))
+        if not same_value(new, read.seen):
+            raise GuardChangedError(
+                f"the edit changes a value the forward branched on: {read.name}() at {read.source} saw "
+                f"{short(read.seen)}, the edited run sees {short(new)}",
+                guard=read.name, source=read.source, recorded=read.seen, new=new,
+            )
+
     def _rerun(self, op: Op) -> None:
         reason = refuse_reason(op)
         if reason is not None:
             raise ReplayNotExactError(
-                f"{reason}; replay would not reproduce it", op_label=op.label, source=op.source
+                f"{reason}; replay would not reproduce it", op_label=op.label, source=op.source,
+                remedy=EVAL_REMEDY if op.flags & RANDOM else REEXECUTE,
             )
         j = op.index
         fork = self.fork
@@ -173,30 +247,112 @@ class Replayer:
                         "overwrote memory it views; the recorded graph does not describe that read",
                         op_label=op.label, source=op.source,
                     )
-        args, kwargs = build_args(op, lambda r: fork.seen_value(r, j))
+        plan = None
+        if self.sliced and not op.flags & (INPLACE | EDIT | GUARD) and op.func_name not in UNINITIALISED:
+            plan, args, kwargs = self._plan(op)
+            if plan.kind == "skip":
+                return
+            if plan.kind == "rows" and self._rerun_rows(op, plan):
+                return
+        else:
+            args, kwargs = build_args(op, lambda r: fork.seen_value(r, j))
         try:
             new = execute(op, args, kwargs)
         except ReplayError as exc:
             # An op that ran fine in the recorded forward fails on edited inputs: the edit
             # changed something (usually a shape) that the recorded arguments baked in.
-            raise ReplayNotExactError(
+            raise GuardChangedError(
                 f"after the edit, op {op.label} ({op.func_name}) at {op.source} cannot be re-issued with its "
                 f"recorded arguments ({exc.__cause__}); the edit changed something it baked in "
                 f"(input shapes now {[describe_shape(a) for a in tensor_leaves((args, kwargs))]})",
                 op_label=op.label,
                 source=op.source,
+                guard=op.func_name,
+                recorded=None,
+                new=None,
             ) from exc
-        if op.saved and not op.flags & EDIT:
-            old_shape = describe_shape(op._out)
-            if describe_shape(new) != old_shape:
-                raise ReplayNotExactError(
-                    f"after the edit, op {op.label} at {op.source} produces shape {describe_shape(new)} "
-                    f"instead of the recorded {old_shape}; later ops may have baked in the old shape",
-                    op_label=op.label,
-                    source=op.source,
+        if not op.flags & EDIT:
+            old_shape = op.shape
+            if old_shape is not None and describe_shape(new) != old_shape:
+                raise GuardChangedError(
+                    f"after the edit, op {op.label} ({op.func_name}) at {op.source} produces shape "
+                    f"{describe_shape(new)} instead of the recorded {old_shape}: the path depends on the data",
+                    op_label=op.label, source=op.source, guard=op.func_name, recorded=old_shape,
+                    new=describe_shape(new),
                 )
+        if op.flags & GUARD and op.saved:
+            old, fresh = index_leaves(op.out), index_leaves(new)
+            if len(old) != len(fresh) or not all(same_value(a, b) for a, b in zip(old, fresh)):
+                raise GuardChangedError(
+                    f"the edit changes the indices {op.func_name} chose at {op.source} (op {op.label}; e.g. which "
+                    f"experts a router picks): recorded {short(old[0] if old else None)}, now "
+                    f"{short(fresh[0] if fresh else None)}",
+                    op_label=op.label, source=op.source, guard=op.func_name, recorded=old, new=fresh,
+                )
+        self._store(j, new, WHOLE if plan is None else plan.region)
+        how = "fallback" if plan is not None and plan.reason else "full" if plan is None or plan.region is WHOLE \
+            else "mapped"
+        self.log.entries.append((op.label, op.func_name, how, _rows_of(plan, new), plan.reason if plan else ""))
+
+    def _plan(self, op: Op) -> tuple[Plan, tuple, dict]:
+        """How to recompute ``op`` from the changed regions of its parents (``_slicing.plan_op``),
+        with the arguments rebuilt for it."""
+        fork, j, changed = self.fork, op.index, self.changed
+        values: list[Any] = []
+        refs: list[Any] = []
+
+        def resolve(r):
+            v = fork.seen_value(r, j)
+            if r.index in changed:
+                values.append(v)
+                refs.append(r)
+            return v
+
+        args, kwargs = build_args(op, resolve)
+        return plan_op(op, args, kwargs, region_lookup(values, refs, self.regions)), args, kwargs
+
+    def _rerun_rows(self, op: Op, plan: Plan) -> bool:
+        """Recompute only ``plan``'s rows of ``op`` into a copy of its current value (False: do it whole)."""
+        j = op.index
+        try:
+            old = self.fork.value(j)
+        except ValueNotSavedError:
+            return False
+        axis, start = plan.region
+        if not isinstance(old, torch.Tensor):
+            return False
+        try:
+            rows = plan.call()
+        except Exception:  # noqa: BLE001 - the whole-op path re-raises with the op and its line
+            return False
+        want = old.narrow(axis, start, old.shape[axis] - start)
+        if not isinstance(rows, torch.Tensor) or rows.shape != want.shape or rows.dtype != old.dtype:
+            return False
+        new = old.clone()
+        new.narrow(axis, start, old.shape[axis] - start).copy_(rows)
+        self._store(j, new, plan.region)
+        self.log.entries.append((op.label, op.func_name, "rows", (axis, start, old.shape[axis]), ""))
+        return True
+
+    def _store(self, j: int, new: Any, region: Any) -> None:
+        fork = self.fork
+        if j not in self.previous:
+            try:
+                self.previous[j] = fork.value(j)
+            except ValueNotSavedError:
+                pass
         fork.set_recomputed(j, new)
+        self.regions[j] = region
         self.changed.add(j)
+
+    def _before(self, index: int) -> Any:
+        """Op ``index``'s value on the fork before this push (None: not saved)."""
+        if index in self.previous:
+            return self.previous[index]
+        try:
+            return self.fork.value(index)
+        except ValueNotSavedError:
+            return None
 
     def _apply_steps(self, entries: list[tuple[Step, _Target, bool]]) -> None:
         by_record: dict[int, list[tuple[Step, _Target, bool]]] = {}
@@ -223,11 +379,10 @@ class Replayer:
             before = value
             value = apply_edit(clone_value(value), step.edit, self._ctx(step, record))
             if is_new:
-                self.fork.record_edit(
-                    AppliedEdit(step.site.describe(), record.label, getattr(record, "pass_index", None)
-                                if isinstance(record, ModuleCall) else record.module_pass,
-                                count_changed(before, value))
-                )
+                land_edit(self.fork, step.edit,
+                          AppliedEdit(step.site.describe(), record.label, getattr(record, "pass_index", None)
+                                      if isinstance(record, ModuleCall) else record.module_pass,
+                                      count_changed(before, value), "replayed", before=before, replay=self.log))
         return value
 
     def _apply_module(self, call: ModuleCall, group) -> None:
@@ -237,12 +392,19 @@ class Replayer:
             current = fork.unedited_module_output(call)
         else:
             current = fork.module_override(call.key)
+        if fork.has_module_override(call.key):
+            old_leaves = flatten(fork.module_override(call.key))[0]
+        else:
+            old_leaves = [None if r is None else _elem(self._before(r.index), r.elem) for r in call.out_refs]
         edited = self._run_edits(current, group, call, recompute)
         fork.set_module_output(call.key, edited)
         leaves, _ = flatten(edited)
-        for ref, leaf in zip(call.out_refs, leaves):
+        for ref, leaf, old in zip(call.out_refs, leaves, old_leaves):
             if ref is None:
                 continue
+            # consumers after the module see the edit, those inside it the recomputed value
+            self.regions[ref.index] = union(self.regions.get(ref.index) if ref.index in self.changed else None,
+                                            diff_region(old, leaf))
             if ref.elem is not None:
                 raise ReplayNotExactError(
                     f"the output of {call.key} is one element of a multi-output op; replay cannot swap it alone",
@@ -253,6 +415,19 @@ class Replayer:
 
     def _apply_op(self, op: Op, group) -> None:
         recompute = op.index in self.changed
+        old = self._before(op.index)
         edited = self._run_edits(self.fork.value(op.index), group, op, recompute)
         self.fork.set_value(op.index, edited)
+        self.regions[op.index] = union(self.regions.get(op.index) if recompute else None, diff_region(old, edited))
         self.changed.add(op.index)
+
+
+def _elem(value: Any, elem: int | None) -> Any:
+    return value if elem is None or value is None else value[elem]
+
+
+def _rows_of(plan: Plan | None, new: Any) -> tuple[int, int, int] | None:
+    region = plan.region if plan is not None else None
+    if isinstance(region, Rows) and isinstance(new, torch.Tensor):
+        return region.axis, region.start, new.shape[region.axis]
+    return None

@@ -13,10 +13,13 @@ from typing import Any
 
 import torch
 
-from ..core.records import INPUT, build_args
+from .._progress import track
+from ..analysis.notebook import validation_html
+from ..core.records import GUARD, INPUT, build_args
 from ..core.trace import Trace
 from ..core.tree import tensor_leaves
-from ..errors import InvalidArgumentError, ReplayError
+from ..errors import GuardChangedError, InvalidArgumentError, ReplayError, ValueNotSavedError
+from ._guards import recompute_read, same_value, short
 from .replay import execute
 
 __all__ = ["Divergence", "ValidationReport", "validate"]
@@ -35,12 +38,18 @@ class Divergence:
 
 @dataclass
 class ValidationReport:
-    """Per-op agreement of a replay with the recorded run, and of the output with a real forward."""
+    """Per-op agreement of a replay with the recorded run, and of the output with a real forward.
+
+    ``ok`` means the capture is exact: every op and the output reproduce. ``guards`` lists the
+    values the forward branched on (``bool``/``.item()`` reads, router indices); they are notes, not
+    failures: replay re-checks them and refuses or re-executes when an edit changes one.
+    """
 
     n_ops: int
     n_checked: int
     divergences: list[Divergence] = field(default_factory=list)
     unstable: list[str] = field(default_factory=list)
+    guards: list[str] = field(default_factory=list)  # values the forward branched on; replay re-checks them
     output_max_abs_error: float | None = None
     errors: list[str] = field(default_factory=list)
     atol: float = 1e-5
@@ -60,6 +69,9 @@ class ValidationReport:
             lines.append(f"  final output vs real forward: max abs error {self.output_max_abs_error:.3g}")
         if self.divergences:
             lines.append(f"  {len(self.divergences)} op(s) diverge; first: {self.divergences[0]}")
+        if self.guards:
+            lines.append(f"  {len(self.guards)} guard(s) (values the forward branched on) reproduced; "
+                         "an edit that changes one makes fork.do re-execute or refuse")
         for u in self.unstable:
             lines.append(f"  unstable: {u}")
         for e in self.errors:
@@ -67,6 +79,9 @@ class ValidationReport:
         return "\n".join(lines)
 
     __str__ = summary
+
+    def _repr_html_(self) -> str:
+        return validation_html(self)
 
 
 def _max_err(a: Any, b: Any) -> float:
@@ -89,40 +104,23 @@ def _max_err(a: Any, b: Any) -> float:
     return worst
 
 
-def _param_derived(trace) -> set[int]:
-    """Ops whose value depends on a parameter/buffer (i.e. on what the model computed)."""
-    params: set[int] = set()
-    model = trace.model
-    if model is not None:
-        params = {id(p) for p in model.parameters()} | {id(b) for b in model.buffers()}
-    derived: set[int] = set()
-    for op in trace.ops:
-        if op.flags & INPUT:
-            continue
-        if any(r.index in derived for r in op.parent_refs):
-            derived.add(op.index)
-            continue
-        leaves, _ = op.args_spec
-        if any(isinstance(leaf, torch.Tensor) and id(leaf) in params for leaf in leaves):
-            derived.add(op.index)
-    return derived
-
-
-def validate(trace, *, atol: float = 1e-5, rerun: bool = True) -> ValidationReport:
+def validate(trace, *, atol: float = 1e-5, rerun: bool = True, progress: bool | None = None) -> ValidationReport:
     """Replay ``trace`` from its inputs and report per-op agreement.
 
     Args:
         atol: largest absolute difference that still counts as agreement.
         rerun: also run the real forward again and compare the final output.
+        progress: a progress bar over the ops (None: when stderr is a terminal and the
+            replay takes more than a second; False: never).
 
     Returns:
         a ValidationReport (``.ok``, ``.first_divergence``, ``.summary()``).
     """
     with torch.set_grad_enabled(getattr(trace, "grad", False)):
-        return _validate(trace, atol=atol, rerun=rerun)
+        return _validate(trace, atol=atol, rerun=rerun, progress=progress)
 
 
-def _validate(trace, *, atol: float, rerun: bool) -> ValidationReport:
+def _validate(trace, *, atol: float, rerun: bool, progress: bool | None = None) -> ValidationReport:
     if not isinstance(trace, Trace):
         raise InvalidArgumentError(f"validate() takes a Trace from tl.trace, got {type(trace).__name__}")
     if not trace.has_op_graph:
@@ -134,7 +132,7 @@ def _validate(trace, *, atol: float, rerun: bool) -> ValidationReport:
     trace.ensure_graph()
     values: dict[int, Any] = {}
     report = ValidationReport(len(trace.ops), 0, atol=atol)
-    for op in trace.ops:
+    for op in track(trace.ops, desc="validate", unit="op", progress=progress):
         if op.flags & INPUT:
             values[op.index] = op.out
             continue
@@ -155,6 +153,11 @@ def _validate(trace, *, atol: float, rerun: bool) -> ValidationReport:
             values[j] = op.out
             continue
         values[j] = new
+        if any(t.is_meta for t in tensor_leaves((new, op.out))):
+            # A meta tensor has no data to compare (a dispatcher evicted it): say so, never crash on it.
+            report.errors.append(f"{op.label} ({op.func_name}) at {op.source} holds a meta tensor: no data to "
+                                 "compare; capture the dispatched model with tl.trace so its weights are onloaded")
+            continue
         report.n_checked += 1
         err = _max_err(new, op.out)
         if err > atol:
@@ -167,16 +170,43 @@ def _validate(trace, *, atol: float, rerun: bool) -> ValidationReport:
                     "memory it views"
                 )
                 break
-    derived = _param_derived(trace)
-    for _pos, ref, code, lineno, name in trace.data_reads:
-        if ref is not None and ref.index in derived:
-            report.unstable.append(
-                f"data-dependent control flow: {name}() of {trace.ops[ref.index].label} at "
-                f"{code.co_filename}:{lineno}; an edit upstream could change which ops run"
-            )
+    _check_guards(trace, values, report)
     if rerun and trace.model is not None and trace.complete:
         with torch.no_grad():
             real = trace.model(*trace.args, **trace.kwargs)
-        report.output_max_abs_error = _max_err(tensor_leaves(trace.output), tensor_leaves(real))
+        got, want = tensor_leaves(trace.output), tensor_leaves(real)
+        if any(t.is_meta for t in got + want):
+            report.errors.append("the model output holds a meta tensor: no data to compare")
+        else:
+            report.output_max_abs_error = _max_err(got, want)
     return report
 
+
+def _check_guards(trace, values: dict[int, Any], report: ValidationReport) -> None:
+    """Recompute every guard (data read) from the replayed values: held guards are notes; a
+    guard the replay does not reproduce is a real disagreement."""
+
+    def resolve(ref):
+        v = values[ref.index] if ref.index in values else trace.ops[ref.index].out
+        return v if ref.elem is None else v[ref.elem]
+
+    for read in trace.data_reads:
+        if read.func is None:
+            report.guards.append(f"{read.name}() at {read.source} (value not recorded: replay cannot cross it)")
+            continue
+        try:
+            new = recompute_read(read, resolve)
+        except GuardChangedError as exc:
+            report.unstable.append(exc.message)
+            continue
+        except ValueNotSavedError:
+            report.guards.append(f"{read.name}() at {read.source} (its input was not saved)")
+            continue
+        if same_value(new, read.seen):
+            report.guards.append(f"{read.name}() at {read.source} saw {short(read.seen)}")
+        else:
+            report.unstable.append(f"guard {read.name}() at {read.source}: the forward saw {short(read.seen)}, "
+                                   f"the replay computes {short(new)}")
+    for op in trace.ops:
+        if op.flags & GUARD:
+            report.guards.append(f"{op.func_name} indices of {op.label} at {op.source}")

@@ -58,7 +58,9 @@ class SavedDir:
         try:
             self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
         except FileNotFoundError:
-            raise fail(f"{self.path} does not exist", path=str(self.path)) from None
+            raise fail(f"{self.path} does not exist", path=str(self.path),
+                       remedy="Check the path: it names the directory trace.save(...) or "
+                       "fork.save_intervention(...) wrote.") from None
         except (NotADirectoryError, OSError) as exc:
             raise fail(f"{self.path} is not a readable save directory: {exc}", path=str(self.path)) from None
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from .._progress import track
 from ..capture._recorder import EditApplier
 from ..core.records import EDIT, INPUT, NOT_REPLAYABLE, ModuleCall, Op, Ref
 from ..core.trace import DataRead, Fork, ForkState, Trace
@@ -98,7 +99,7 @@ def build_trace(m: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Any:
     base = Trace(None)
     dec = Decoder(tensors)
     ops_json = _get(m, "ops", list, "manifest")
-    for i, entry in enumerate(ops_json):
+    for i, entry in enumerate(track(ops_json, desc="load trace", unit="op")):
         base.add_op(_decode_op(i, entry, dec))
     n = len(base.ops)
     if len({op.label for op in base.ops}) != n:
@@ -233,7 +234,7 @@ def _decode_op(i: int, entry: Any, dec: Decoder) -> Op:
     where = f"op {i}"
     fields(entry, _OP_KEYS, where, {"edit", "meta"})
     label = _str(entry, "label", where, 500)
-    flags = check_int(entry["flags"], f"{where}: flags", 0, 63)
+    flags = check_int(entry["flags"], f"{where}: flags", 0, 127)
     if ("edit" in entry) != bool(flags & EDIT):
         raise fail(f"{where}: edit metadata and the edit flag disagree")
     name = _get(entry, "func", (str, type(None)), where)

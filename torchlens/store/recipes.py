@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ..analysis.notebook import recipe_html
 from ..core.records import EDIT
 from ..core.selectors import Label, Selector
 from ..core.steps import CAPTURE, PHASES, REPLAY, Step
@@ -301,6 +302,9 @@ class Recipe:
         steps = ", ".join(f"{s.site.describe()}: {s.edit!r}" for s in self.steps[:4])
         more = " ..." if len(self.steps) > 4 else ""
         return f"<Recipe {self.level}, {len(self.steps)} step(s) for {model}: {steps}{more}>"
+
+    def _repr_html_(self) -> str:
+        return recipe_html(self)
 
 
 # -- save / load ----------------------------------------------------------------------------------

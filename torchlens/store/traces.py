@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .._progress import track
 from ..core.records import EDIT, INPUT, ModuleCall, Op
 from ..core.selectors import as_selector
 from ..core.tree import unflatten
@@ -117,7 +118,7 @@ def save_trace(trace: Any, path: Any, selector: Any = None, overwrite: bool = Fa
 
     whens = _capture_whens(base)
     step_index = {id(w): k for k, w in enumerate(whens)}
-    ops = [_encode_op(op, put_as, keep, step_index) for op in base.ops]
+    ops = [_encode_op(op, put_as, keep, step_index) for op in track(base.ops, desc="save trace", unit="op")]
     calls = [_encode_call(c, put_as, keep) for c in base.calls]
     steps, unsaved = encode_steps([("capture", w.site, w.edit) for w in whens], base, table, "trace")
     manifest: dict[str, Any] = {
@@ -136,9 +137,9 @@ def save_trace(trace: Any, path: Any, selector: Any = None, overwrite: bool = Fa
         "call_args": encode((tuple(base.args), dict(base.kwargs)), put_as("input"), strict=False),
         "output": _encode_output(base, put_as, keep),
         "output_refs": [None if r is None else [r.index, r.elem] for r in base.output_refs],
-        "data_reads": [[pos, None if ref is None else [ref.index, ref.elem],
-                        getattr(code, "co_filename", "<unknown>"), lineno, name]
-                       for pos, ref, code, lineno, name in base.data_reads],
+        "data_reads": [[r.position, None if r.ref is None else [r.ref.index, r.ref.elem],
+                        getattr(r.code, "co_filename", "<unknown>"), r.lineno, r.name]
+                       for r in base.data_reads],
         "stale": [[i, p] for i, p in sorted(base.stale_positions().items())],
         "edits": [_applied(e) for e in base.edits],
         "steps": steps,
@@ -186,7 +187,7 @@ def _encode_op(op: Op, put_as: Callable, keep: set[int] | None, step_index: dict
         entry["args"] = encode(unflatten(list(leaves), spec), put, strict=False)
     if op.saved and (op.flags & INPUT or _kept(op, keep)):
         try:
-            entry["out"] = encode(op._out, put_as(f"op/{op.label}"))
+            entry["out"] = encode(op.out, put_as(f"op/{op.label}"))  # .out: a disk-backed value is read back
         except NotPortableError:
             entry["out"] = None
     if entry["out"] is None and op.shape is not None:  # keep what a dropped value looked like

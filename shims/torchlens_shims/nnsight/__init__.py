@@ -17,11 +17,15 @@ The modules import one way: each runs imports only of modules in an earlier laye
 5. ``backward``
 6. ``_driver``
 7. ``envoy``
-8. ``modeling``
+8. ``modeling`` (``modeling.transformers`` and its siblings, ``modeling.mixins``)
 9. this package, the public API
 
-Modules named like nnsight's own are public (nnsight's tests import them by that
-path); the ``_`` ones are the shim's machinery.
+nnsight's public module layout is mirrored: ``intervention/``, ``tracing/``, ``schema/``,
+``modeling/`` and ``ndif`` re-export the names nnsight keeps at those paths, so
+``from nnsight.X import Y`` ports by the same one-word change. Modules whose whole purpose
+is out of scope (remote serialization, tensor parallelism, vLLM) answer every name with a
+typed refusal. Modules named like nnsight's own are public; the ``_`` ones are the shim's
+machinery (``saving`` and ``unsupported`` are public homes of ``save`` and the refusals).
 """
 
 from __future__ import annotations
@@ -31,7 +35,16 @@ from __future__ import annotations
 # function named like an attribute every object has, and anyio refuses
 # unannotated public attributes on its classes.
 import torch
-import transformers  # noqa: F401
+
+from torchlens.errors import OptionalDependencyError
+
+try:
+    import transformers  # noqa: F401
+except ModuleNotFoundError as error:  # a plain `pip install torchlens` has no transformers
+    raise OptionalDependencyError(
+        f"torchlens_shims.nnsight needs {error.name!r}, which is not installed",
+        remedy="pip install 'torchlens[nnsight]' (or 'torchlens[shims]' for both shims).",
+    ) from error
 
 try:  # pragma: no cover - optional
     import anyio  # noqa: F401

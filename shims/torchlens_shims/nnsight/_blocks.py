@@ -20,6 +20,7 @@ from __future__ import annotations
 import ast
 import ctypes
 import linecache
+import os
 import sys
 import threading
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from typing import Any
 from .errors import WithBlockNotFoundError, WithBlockShapeError
 
 __all__ = [
+    "not_found_message",
     "Block",
     "BlockScope",
     "SkipBody",
@@ -121,17 +123,42 @@ def find_block(frame: FrameType) -> Block | None:
     return block
 
 
+def not_found_message(filename: str, lineno: int, glbls: dict | None = None) -> str:
+    """Why no ``with`` was found at ``filename:lineno``, told apart by what source there is.
+
+    No source at all (stdin, an ``exec``'d string), a file on disk (not a ``with`` there,
+    or the file changed since it was read) and other readable source (a cell rewritten
+    by a magic, generated code out of step with ``linecache``) each have their own way out.
+    """
+    source = linecache.getlines(filename, glbls)
+    reads = f", which reads `{source[lineno - 1].strip()}`" if 1 <= lineno <= len(source) else ""
+    if not source:
+        return (
+            f"the shim has no source for {filename}, so it cannot read the body of the `with` block at "
+            f"line {lineno}: it compiles the block's own source to run it, so a trace must live where its "
+            "source can be read back (a file, a notebook cell, `python -c`). Piping a script on stdin "
+            "(`python < script.py`) leaves none: run the file by name; code built at run time must "
+            "register itself in `linecache`."
+        )
+    if os.path.isfile(filename):
+        return (
+            f"no `with` statement was found at {filename}:{lineno}, the line the trace was entered "
+            f"from{reads}. Either the tracer was not used as a `with` block (the shim compiles the "
+            "block's own body, so there is nothing to capture), or the source read for this file is "
+            "stale: a file edited while the process runs keeps its old text; restart the process."
+        )
+    return (
+        f"no `with` statement was found at {filename}:{lineno}, the line the trace was entered "
+        f"from{reads}. Write the trace as `with model.trace(...):` in source whose line numbers match "
+        "the code being run: a cell magic that rewrites the cell (`%%time`), or generated source "
+        "out of step with its `linecache` entry, breaks that match."
+    )
+
+
 def require_block(frame: FrameType) -> Block:
     block = find_block(frame)
     if block is None:
-        filename, line = frame.f_code.co_filename, frame.f_lineno
-        text = linecache.getline(filename, line).strip()
-        where = f"{filename}:{line}" + (f" (`{text}`)" if text else "")
-        raise WithBlockNotFoundError(
-            f"no `with` statement was found at {where}, the line this tracer was entered from; "
-            "the shim compiles the block's own body to run it, so the tracer must be used as a "
-            "`with` block written in readable source"
-        )
+        raise WithBlockNotFoundError(not_found_message(frame.f_code.co_filename, frame.f_lineno, frame.f_globals))
     return block
 
 
@@ -172,7 +199,9 @@ def arm_skip(frame: FrameType, block: Block) -> None:
 
     def skip(current: FrameType, event: str, arg: Any) -> Any:
         if current.f_lineno < body_line:
-            return skip
+            # itself, read off the frame: naming `skip` here would make the closure a cycle
+            # that outlives every trace until a GC pass
+            return current.f_trace
         raise SkipBody(displaced, previous_local)
 
     sys.settrace(_silent)

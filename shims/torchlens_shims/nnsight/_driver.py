@@ -49,6 +49,9 @@ def drive(
     _saving.ensure_mounted()
     hooksets = [tree.hookset(envoy._module, envoy.path)]
     hooksets += [tree.hookset(module, path) for module, path in envoy._standalone_modules()]
+    # The tree keeps hook sets weakly (it is shared by every envoy, and a held child envoy
+    # must not keep the model alive); the envoy that runs them keeps them for the next run.
+    object.__setattr__(envoy, "_hooksets", hooksets)
     run = Run([edit.spawn() for edit in envoy._edits] + list(workers or ()), batcher, hooksets)
     result = None
     entered: list = []

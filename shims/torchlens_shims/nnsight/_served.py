@@ -15,7 +15,7 @@ from typing import Any
 from . import _worker
 from .util import first_input, replace_first_input
 
-__all__ = ["Served", "first_input_repack", "first_input_view"]
+__all__ = ["Served", "eproperty", "first_input_repack", "first_input_view"]
 
 
 class Served:
@@ -51,6 +51,69 @@ class Served:
         if self.repack is not None:
             value = self.repack(host, value)
         _worker.write(self.location(host), value)
+
+
+class eproperty(Served):  # noqa: N801 - nnsight's name, imported by user code
+    """A served value defined on an envoy subclass (``nnsight.intervention.eproperty.eproperty``).
+
+    Decorate a stub with ``@eproperty`` or ``@eproperty(key="output")``: the stub is
+    the *preprocess* (served value -> what the user reads). ``@prop.postprocess``
+    maps an assigned value before it is swapped in; ``@prop.transform`` maps an
+    edited view back to the model's layout, ``transform(self, view, raw)``. The
+    write-back is swapped in when the block next asks the model for anything or
+    ends, and until then a second read of the same value returns the same view, so
+    ``x.heads[:, 5] += f(x.heads)`` edits one tensor.
+
+    Args:
+        key: the location suffix (``"{path}.{key}"``); defaults to the stub's name.
+        description: a short label shown in reprs.
+    """
+
+    def __init__(self, key: Any = None, description: str | None = None) -> None:
+        super().__init__(None if callable(key) else key)
+        self.description = description
+        self.write_back: Callable[[Any, Any, Any], Any] | None = None
+        if callable(key):
+            self(key)
+
+    def __call__(self, preprocess: Callable[[Any, Any], Any]) -> eproperty:
+        self.name = preprocess.__name__
+        self.view = preprocess
+        self.__doc__ = preprocess.__doc__
+        if self.key is None:
+            self.key = self.name
+        return self
+
+    def postprocess(self, func: Callable[[Any, Any], Any]) -> eproperty:
+        """Register ``func(self, value)``, applied to an assigned value before it is swapped in."""
+        self.repack = func
+        return self
+
+    def transform(self, func: Callable[[Any, Any, Any], Any]) -> eproperty:
+        """Register ``func(self, view, raw)``, mapping an edited view back into the model's value."""
+        self.write_back = func
+        return self
+
+    def __str__(self) -> str:
+        hint = getattr(self.view, "__annotations__", {}).get("return")
+        if hint is not None and not isinstance(hint, str):
+            hint = getattr(hint, "__name__", repr(hint))
+        typed = f" -> {hint}" if hint and hint != "Any" else ""
+        return f"({self.name}){typed}: {self.description}"
+
+    def __get__(self, host: Any, owner: Any = None) -> Any:
+        if host is None:
+            return self
+        if self.write_back is None:
+            return super().__get__(host, owner)
+        location = self.location(host)
+        held = _worker.held_view(self, location)
+        if held is not None:
+            return held[0]
+        raw = _worker.read(location)
+        view = raw if self.view is None else self.view(host, raw)
+        _worker.hold_view(self, location, view, lambda: self.write_back(host, view, raw))
+        return view
 
 
 def first_input_view(host: Any, value: Any) -> Any:

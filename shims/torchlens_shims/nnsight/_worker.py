@@ -27,12 +27,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BARRIER",
+    "Event",
     "SKIP",
     "SWAP",
     "VALUE",
     "Pending",
     "Worker",
     "current",
+    "held_view",
+    "hold_view",
     "in_worker",
     "read",
     "request",
@@ -45,6 +48,15 @@ VALUE = "value"
 SWAP = "swap"
 SKIP = "skip"
 BARRIER = "barrier"
+
+
+class Event:
+    """The kinds of request a parked block makes (nnsight's ``interleaver.Event``)."""
+
+    VALUE = VALUE
+    SWAP = SWAP
+    SKIP = SKIP
+    BARRIER = BARRIER
 
 
 class Pending(NamedTuple):
@@ -70,7 +82,7 @@ class Worker:
 
     __slots__ = (
         "code", "scope", "group", "replay", "run", "glet", "pending", "iteration", "base",
-        "caches", "__weakref__",
+        "caches", "held", "__weakref__",
     )
 
     def __init__(self, code: Any, scope: BlockScope, group: list | None = None, replay: bool = False):
@@ -84,11 +96,14 @@ class Worker:
         self.iteration: int | None = 0
         self.base: dict[str, int] = {}
         self.caches: list = []
+        # an eproperty view waiting to be written back: (eprop, location, occurrence, view, fn)
+        self.held: tuple | None = None
 
     # -- model side -------------------------------------------------------------
     def _main(self) -> None:
         scope = self.scope.fork() if self.replay else self.scope
         exec(self.code, scope)
+        _flush(self)
 
     @property
     def alive(self) -> bool:
@@ -100,6 +115,7 @@ class Worker:
         self.iteration = 0
         self.base = dict(run.counts)
         self.caches = []
+        self.held = None
         glet = greenlet(self._main)
         glet.shim_worker = weakref.ref(self)
         self.glet = glet
@@ -113,11 +129,15 @@ class Worker:
             return glet.switch(*args)
         except BaseException as error:
             # Keep the block's own frames before the model's stack piles on top.
-            if getattr(error, "_shim_block_tb", None) is None:
-                try:
+            try:
+                if getattr(error, "_shim_block_tb", None) is None:
                     error._shim_block_tb = error.__traceback__
-                except AttributeError:
-                    pass
+            except AttributeError:
+                pass
+            finally:
+                # this frame is in the error's traceback: holding the error here would be a
+                # cycle keeping the block's values (and the model) alive until a GC pass
+                del error
             raise
 
     def throw(self, error: BaseException) -> Any:
@@ -178,9 +198,35 @@ def in_worker() -> bool:
     return getattr(getcurrent(), "shim_worker", None) is not None
 
 
+def _flush(worker: Worker) -> None:
+    """Swap a held eproperty view back in at the visit it was read at (the model still waits there)."""
+    held = worker.held
+    if held is not None:
+        worker.held = None
+        _, location, occurrence, _, fn = held
+        getcurrent().parent.switch(Pending(SWAP, location, occurrence, fn()))
+
+
+def hold_view(eprop: Any, location: str, view: Any, fn: Any) -> None:
+    """Keep ``view`` (read through ``eprop``) to write back with ``fn()`` before the block's next request."""
+    worker = current(location)
+    worker.held = (eprop, location, worker.wanted(location), view, fn)
+
+
+def held_view(eprop: Any, location: str) -> tuple | None:
+    """``(view,)`` when the running block still holds a view of this read, else ``None``."""
+    worker = current(location)
+    held = worker.held
+    if held is not None and held[0] is eprop and held[1] == location and held[2] == worker.wanted(location):
+        return (held[3],)
+    return None
+
+
 def request(kind: str, location: str, value: Any = None) -> Any:
     """Park the running block until the model serves ``kind`` at ``location``."""
     worker = current(location)
+    if worker.held is not None:
+        _flush(worker)
     worker.run.ensure(location)
     occurrence = worker.wanted(location)
     return getcurrent().parent.switch(Pending(kind, location, occurrence, value))
@@ -199,4 +245,7 @@ def skip(location: str, value: Any) -> None:
 
 
 def wait_at_barrier() -> None:
+    worker = current("barrier")
+    if worker.held is not None:
+        _flush(worker)
     getcurrent().parent.switch(Pending(BARRIER, None))

@@ -18,6 +18,7 @@ import functools
 import inspect
 import sys
 import threading
+from types import CodeType
 from typing import Any
 
 import torch
@@ -99,14 +100,14 @@ class BackwardTracer(Tracer):
         self.args = args
         self.kwargs = kwargs
 
-    def execute(self) -> None:
+    def execute(self, code: CodeType) -> None:
         if not self.tensor.requires_grad:
             raise NoGradientError(
                 "this tensor does not require grad, so a backward block cannot produce gradients: the "
                 "forward ran without gradient tracking (torch.no_grad(), inference mode or generate())"
             )
         frame = self._frame
-        body = _worker.Worker(self._block.code, BlockScope(snapshot(frame), {}, frame.f_globals))
+        body = _worker.Worker(code, BlockScope(snapshot(frame), {}, frame.f_globals))
         run = Run([body], None)
         seen: set[int] = set()
         handles: list = []

@@ -33,6 +33,9 @@ __all__ = [
     "VLLMUnsupportedError",
     "TensorParallelUnsupportedError",
     "ModelDownloadError",
+    "InternalsUnsupportedError",
+    "RenameError",
+    "MaskTokenMissingError",
 ]
 
 
@@ -128,6 +131,21 @@ class TaskInferenceError(NNsightShimError, ValueError):
     remedy = "Pass task= explicitly, e.g. TransformersModel(model, task='feature-extraction')."
 
 
+class RenameError(NNsightShimError, ValueError):
+    """A ``rename=`` alias would hide something already reachable under that name."""
+
+    remedy = (
+        "Pick an alias the envoy, its module and its children do not already answer to, and give "
+        "each alias to one path only."
+    )
+
+
+class MaskTokenMissingError(NNsightShimError, ValueError):
+    """A fill-mask model was given text without its mask token."""
+
+    remedy = "Put the tokenizer's mask token (tokenizer.mask_token, e.g. [MASK]) where the word to fill goes."
+
+
 class SourceNotAvailableError(NNsightShimError, AttributeError):
     """``.source`` cannot resolve the operation asked for."""
 
@@ -168,4 +186,13 @@ class ModelDownloadError(ShimUnsupportedError):
         "The shim never downloads: load the model yourself (transformers "
         "AutoModelForCausalLM.from_pretrained(path) and AutoTokenizer) and pass both, "
         "TransformersModel(hf_model, tokenizer=tok), or pass a local checkpoint directory."
+    )
+
+
+class InternalsUnsupportedError(ShimUnsupportedError):
+    """An nnsight internal (``Interleaver``, ``Mediator``, ``Controller``, back ends ...) was used directly."""
+
+    remedy = (
+        "The shim reproduces nnsight's public behaviour, not its machinery: use model.trace(...), "
+        "tracer.invoke(...), envoys and eproperty; docs/coming-from-nnsight.md lists what is not supported."
     )

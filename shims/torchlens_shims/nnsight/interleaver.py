@@ -37,13 +37,26 @@ from torch.nn.modules import module as torch_module
 
 from torchlens.capture.hooks import ForwardSlots, ModuleHooks
 
-from ._worker import BARRIER, Worker
+from ._unsupported import Interleaver, Mediator
+from ._worker import BARRIER, Event, Pending, Worker
 from .errors import BarrierError, OutOfOrderError
 
 if TYPE_CHECKING:
     from .batching import Batcher
 
-__all__ = ["NO_SKIP", "EarlyStopException", "HookSet", "Run", "Site", "Tree"]
+__all__ = [
+    "NO_SKIP",
+    "EarlyStopException",
+    "Event",
+    "HookSet",
+    "Interleaver",
+    "Mediator",
+    "OutOfOrderError",
+    "Pending",
+    "Run",
+    "Site",
+    "Tree",
+]
 
 NO_SKIP = object()
 
@@ -231,7 +244,7 @@ def _dangling(worker: Worker) -> tuple[BaseException, str | None]:
 class Site:
     """One module of a hook set, the locations it serves, and its reusable hooks and gate."""
 
-    __slots__ = ("module", "input", "output", "skip", "hooks_in", "hooks_out", "gate", "body")
+    __slots__ = ("module", "input", "output", "skip", "hooks_in", "hooks_out", "gate", "body", "__weakref__")
 
     def __init__(self, module: nn.Module, location: str) -> None:
         self.module = module
@@ -250,7 +263,8 @@ class Tree:
     def __init__(self) -> None:
         self.envoys: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self.run: Run | None = None
-        self._hooksets: dict[int, HookSet] = {}
+        # id(module) -> its hook set, weakly: the envoy that ran it keeps it (see `drive`)
+        self._hooksets: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         # id(module) -> (bound recompiled forward, its Compiled), see `source`
         self.sourced: dict[int, tuple[Any, Any]] = {}
 
@@ -275,7 +289,9 @@ class HookSet:
     """Every module under ``module``: gates installed per run, hooks attached on demand."""
 
     def __init__(self, tree: Tree, module: nn.Module, path: str) -> None:
-        self.tree = tree
+        # The tree owns its hook sets; a strong link back would be a cycle that keeps the
+        # wrapped model alive until a cyclic GC pass (nnsight frees it by refcounting alone).
+        self._tree = weakref.ref(tree)
         self.module = module
         self.path = path
         self.sites: dict[str, Site] = {}
@@ -295,6 +311,10 @@ class HookSet:
             if site.module._modules
         ]
         self._slots = ForwardSlots()
+
+    @property
+    def tree(self) -> Tree:
+        return self._tree()
 
     def current(self) -> bool:
         """Whether no module of the tree gained, lost or swapped a child since this was built."""
@@ -387,9 +407,10 @@ def _has_hooks(module: nn.Module) -> bool:
 
 def _pre_hook(tree: Tree, location: str) -> Callable:
     get_ident = threading.get_ident
+    tree_ref = weakref.ref(tree)  # hooks live in the tree's sites: no strong link back
 
     def on_input(info: Any, args: tuple, kwargs: dict) -> Any:
-        run = tree.run
+        run = tree_ref().run
         if run is None or run.owner != get_ident():
             return None
         value = (args, kwargs)
@@ -404,9 +425,10 @@ def _pre_hook(tree: Tree, location: str) -> Callable:
 
 def _post_hook(tree: Tree, location: str) -> Callable:
     get_ident = threading.get_ident
+    tree_ref = weakref.ref(tree)
 
     def on_output(info: Any, args: tuple, kwargs: dict, output: Any) -> Any:
-        run = tree.run
+        run = tree_ref().run
         if run is None or run.owner != get_ident():
             return None
         result = run.handle(location, output)
@@ -420,11 +442,14 @@ def _gate(tree: Tree, site: Site) -> Callable:
     skip = site.skip
     mid = id(site.module)
     no_skip = NO_SKIP
+    # The gate is kept on its site, which the tree keeps: weak links back, no cycle.
+    tree_ref = weakref.ref(tree)
+    site_ref = weakref.ref(site)
 
     def gate(*args: Any, **kwargs: Any) -> Any:
-        run = tree.run
+        run = tree_ref().run
         if run is None or run.owner != get_ident():
-            return site.body(*args, **kwargs)
+            return site_ref().body(*args, **kwargs)
         if skip in run.parked:
             run.skipping = mid
             output = run.handle(skip, no_skip)
@@ -436,7 +461,7 @@ def _gate(tree: Tree, site: Site) -> Callable:
         if output is no_skip:
             stack = run.stack
             stack.append(mid)
-            output = site.body(*args, **kwargs)
+            output = site_ref().body(*args, **kwargs)
             stack.pop()
         deliver = run.deliver
         if deliver:

@@ -29,6 +29,7 @@ __all__ = [
     "batch_pipe",
     "batch_size",
     "collate",
+    "conversations",
     "encode_pretokenized",
     "input_key",
     "is_token_ids",
@@ -101,8 +102,26 @@ def split(key: str, value: Any, batched: bool | None = None, width: int | None =
     return [value.unsqueeze(0)], batched
 
 
+def _is_conversation(data: Any) -> bool:
+    return isinstance(data, (list, tuple)) and bool(data) and all(
+        isinstance(message, Mapping) and "role" in message for message in data
+    )
+
+
+def conversations(data: Any) -> list | None:
+    """Chat input as a list of conversations (one message list, or a list of them); else ``None``."""
+    if _is_conversation(data):
+        return [data]
+    if isinstance(data, (list, tuple)) and data and all(_is_conversation(item) for item in data):
+        return list(data)
+    return None
+
+
 def batch_size(inputs: tuple, kwargs: dict) -> int:
     data = inputs[0] if inputs else None
+    chats = conversations(data)
+    if chats is not None:
+        return len(chats)  # a conversation is one row, not one row per message
     encoding = as_encoding(data, kwargs)
     key = input_key(encoding) if encoding is not None else None
     if key is not None:
@@ -165,9 +184,19 @@ def preprocess_invoke(model: Any, data: Any, kwargs: dict) -> tuple[list[dict] |
             f"{type(model).__name__} has no tokenizer to turn {type(data).__name__} input into token ids; "
             "pass tokenizer= or give token ids"
         )
-    tokenize = {k: v for k, v in kwargs.items() if k in TOKENIZER_KWARGS and v is not None}
+    chats = conversations(data)
+    if chats is not None:  # the model's chat template, as transformers' pipelines apply it
+        forward = {k: v for k, v in kwargs.items() if k not in TOKENIZER_KWARGS}
+        rows = []
+        for chat in chats:
+            ids = torch.tensor([tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False)])
+            rows.append({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+        return rows, forward
+    # `max_length` beside `truncation` is the tokenizer's cut, not a model or generation option
+    words = TOKENIZER_KWARGS | ({"max_length"} if kwargs.get("truncation") else set())
+    tokenize = {k: v for k, v in kwargs.items() if k in words and v is not None}
     tokenize.update(tokenize.pop("tokenizer_encode_kwargs", None) or {})
-    forward = {k: v for k, v in kwargs.items() if k not in TOKENIZER_KWARGS}
+    forward = {k: v for k, v in kwargs.items() if k not in words}
     texts = list(data) if isinstance(data, (list, tuple)) else [data]
     rows = []
     for text in texts:
@@ -222,9 +251,12 @@ def collate(model: Any, items: list[dict]) -> dict:
                     item[key] = torch.zeros(ids.shape[:2], dtype=torch.long)
                 elif key == "position_ids" and ids is not None:
                     item[key] = positions(item.get("attention_mask", torch.ones(ids.shape[:2])))
+                elif key == "labels" and ids is not None:  # an unlabelled row: ignored by the loss
+                    item[key] = torch.full(ids.shape[:2], ROW_FIELDS["labels"], dtype=torch.long)
                 else:
+                    having = sum(key in other for other in items)
                     raise ValueError(
-                        f"can't batch these invokes: some rows have `{key}` and others do not; pass it "
+                        f"can't batch these invokes: {having} of {len(items)} rows have `{key}`; pass it "
                         "in every invoke or in none"
                     )
     side = getattr(model.tokenizer, "padding_side", None) or "right"

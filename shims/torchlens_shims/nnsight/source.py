@@ -28,13 +28,27 @@ from torchlens.core.names import nearest
 
 from . import _worker
 from ._served import Served, first_input_repack, first_input_view
+from ._unsupported import STATE, Controller
 from .errors import ShimUnsupportedError, SourceNotAvailableError
 from .interleaver import NO_SKIP
 
 if TYPE_CHECKING:
     from .envoy import Envoy
 
-__all__ = ["Compiled", "Source", "SourceOp", "compile_forward", "install", "instrument", "make_op"]
+__all__ = [
+    "STATE",
+    "Compiled",
+    "Controller",
+    "Source",
+    "SourceNotAvailable",
+    "SourceOp",
+    "compile_forward",
+    "install",
+    "instrument",
+    "make_op",
+]
+
+SourceNotAvailable = SourceNotAvailableError  # nnsight's name for it
 
 OP = "__tl_op__"
 BIND = "__tl_bind__"
@@ -255,7 +269,7 @@ class SourceOp:
         lines = self._compiled.text.split("\n")
         at = self._compiled.lines[self.label] - 1
         window = range(max(0, at - 3), min(len(lines), at + 4))
-        body = [f"{'-->' if i == at else '   '} {lines[i]}" for i in window]
+        body = [f"--> {lines[i]} <--" if i == at else f"    {lines[i]}" for i in window]
         return f"{self.path}:\n" + "\n".join(body)
 
 
@@ -275,6 +289,11 @@ class Source:
             )
         return SourceOp(self._envoy, name, compiled)
 
+    @property
+    def names(self) -> list[str]:
+        """The operation labels, in the order the forward reaches them."""
+        return list(self._compiled.labels)
+
     def __dir__(self) -> list[str]:
         return list(self._compiled.labels)
 
@@ -289,10 +308,16 @@ class Source:
             by_line.setdefault(compiled.lines[label] - 1, []).append(label)
         width = max((len(label) for label in compiled.labels), default=0)
         out = []
+        # nnsight's layout: the def line marked '*', an op's line '->', more ops on it '+'
         for index, line in enumerate(lines):
             labels = by_line.get(index, [])
-            out.append(f"{(labels[0] if labels else ''):>{width}} | {line}")
-            out.extend(f"{label:>{width}} |   ^" for label in labels[1:])
+            if labels:
+                out.append(f"{labels[0]:>{width}} -> {line}")
+                out.extend(f"{label:>{width}}  + " for label in labels[1:])
+            elif line.lstrip().startswith(("def ", "async def ")):
+                out.append(f"{'':>{width}}  * {line.lstrip()}")
+            else:
+                out.append(f"{'':>{width}}    {line}")
         return "\n".join(out).rstrip()
 
 

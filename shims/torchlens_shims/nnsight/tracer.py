@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from types import FrameType, TracebackType
+from types import CodeType, FrameType, TracebackType
 from typing import TYPE_CHECKING, Any
 
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -31,6 +31,7 @@ from ._blocks import (
     arm_skip,
     clear_shared,
     disarm,
+    not_found_message,
     push,
     require_block,
     shared_store,
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EditBlock",
+    "ExitTracingException",
     "EditingTracer",
     "InterleavingTracer",
     "Invoker",
@@ -62,6 +64,10 @@ __all__ = [
     "clean_traceback",
     "push_result",
 ]
+
+# nnsight's names for what the shim's tracing machinery raises and says (``nnsight.tracing.tracer``).
+ExitTracingException = SkipBody
+_not_found_message = not_found_message
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -115,26 +121,32 @@ class Tracer:
     ) -> bool:
         if exc_type is SkipBody:
             disarm(self._frame, exc_value)
+        # This frame ends up in the traceback of whatever the body raises: it must not
+        # hold exceptions (each holds its frames), or the block's values live on in a cycle.
+        del exc_value, traceback
         if exc_type is not SkipBody and exc_type is not None:
             self._frame = None
             return False
         _saving.enter()
         try:
-            self.execute()
+            self.execute(self._block.code)
         except BaseException as error:
             error.__context__ = None
             tb = getattr(error, "_shim_block_tb", None) or error.__traceback__
-            raise error.with_traceback(clean_traceback(tb)) from error.__cause__
+            try:
+                raise error.with_traceback(clean_traceback(tb)) from error.__cause__
+            finally:
+                del error, tb
         finally:
             _saving.leave()
             self._frame = None
         return True
 
-    def execute(self) -> None:
+    def execute(self, code: CodeType) -> None:
         """Run the body in place and hand back its names (a session)."""
         frame = self._frame
         scope = BlockScope(snapshot(frame), {}, frame.f_globals)
-        exec(self._block.code, scope)
+        exec(code, scope)
         push_result(frame, scope.writes())
 
 
@@ -180,7 +192,7 @@ class Iterations(Tracer):
         finally:
             current.iteration = previous
 
-    def execute(self) -> None:
+    def execute(self, code: CodeType) -> None:
         frame = self._frame
         warnings.warn_explicit(
             "The `with tracer.iter[...]:` / `with tracer.all():` block form is deprecated; use "
@@ -197,7 +209,7 @@ class Iterations(Tracer):
                 if step < 0:
                     raise IterStepError(f"tracer.iter step cannot be negative: {step}")
                 current.iteration = step
-                exec(self._block.code, scope)
+                exec(code, scope)
         except OutOfOrderError:
             pass  # fewer steps ran than asked for; keep what the reached steps saved
         finally:
@@ -280,11 +292,10 @@ class InterleavingTracer(Tracer):
         return _saving.save(CacheView(cache, None))
 
     # -- running ----------------------------------------------------------------------
-    def execute(self) -> None:
+    def execute(self, code: CodeType) -> None:
         frame = self._frame
         glbls = frame.f_globals
         envoy = self.envoy
-        code = self._block.code
         self.batcher = envoy._batcher_class(envoy, self.kwargs)
         try:
             if envoy._batch_size(*self.args, **self.kwargs):
@@ -319,9 +330,9 @@ class Invoker(Tracer):
         self.args = args
         self.kwargs = kwargs
 
-    def execute(self) -> None:
+    def execute(self, code: CodeType) -> None:
         frame = self._frame
-        body = _worker.Worker(self._block.code, BlockScope(snapshot(frame), shared_store(frame), frame.f_globals))
+        body = _worker.Worker(code, BlockScope(snapshot(frame), shared_store(frame), frame.f_globals))
         body.group = self.tracer.batcher.add(*self.args, **self.kwargs)
         self.tracer._workers.append(body)
 
@@ -354,17 +365,17 @@ class EditingTracer(InterleavingTracer):
             arm_skip(frame, block)
         return self if self.inplace else (self, self.envoy)
 
-    def execute(self) -> None:
+    def execute(self, code: CodeType) -> None:
         frame = self._frame
-        self.envoy._edits.append(EditBlock(self._block.code, snapshot(frame), frame.f_globals))
+        self.envoy._edits.append(EditBlock(code, snapshot(frame), frame.f_globals))
 
 
 class ScanningTracer(InterleavingTracer):
     """``with model.scan(...)``: the same trace, run on fake tensors (shapes and dtypes only)."""
 
-    def execute(self) -> None:
+    def execute(self, code: CodeType) -> None:
         # Lazy: heavy (about 0.6 s and ~500 modules the first time), and only scan() needs it.
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
         with FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(assume_static_by_default=True)):
-            super().execute()
+            super().execute(code)

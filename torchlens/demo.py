@@ -1,4 +1,5 @@
-"""A small decoder-only transformer in plain PyTorch, so the demo needs nothing but torch."""
+"""Demo models: a small decoder-only transformer in plain PyTorch (``TinyLM``), so the demo
+(``torchlens demo``) and the documentation's examples need nothing but torch."""
 
 from __future__ import annotations
 

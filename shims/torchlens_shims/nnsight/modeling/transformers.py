@@ -17,9 +17,10 @@ from typing import Any
 import torch
 import transformers
 
-from . import processing
-from .envoy import Envoy, traceable
-from .errors import (
+from .. import processing
+from ..envoy import Envoy, traceable
+from ..errors import (
+    MaskTokenMissingError,
     ModelDownloadError,
     NNsightDeprecationWarning,
     TaskInferenceError,
@@ -88,6 +89,12 @@ class GeneratorEnvoy(Envoy):
     def output(self, value: Any) -> None:
         warnings.warn(_GENERATOR_OUTPUT_DEPRECATED, NNsightDeprecationWarning, stacklevel=2)
         Envoy.output.__set__(self, value)
+
+
+def _is_text(data: Any) -> bool:
+    return isinstance(data, str) or (
+        isinstance(data, (list, tuple)) and bool(data) and all(isinstance(item, str) for item in data)
+    )
 
 
 def _infer_task(module: torch.nn.Module) -> str:
@@ -253,7 +260,21 @@ class TransformersModel(Envoy):
     def _batch(self, invokes: list, fn: Any) -> tuple:
         if getattr(fn, "__name__", None) == "pipe":
             return processing.batch_pipe(invokes)
-        return processing.batch_forward(self, invokes)
+        args, kwargs = processing.batch_forward(self, invokes)
+        if self.task == "fill-mask" and all(_is_text(inputs[0] if inputs else None) for inputs, _ in invokes):
+            self._check_mask(kwargs.get("input_ids"))  # the fill-mask pipeline checks text input so
+        return args, kwargs
+
+    def _check_mask(self, ids: Any) -> None:
+        """Every row of a fill-mask batch holds the mask token, as the fill-mask pipeline requires."""
+        mask = getattr(self.tokenizer, "mask_token_id", None)
+        if mask is None or not isinstance(ids, torch.Tensor):
+            return
+        missing = [row for row in range(ids.shape[0]) if not bool((ids[row] == mask).any())]
+        if missing:
+            raise MaskTokenMissingError(
+                f"fill-mask input without the mask token {self.tokenizer.mask_token!r} in batch rows {missing}"
+            )
 
 
 class LanguageModel(TransformersModel):

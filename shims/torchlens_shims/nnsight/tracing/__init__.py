@@ -1,0 +1,5 @@
+"""nnsight's ``nnsight.tracing`` package: how a ``with`` block is captured, at nnsight's paths."""
+
+from __future__ import annotations
+
+__all__: list[str] = []

@@ -1,0 +1,270 @@
+"""Patching workflows: every cell equals a plain-hooks re-execution of that cell.
+
+References never go through TorchLens: clean values are read with plain forward (pre-)hooks,
+each cell is a plain forward with a hook that writes the clean value, and causal tracing is
+checked against a baukit-style implementation (all noised samples in one batch, hooks on the
+embedding and on the restored module).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_model_clean, hook_state
+
+import torchlens as tl
+from torchlens.errors import InvalidArgumentError, SiteNotFoundError
+
+ATOL = 1e-5  # sliced replay vs a re-executed forward: float32 rounding (see tests/test_slicing.py)
+
+
+def _corrupt(ids: torch.Tensor, position: int, token: int) -> torch.Tensor:
+    out = ids.clone()
+    out[0, position] = token
+    return out
+
+
+def _module(model, kind: str, layer: int):
+    name = f"blocks.{layer}" if kind == "resid_pre" else f"blocks.{layer}.{kind}"
+    return tl.arch(model).module(name)
+
+
+def _first(value):
+    return value[0] if isinstance(value, tuple) else value
+
+
+def _keep(seen: dict, value: torch.Tensor) -> None:
+    seen.setdefault("v", value.clone())  # returns None: the hook leaves the value alone
+
+
+def _read(model, ids, kind: str, layer: int) -> torch.Tensor:
+    """The clean value of a site, read with a plain hook."""
+    seen = {}
+    module = _module(model, kind, layer)
+    if kind == "resid_pre":
+        handle = module.register_forward_pre_hook(
+            lambda m, a, k: _keep(seen, a[0] if a else k["hidden_states"]), with_kwargs=True)
+    else:
+        handle = module.register_forward_hook(lambda m, a, o: _keep(seen, _first(o)))
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        handle.remove()
+    return seen["v"]
+
+
+def _patched(model, ids, kind: str, layer: int, position: int, donor: torch.Tensor):
+    """The model output with the site's row ``position`` replaced by ``donor``'s (plain hooks)."""
+    module = _module(model, kind, layer)
+
+    def write(t):
+        t = t.clone()
+        t[:, position] = donor[:, position]
+        return t
+
+    if kind == "resid_pre":
+        def pre(m, args, kwargs):
+            if args:
+                return (write(args[0]), *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": write(kwargs["hidden_states"])}
+        handle = module.register_forward_pre_hook(pre, with_kwargs=True)
+    else:
+        handle = module.register_forward_hook(
+            lambda m, a, o: (write(o[0]), *o[1:]) if isinstance(o, tuple) else write(o))
+    try:
+        with torch.no_grad():
+            return model(ids)
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("case_name", ["tiny_gpt2", "tiny_llama"])
+@pytest.mark.parametrize("kind", ["resid_pre", "attn", "mlp"])
+def test_activation_patching_equals_plain_hooks_every_cell(case_name, kind, request):
+    case = request.getfixturevalue(case_name)
+    model, clean_ids = case.model, case.args[0]
+    corrupt_ids = _corrupt(clean_ids, 2, 11)
+    metric = tl.patching.logit_diff(int(clean_ids[0, 3]), 11)
+    result = tl.patching.activation_patching(clean_ids, corrupt_ids, metric, model=model, site=kind)
+    n_layers = tl.arch(model).n_layers
+    assert result.values.shape == (n_layers, clean_ids.shape[1]) and result.dims == ("layer", "position")
+    for layer in range(n_layers):
+        donor = _read(model, clean_ids, kind, layer)
+        for p in range(clean_ids.shape[1]):
+            want = float(metric(_patched(model, corrupt_ids, kind, layer, p, donor)))
+            assert abs(float(result.values[layer, p]) - want) < ATOL, (layer, p)
+    with torch.no_grad():
+        assert abs(result.clean - float(metric(model(clean_ids)))) < ATOL
+        assert abs(result.corrupted - float(metric(model(corrupt_ids)))) < ATOL
+
+
+@pytest.mark.parametrize("case_name,proj", [("tiny_gpt2", "c_proj"), ("tiny_llama", "o_proj")])
+def test_head_patching_equals_plain_hooks_every_cell(case_name, proj, request):
+    case = request.getfixturevalue(case_name)
+    model, clean_ids = case.model, case.args[0]
+    corrupt_ids = _corrupt(clean_ids, 1, 7)
+    metric = tl.patching.prob(int(clean_ids[0, 2]))
+    result = tl.patching.activation_patching(tl.trace(model, clean_ids), tl.trace(model, corrupt_ids), metric,
+                                             site="heads")
+    view = tl.arch(model)
+    assert result.dims == ("layer", "head") and result.values.shape == (view.n_layers, view.n_heads)
+    for layer in range(view.n_layers):
+        out_proj = getattr(view.module(f"blocks.{layer}.attn"), proj)
+        seen = {}
+        handle = out_proj.register_forward_pre_hook(lambda m, a, seen=seen: _keep(seen, a[0]))
+        with torch.no_grad():
+            model(clean_ids)
+        handle.remove()
+        for h in range(view.n_heads):
+            cols = slice(h * view.head_dim, (h + 1) * view.head_dim)
+
+            def write(m, a, cols=cols, seen=seen):
+                x = a[0].clone()
+                x[..., cols] = seen["v"][..., cols]
+                return (x,)
+
+            handle = out_proj.register_forward_pre_hook(write)
+            try:
+                with torch.no_grad():
+                    want = float(metric(model(corrupt_ids)))
+            finally:
+                handle.remove()
+            assert abs(float(result.values[layer, h]) - want) < ATOL, (layer, h)
+
+
+def _baukit_causal_trace(model, ids, subject, answer, noise, samples, seed, kind, layer, position, clean_value):
+    """ROME's trace_with_patch, written with plain hooks: sample s of a batch gets noise row s."""
+    view = tl.arch(model)
+    draws = torch.randn(samples, len(subject), view.d_model, generator=torch.Generator().manual_seed(seed))
+    batch = ids.repeat(samples, 1)
+
+    def add_noise(m, a, out):
+        out = out.clone()
+        out[:, subject] += noise * draws
+        return out
+
+    def restore(m, a, out):
+        first = _first(out).clone()
+        first[:, position] = clean_value[0, position]
+        return (first, *out[1:]) if isinstance(out, tuple) else first
+
+    site = f"blocks.{layer}" if kind == "resid_post" else f"blocks.{layer}.{kind}"
+    handles = [view.module("embed").register_forward_hook(add_noise)]
+    if layer is not None:
+        handles.append(view.module(site).register_forward_hook(restore))
+    try:
+        with torch.no_grad():
+            logits = model(batch).logits
+    finally:
+        for h in handles:
+            h.remove()
+    return float(logits[:, -1].softmax(-1)[:, answer].mean())
+
+
+def test_causal_trace_equals_baukit_style_implementation(tiny_gpt2):
+    model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    subject = [1, 2]
+    results = tl.patching.causal_trace(model, ids, subject, samples=3, seed=4)
+    first = next(iter(results.values()))
+    answer, noise = first.notes["answer"], first.notes["noise"]
+    with torch.no_grad():
+        assert answer == int(model(ids).logits[0, -1].argmax())
+        assert abs(noise - 3 * float(model.transformer.wte.weight.std())) < 1e-6
+    assert abs(first.corrupted - _baukit_causal_trace(model, ids, subject, answer, noise, 3, 4, "mlp", None, 0,
+                                                      None)) < ATOL
+    for kind, result in results.items():
+        for layer in range(2):
+            clean_value = _read(model, ids, kind, layer)
+            for p in range(ids.shape[1]):
+                want = _baukit_causal_trace(model, ids, subject, answer, noise, 3, 4, kind, layer, p, clean_value)
+                assert abs(float(result.values[layer, p]) - want) < ATOL, (kind, layer, p)
+
+
+@pytest.mark.parametrize("kind", ["resid_pre", "resid_post", "attn", "mlp"])
+def test_attribution_patching_is_exact_on_a_linear_model(linear_toy, kind):
+    model, clean_ids = linear_toy.model, linear_toy.args[0]
+    corrupt_ids = _corrupt(clean_ids, 1, 12)
+    metric = tl.patching.logit_diff(4, 6)
+    before = hook_state(model)
+    grads_before = [p.grad for p in model.parameters()]
+    estimate = tl.patching.attribution_patching(clean_ids, corrupt_ids, metric, model=model, site=kind)
+    assert_model_clean(model, before)
+    assert [p.grad for p in model.parameters()] == grads_before  # autograd.grad: no .grad left behind
+    exact = tl.patching.activation_patching(clean_ids, corrupt_ids, metric, model=model, site=kind)
+    assert torch.allclose(estimate.values, exact.values, atol=1e-4), (estimate.values - exact.values).abs().max()
+
+
+def test_attribution_patching_approximates_exact_patching(tiny_gpt2):
+    model, clean_ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    corrupt_ids = _corrupt(clean_ids, 2, 11)
+    metric = tl.patching.logit_diff(int(clean_ids[0, 3]), 11)
+    estimate = tl.patching.attribution_patching(clean_ids, corrupt_ids, metric, model=model)
+    exact = tl.patching.activation_patching(clean_ids, corrupt_ids, metric, model=model)
+    assert estimate.values.shape == exact.values.shape
+    # positions before the corrupted one are identical in both runs: no estimated change, no change
+    assert torch.allclose(estimate.values[:, :2], exact.values[:, :2], atol=ATOL)
+    a, b = estimate.values.flatten() - estimate.corrupted, exact.values.flatten() - exact.corrupted
+    assert float(torch.corrcoef(torch.stack([a, b]))[0, 1]) > 0.5
+
+
+@pytest.mark.parametrize("case_name,norm", [("tiny_gpt2", "transformer.ln_f"), ("tiny_llama", "model.norm")])
+def test_logit_lens_equals_hand_unembedding(case_name, norm, request):
+    case = request.getfixturevalue(case_name)
+    model, ids = case.model, case.args[0]
+    lens = tl.logit_lens(tl.trace(model, ids))
+    assert lens.norm == norm
+    view = tl.arch(model)
+    final = model.get_submodule(norm)
+    with torch.no_grad():
+        assert torch.allclose(lens.logits[-1], model(ids).logits, atol=ATOL)  # the last layer is the model's output
+        for layer in range(view.n_layers):
+            want = view.module("unembed")(final(_read(model, ids, "resid_post", layer)))
+            assert torch.allclose(lens.logits[layer], want, atol=ATOL)
+    ids_top, probs = lens.top(3)
+    assert ids_top.shape == (view.n_layers, ids.shape[1], 3) and bool((probs[..., 0] >= probs[..., 1]).all())
+    with pytest.raises(InvalidArgumentError):
+        lens.top_tokens()
+
+
+# -- bad inputs: named errors, nothing changed --------------------------------------------------
+
+
+def test_bad_inputs_raise_named_errors_and_change_nothing(tiny_gpt2):
+    model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    clean, corrupted = tl.trace(model, ids), tl.trace(model, _corrupt(ids, 2, 11))
+    logits_before = corrupted.output.logits.clone()
+    metric = tl.patching.logit_diff(3, 11)
+    with pytest.raises(InvalidArgumentError):
+        tl.patching.activation_patching(clean, corrupted, metric, site="residual")
+    with pytest.raises(InvalidArgumentError):
+        tl.patching.activation_patching(clean, tl.trace(model, ids[:, :4]), metric)
+    with pytest.raises(InvalidArgumentError):
+        tl.patching.activation_patching(clean, corrupted, lambda out: out.logits[0, -1])  # not a scalar
+    with pytest.raises(SiteNotFoundError):
+        tl.patching.activation_patching(clean, corrupted, metric, layers=[5])
+    with pytest.raises(InvalidArgumentError):
+        tl.patching.activation_patching(ids, ids, metric)  # inputs without model=
+    before = hook_state(model)
+    with pytest.raises(InvalidArgumentError):
+        tl.patching.attribution_patching(clean, corrupted, lambda out: 1.0)  # not differentiable
+    assert_model_clean(model, before)
+    with pytest.raises(InvalidArgumentError):
+        tl.patching.attribution_patching(clean, corrupted, metric, site="heads")
+    with pytest.raises(InvalidArgumentError):
+        tl.patching.causal_trace(model, ids[0], [1])
+    with pytest.raises(InvalidArgumentError):
+        tl.patching.causal_trace(model, ids, [1], kinds=["heads"])
+    assert torch.equal(corrupted.output.logits, logits_before) and not corrupted.edits
+
+
+def test_result_plot_and_normalized(tiny_gpt2):
+    pytest.importorskip("matplotlib")
+    model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    result = tl.patching.activation_patching(ids, _corrupt(ids, 2, 11), tl.patching.logit_diff(3, 11), model=model,
+                                             site="mlp", positions=[2, 5])
+    assert result.labels["position"] == [2, 5]
+    norm = result.normalized()
+    assert torch.allclose(norm, (result.values - result.corrupted) / (result.clean - result.corrupted))
+    fig = result.plot(normalized=True)
+    assert len(fig.axes[0].images) == 1

@@ -1,0 +1,371 @@
+"""Patching workflows: activation patching grids, causal tracing (ROME), attribution patching.
+
+Every cell of a grid is one fork of the corrupted (or noised) trace with one value restored
+from the clean run; the fork replays only the rows the edit can reach
+(``torchlens.edit._slicing``), so a cell costs a fraction of a forward instead of one
+forward. Results are :class:`PatchingResult` objects: a labelled tensor (``.values``, its
+``.dims`` and ``.labels``) with ``.plot()`` (a heatmap, matplotlib optional).
+
+Sites are canonical names (``tl.arch``): ``"resid_pre"``, ``"resid_mid"``, ``"resid_post"``,
+``"attn"``, ``"mlp"`` (one row per block), or ``"heads"`` (layer × head, through the
+fused-attention facets, ``torchlens.mechinterp.patch_head``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .._progress import track
+from ..api import trace as capture
+from ..arch.resolve import arch
+from ..core.trace import Trace
+from ..core.tree import first_tensor, flatten, unflatten
+from ..edit.edits import when
+from ..errors import InvalidArgumentError, SiteNotFoundError
+from . import plots
+from .heads import patch_head
+
+__all__ = [
+    "KINDS", "PatchingResult", "activation_patching", "causal_trace", "logit_diff", "prob", "restore_rows",
+]
+
+KINDS = ("resid_pre", "resid_mid", "resid_post", "attn", "mlp", "heads")
+
+
+@dataclass
+class PatchingResult:
+    """A labelled result tensor: ``values[i, j]`` for ``labels[dims[0]][i]``, ``labels[dims[1]][j]``.
+
+    ``clean`` and ``corrupted`` are the metric on the unpatched runs, so
+    ``normalized()`` gives the share of the clean–corrupted gap a patch restores.
+    """
+
+    values: torch.Tensor
+    dims: tuple[str, ...]
+    labels: dict[str, list[Any]]
+    metric: str
+    clean: float | None = None
+    corrupted: float | None = None
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def normalized(self) -> torch.Tensor:
+        """``(values - corrupted) / (clean - corrupted)``: 1 restores the clean metric, 0 changes nothing.
+
+        Raises:
+            InvalidArgumentError: the clean and corrupted metrics are unknown or equal.
+        """
+        if self.clean is None or self.corrupted is None or self.clean == self.corrupted:
+            raise InvalidArgumentError("normalising needs different clean and corrupted metrics",
+                                       remedy="Read .values, or pick prompts whose metric differs.")
+        return (self.values - self.corrupted) / (self.clean - self.corrupted)
+
+    def plot(self, *, title: str = "", normalized: bool = False) -> Any:
+        """A heatmap of the result (rows: the first dim, columns: the second).
+
+        Args:
+            title: the figure title.
+            normalized: plot :meth:`normalized` instead of the raw metric.
+
+        Returns:
+            the matplotlib Figure.
+
+        Raises:
+            OptionalDependencyError: matplotlib is not installed.
+        """
+        values = self.normalized() if normalized else self.values
+        rows, cols = self.dims[0], self.dims[1]
+        return plots.heatmap(values, rows=self.labels[rows], cols=self.labels[cols], row_title=rows,
+                             col_title=cols, title=title, label=self.metric)
+
+    def __repr__(self) -> str:
+        return f"<PatchingResult {self.metric} over {' × '.join(self.dims)} {tuple(self.values.shape)}>"
+
+
+# -- metrics ---------------------------------------------------------------------------------
+
+
+def _logits(output: Any) -> torch.Tensor:
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    t = first_tensor(output)
+    if t is None:
+        raise InvalidArgumentError("the model output holds no tensor to read logits from",
+                                   remedy="Pass metric= a function of the model output.")
+    return t
+
+
+def logit_diff(correct: int, wrong: int, *, position: int = -1) -> Callable[[Any], torch.Tensor]:
+    """A metric: ``logits[:, position, correct] - logits[:, position, wrong]``, averaged over the batch.
+
+    Args:
+        correct: the token id that should win.
+        wrong: the token id it competes with.
+        position: the sequence position read.
+
+    Returns:
+        ``metric(model_output) -> scalar tensor``.
+    """
+    def metric(output: Any) -> torch.Tensor:
+        logits = _logits(output)[:, position]
+        return (logits[:, correct] - logits[:, wrong]).mean()
+
+    metric.__name__ = f"logit_diff({correct}, {wrong})"
+    return metric
+
+
+def prob(token: int, *, position: int = -1) -> Callable[[Any], torch.Tensor]:
+    """A metric: the softmax probability of ``token`` at ``position``, averaged over the batch.
+
+    Args:
+        token: the token id.
+        position: the sequence position read.
+
+    Returns:
+        ``metric(model_output) -> scalar tensor``.
+    """
+    def metric(output: Any) -> torch.Tensor:
+        return _logits(output)[:, position].float().softmax(-1)[:, token].mean()
+
+    metric.__name__ = f"prob({token})"
+    return metric
+
+
+def _score(metric: Callable[[Any], Any], output: Any) -> float:
+    value = metric(output)
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise InvalidArgumentError(f"the metric returned a tensor of shape {tuple(value.shape)}, not a scalar",
+                                       remedy="Reduce it to one number (e.g. .mean()).")
+        return float(value)
+    return float(value)
+
+
+# -- edits -----------------------------------------------------------------------------------
+
+
+def restore_rows(donor: Any, positions: Sequence[int] | int | None, *, axis: int = 1) -> Callable[..., Any]:
+    """An edit that copies ``donor``'s rows at ``positions`` (along ``axis``) into the activation.
+
+    Args:
+        donor: the clean value of the site (a tensor, or a module's tuple output whose first
+            tensor is used).
+        positions: a position, a list of positions, or None (every position).
+        axis: the sequence axis.
+
+    Returns:
+        ``edit(activation, *, ctx)`` for ``fork.do`` / ``tl.when``.
+    """
+    source = first_tensor(donor)
+    index = None if positions is None else [positions] if isinstance(positions, int) else list(positions)
+
+    def edit(activation: Any, *, ctx: Any) -> Any:
+        leaves, spec = flatten(activation)
+        k = next(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))
+        out = leaves[k].clone()
+        if index is None:
+            out.copy_(source)
+        else:
+            idx = torch.tensor(index, device=out.device)
+            out.index_copy_(axis, idx, source.index_select(axis, idx))
+        leaves[k] = out
+        return unflatten(leaves, spec)
+
+    edit.may_change_nothing = True  # restoring a position where both runs agree is a legitimate no-op
+    return edit
+
+
+# -- activation patching ------------------------------------------------------------------------
+
+
+def _as_trace(model: Any, value: Any, what: str) -> Trace:
+    if isinstance(value, Trace):
+        return value
+    if model is None:
+        raise InvalidArgumentError(f"{what} is not a trace, and no model= was given to capture it",
+                                   remedy="Pass traces (tl.trace(model, ids)) or model= with input tensors.")
+    return capture(model, value)
+
+
+def _model_of(*traces: Trace) -> Any:
+    for t in traces:
+        if t.model is not None:
+            return t.model
+    raise InvalidArgumentError("these traces hold no model (loaded from disk?), so canonical sites cannot "
+                               "be resolved", remedy="Capture the traces with tl.trace(model, ids).")
+
+
+def _layers(model: Any, kind: str, layers: Sequence[int] | None) -> list[int]:
+    view = arch(model)
+    if kind == "heads":
+        names = view.names("attn")
+    else:
+        names = view.names(kind)
+    have = [int(n.split(".")[1]) for n in names]
+    if layers is None:
+        return have
+    missing = [i for i in layers if i not in have]
+    if missing:
+        raise SiteNotFoundError(f"blocks {missing} have no {kind} site (this model has {view.n_layers} blocks)",
+                                site=kind, remedy=f"Pick layers among {have}.")
+    return list(layers)
+
+
+def _check_pair(clean: Trace, corrupted: Trace) -> None:
+    a, b = first_tensor(clean.args or tuple(clean.kwargs.values())), \
+        first_tensor(corrupted.args or tuple(corrupted.kwargs.values()))
+    if a is not None and b is not None and a.shape != b.shape:
+        raise InvalidArgumentError(
+            f"clean and corrupted inputs differ in shape ({tuple(a.shape)} vs {tuple(b.shape)}); patching copies "
+            "values position by position", remedy="Use prompts of the same token length (pad or choose them so).")
+
+
+def activation_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any], *, model: Any = None,
+                        site: str = "resid_pre", layers: Sequence[int] | None = None,
+                        positions: Sequence[int] | None = None, progress: bool | None = None) -> PatchingResult:
+    """Patch each (layer, position) — or each (layer, head) — from the clean run into the corrupted one.
+
+    Each cell is a fork of ``corrupted`` with one clean value restored and replayed on the
+    rows it reaches; ``values[cell]`` is ``metric`` of that fork's output.
+
+    Args:
+        clean: the clean trace (``tl.trace(model, ids)``), or its input ids with ``model=``.
+        corrupted: the corrupted trace, or its input ids with ``model=``.
+        metric: ``metric(model_output) -> scalar`` (e.g. :func:`logit_diff`, :func:`prob`).
+        model: the model, when ``clean``/``corrupted`` are inputs.
+        site: one of ``resid_pre``, ``resid_mid``, ``resid_post``, ``attn``, ``mlp`` (a layer ×
+            position grid) or ``heads`` (a layer × head grid; each head's output at every position).
+        layers: which blocks (default: all).
+        positions: which positions (default: all).
+        progress: show a progress bar (None: when stderr is a terminal).
+
+    Returns:
+        a :class:`PatchingResult` with dims ``("layer", "position")`` or ``("layer", "head")``.
+
+    Raises:
+        InvalidArgumentError: unknown ``site``, traces without a model, inputs of different lengths.
+        SiteNotFoundError: a layer without that site.
+    """
+    if site not in KINDS:
+        raise InvalidArgumentError(f"site= is one of {KINDS}, got {site!r}")
+    clean, corrupted = _as_trace(model, clean, "clean"), _as_trace(model, corrupted, "corrupted")
+    _check_pair(clean, corrupted)
+    model = model if model is not None else _model_of(corrupted, clean)
+    corrupted.ensure_graph()  # once here, not once per fork
+    rows = _layers(model, site, layers)
+    name = getattr(metric, "__name__", "metric")
+    base_clean, base_corrupted = _score(metric, clean.output), _score(metric, corrupted.output)
+    if site == "heads":
+        n_heads = arch(model).n_heads
+        values = torch.empty(len(rows), n_heads)
+        cells = [(i, layer, h) for i, layer in enumerate(rows) for h in range(n_heads)]
+        for i, layer, h in track(cells, desc="patching heads", unit="cell", progress=progress):
+            values[i, h] = _score(metric, patch_head(corrupted, layer, h, source=clean).output)
+        return PatchingResult(values, ("layer", "head"), {"layer": rows, "head": list(range(n_heads))}, name,
+                              base_clean, base_corrupted)
+    seq = _seq_len(corrupted)
+    cols = list(range(seq)) if positions is None else [p % seq for p in positions]
+    values = torch.empty(len(rows), len(cols))
+    cells = [(i, layer, j, p) for i, layer in enumerate(rows) for j, p in enumerate(cols)]
+    donors = {layer: clean[f"blocks.{layer}.{site}"].out for layer in rows}
+    for i, layer, j, p in track(cells, desc=f"patching {site}", unit="cell", progress=progress):
+        fork = corrupted.fork(f"{corrupted.name}/patch[{layer}.{site}@{p}]")
+        fork.do(f"blocks.{layer}.{site}", restore_rows(donors[layer], p))
+        values[i, j] = _score(metric, fork.output)
+    return PatchingResult(values, ("layer", "position"), {"layer": rows, "position": cols}, name, base_clean,
+                          base_corrupted)
+
+
+def _seq_len(trace: Trace) -> int:
+    ids = first_tensor(trace.args or tuple(trace.kwargs.values()))
+    if ids is None or ids.dim() < 2:
+        raise InvalidArgumentError("cannot tell the sequence length of this trace's input",
+                                   remedy="Capture with token ids of shape [batch, positions].")
+    return ids.shape[1]
+
+
+# -- causal tracing (ROME) --------------------------------------------------------------------------
+
+
+def causal_trace(model: Any, ids: torch.Tensor, subject: Sequence[int], *, answer: int | None = None,
+                 kinds: Sequence[str] = ("resid_post", "attn", "mlp"), noise: float | None = None,
+                 samples: int = 3, seed: int = 1, layers: Sequence[int] | None = None,
+                 progress: bool | None = None) -> dict[str, PatchingResult]:
+    """ROME causal tracing: noise the subject tokens' embeddings, restore one clean state at a time.
+
+    The corrupted runs add ``noise`` × a standard normal to the token embeddings (``embed``) of
+    the ``subject`` positions, one run per sample; each cell restores the clean value of one
+    site at one position in every noised run and records the probability of ``answer`` at
+    the last position, averaged over the samples (Meng et al. 2022, "Locating and Editing
+    Factual Associations in GPT"). The noise of sample ``s`` is row ``s`` of
+    ``torch.randn(samples, len(subject), d_model, generator=torch.Generator().manual_seed(seed))``.
+
+    Args:
+        model: a causal language model with an architecture adapter.
+        ids: token ids ``[1, positions]``.
+        subject: the positions of the subject tokens.
+        answer: the token whose probability is traced (default: the clean run's top token).
+        kinds: which sites to restore: ``resid_post`` (block outputs), ``attn``, ``mlp``.
+        noise: the noise scale (default: 3 × the standard deviation of the token embeddings, as in ROME).
+        samples: how many noised runs to average.
+        seed: the seed of the noise.
+        layers: which blocks (default: all).
+        progress: show a progress bar.
+
+    Returns:
+        ``{kind: PatchingResult}`` over ``("layer", "position")``; ``clean`` is the clean
+        probability and ``corrupted`` the noised one (``notes["answer"]`` the traced token).
+
+    Raises:
+        InvalidArgumentError: bad ``ids``, ``subject`` or ``kinds``.
+    """
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1:
+        raise InvalidArgumentError("causal_trace takes token ids of shape [1, positions]")
+    seq = ids.shape[1]
+    subject = [int(p) % seq for p in subject]
+    if not subject:
+        raise InvalidArgumentError("subject= lists at least one position")
+    bad = [k for k in kinds if k not in KINDS or k == "heads"]
+    if bad:
+        raise InvalidArgumentError(f"kinds {bad} are not among {KINDS[:-1]}")
+    view = arch(model)
+    embed = view.module("embed")
+    clean = capture(model, ids)
+    if answer is None:
+        answer = int(_logits(clean.output)[0, -1].argmax())
+    if noise is None:
+        noise = 3 * float(embed.weight.detach().std())
+    draws = torch.randn(samples, len(subject), view.d_model, generator=torch.Generator().manual_seed(seed))
+    noised = []
+    for s in range(samples):
+        add = (noise * draws[s]).to(embed.weight.dtype)
+
+        def noisy(act: torch.Tensor, *, ctx: Any, add: torch.Tensor = add) -> torch.Tensor:
+            out = act.clone()
+            out[0, subject] += add
+            return out
+
+        noised.append(capture(model, ids, intervene=when("embed", noisy)))
+        noised[-1].ensure_graph()
+    metric = prob(answer)
+    base_clean = _score(metric, clean.output)
+    base_noised = sum(_score(metric, t.output) for t in noised) / samples
+    results = {}
+    for kind in kinds:
+        rows = _layers(model, kind, layers)
+        donors = {layer: clean[f"blocks.{layer}.{kind}"].out for layer in rows}
+        values = torch.zeros(len(rows), seq)
+        cells = [(i, layer, p) for i, layer in enumerate(rows) for p in range(seq)]
+        for i, layer, p in track(cells, desc=f"causal trace {kind}", unit="cell", progress=progress):
+            total = 0.0
+            for t in noised:
+                total += _score(metric, t.fork().do(f"blocks.{layer}.{kind}", restore_rows(donors[layer], p)).output)
+            values[i, p] = total / samples
+        results[kind] = PatchingResult(values, ("layer", "position"), {"layer": rows, "position": list(range(seq))},
+                                       f"p({answer})", base_clean, base_noised,
+                                       {"answer": answer, "noise": noise, "subject": subject})
+    return results

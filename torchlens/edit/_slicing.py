@@ -1,0 +1,622 @@
+"""Changed regions: which rows of each op an edit can reach, so replay recomputes only those.
+
+An edit at position ``p`` of a causal model changes nothing at positions ``< p``. A *region*
+says which part of a tensor may have changed: ``None`` (nothing), :data:`WHOLE`, or
+``Rows(axis, start)`` (only elements whose index along ``axis`` is ``>= start``; everything
+else is bit-for-bit what the fork held before the edit). Per-op rules, keyed by function
+name, map the regions of an op's arguments to the region of its output and, where that is
+a proper part of the output, give the call that computes only those rows:
+
+* elementwise ops (``add``, ``mul``, ``tanh``, ``dropout`` in eval mode ...) keep rows;
+* row-wise ops (``linear``, ``addmm``, ``matmul`` by an unchanged matrix, ``layer_norm``,
+  ``rms_norm``, ``softmax``/reductions over another axis, ``embedding``) keep rows;
+* shape ops (``view``/``reshape``/``transpose``/``permute``/``split``/``cat``/``getitem``
+  ...) map the region through their shapes and are re-run whole (they are views or copies);
+* ``scaled_dot_product_attention`` maps changed query rows ``>= p`` to output rows ``>= p``,
+  and changed key/value rows ``>= p`` too when no earlier query can see them (causal, or a
+  mask that hides them); the changed queries then read the recorded keys and values of the
+  unchanged positions.
+
+An op without a rule, or a mix the rules cannot bound (non-causal attention as in BERT, a
+reduction over the changed axis), marks its whole output changed and says why
+(:class:`Plan` ``reason``): replay then recomputes it whole, exactly as unsliced replay does.
+Recomputing rows instead of whole ops changes BLAS blocking, so results agree with a full
+replay to float rounding (see ``tests/test_slicing.py`` for the tolerance), not bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+__all__ = ["WHOLE", "Plan", "ReplayLog", "Rows", "diff_region", "plan_op", "region_lookup", "union"]
+
+
+class Rows(NamedTuple):
+    """Only elements whose index along ``axis`` (a non-negative dim) is ``>= start`` may have changed."""
+
+    axis: int
+    start: int
+
+
+class _Whole:
+    """The whole tensor may have changed."""
+
+    def __repr__(self) -> str:
+        return "WHOLE"
+
+
+WHOLE = _Whole()
+Region = Any  # None | WHOLE | Rows, or a tuple of them for a multi-output op
+
+
+class Plan(NamedTuple):
+    """How replay recomputes one op: ``kind`` is ``"skip"`` (output unchanged), ``"full"``
+    (re-run it whole; ``region`` is its output's changed region) or ``"rows"`` (``call()``
+    returns only the rows ``region.start:`` along ``region.axis``). ``reason`` says why a
+    rule could not bound the output (empty when its inputs were simply changed whole)."""
+
+    kind: str
+    region: Region
+    call: Callable[[], Any] | None = None
+    reason: str = ""
+
+
+class ReplayLog:
+    """What one replayed edit recomputed on a fork: per op, whole or which rows, and each
+    fallback to whole-op replay with its reason.
+
+    ``entries`` holds ``(label, func_name, how, rows, reason)``: ``how`` is ``"rows"`` (only
+    ``rows`` = ``(axis, start, size)`` were recomputed), ``"full"`` (its inputs changed whole)
+    or ``"fallback"`` (a rule was missing or could not bound it; ``reason`` says which).
+    """
+
+    __slots__ = ("entries", "sliced")
+
+    def __init__(self, sliced: bool) -> None:
+        self.sliced = sliced
+        self.entries: list[tuple[str, str, str, tuple[int, int, int] | None, str]] = []
+
+    @property
+    def fallbacks(self) -> list[tuple[str, str, str]]:
+        """``(label, func_name, reason)`` of every op replayed whole because no rule could slice it."""
+        return [(e[0], e[1], e[4]) for e in self.entries if e[2] == "fallback"]
+
+    @property
+    def n_sliced(self) -> int:
+        """How many ops were recomputed on some of their rows only."""
+        return sum(1 for e in self.entries if e[2] == "rows")
+
+    @property
+    def fraction(self) -> float:
+        """The share of recomputed output elements, over the elements of every recomputed op (1.0: unsliced)."""
+        done = total = 0
+        for e in self.entries:
+            if e[3] is None:
+                continue
+            _, start, size = e[3]
+            done += size - start
+            total += size
+        whole = sum(1 for e in self.entries if e[3] is None)
+        return (done + whole) / (total + whole) if total + whole else 0.0
+
+    def __repr__(self) -> str:
+        return (f"<ReplayLog {len(self.entries)} ops recomputed, {self.n_sliced} on changed rows only, "
+                f"{len(self.fallbacks)} fallbacks>")
+
+
+# -- regions ---------------------------------------------------------------------------------
+
+
+def union(a: Region, b: Region) -> Region:
+    """The smallest region holding both (different axes: WHOLE)."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    if a is WHOLE or b is WHOLE or isinstance(a, tuple) and not isinstance(a, Rows) \
+            or isinstance(b, tuple) and not isinstance(b, Rows):
+        return WHOLE
+    if a.axis != b.axis:
+        return WHOLE
+    return Rows(a.axis, min(a.start, b.start))
+
+
+def _normal(r: Region) -> Region:
+    """``Rows(axis, 0)`` is the whole tensor."""
+    return WHOLE if isinstance(r, Rows) and r.start <= 0 else r
+
+
+def diff_region(old: Any, new: Any) -> Region:
+    """The region where ``new`` differs from ``old`` (the axis leaving the largest unchanged share)."""
+    if not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor)) or old.shape != new.shape \
+            or old.dtype != new.dtype:
+        return WHOLE
+    if old is new:
+        return None
+    changed = old != new
+    if old.is_floating_point() or old.is_complex():
+        changed &= ~(old.isnan() & new.isnan())
+    if not bool(changed.any()):
+        return None
+    best: Region = WHOLE
+    best_share = 0.0
+    for axis, size in enumerate(changed.shape):
+        if size <= 1:
+            continue
+        rows = changed.movedim(axis, 0).reshape(size, -1).any(1)
+        start = int(rows.nonzero()[0, 0])
+        if start / size > best_share:
+            best, best_share = Rows(axis, start), start / size
+    return best
+
+
+def _region_at(value: Any, index: int, elem: int | None, regions: dict[int, Region]) -> Region:
+    r = regions.get(index, WHOLE)
+    if elem is not None and isinstance(r, tuple) and not isinstance(r, Rows):
+        return r[elem]
+    return r
+
+
+def _narrow(t: torch.Tensor, axis: int, start: int) -> torch.Tensor:
+    return t.narrow(axis, start, t.shape[axis] - start)
+
+
+# -- the rules -------------------------------------------------------------------------------
+
+ELEMENTWISE = frozenset({
+    "add", "radd", "sub", "rsub", "mul", "rmul", "div", "truediv", "rtruediv", "true_divide", "pow", "rpow", "neg",
+    "abs", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "gelu", "silu", "mish", "softplus", "sin", "cos",
+    "erf", "clamp", "clip", "reciprocal", "square", "dropout", "to", "float", "half", "bfloat16", "double",
+    "type_as", "contiguous", "clone", "detach", "minimum", "maximum", "masked_fill", "and", "or", "logical_not",
+    "eq", "ne", "lt", "gt", "le", "ge", "floor", "ceil", "round", "sign", "leaky_relu", "elu", "hardtanh",
+})
+VIEWS = frozenset({"view", "reshape", "flatten", "unsqueeze", "squeeze", "view_as", "reshape_as", "unflatten"})
+
+
+class _Call:
+    """An op's function with arguments bound by parameter name where a rule needs them."""
+
+    def __init__(self, op: Any, args: tuple, kwargs: dict) -> None:
+        self.op, self.args, self.kwargs = op, args, kwargs
+
+    def arg(self, pos: int, name: str, default: Any = None) -> Any:
+        if len(self.args) > pos:
+            return self.args[pos]
+        return self.kwargs.get(name, default)
+
+    def run(self, args: tuple, kwargs: dict | None = None) -> Any:
+        return self.op.func(*args, **(self.kwargs if kwargs is None else kwargs))
+
+
+def plan_op(op: Any, args: tuple, kwargs: dict, region_of: Callable[[Any], Region]) -> Plan:
+    """How to recompute ``op`` given its rebuilt arguments and ``region_of(argument) -> region``.
+
+    Args:
+        op: the recorded op.
+        args: its positional arguments, rebuilt from the fork's current values.
+        kwargs: its keyword arguments.
+        region_of: the changed region of an argument tensor (None for unchanged ones).
+
+    Returns:
+        the :class:`Plan`.
+    """
+    tensors = [(t, region_of(t)) for t in _tensors(args, kwargs)]
+    changed = [(t, r) for t, r in tensors if r is not None]
+    if not changed:
+        return Plan("skip", None)
+    if any(r is WHOLE or not isinstance(r, Rows) for _, r in changed):
+        return Plan("full", WHOLE)
+    name = op.func_name
+    call = _Call(op, args, kwargs)
+    out_shape = op.shape
+    if not isinstance(out_shape, tuple) or (out_shape and isinstance(out_shape[0], tuple)):
+        rule = _MULTI.get(name)
+        if rule is None:
+            return Plan("full", WHOLE, reason=f"no slicing rule for {name} (several outputs)")
+        return rule(call, changed)
+    rule = _RULES.get(name)
+    if rule is None:
+        if name in ELEMENTWISE:
+            return _elementwise(call, changed, out_shape)
+        if name in VIEWS:
+            return _view(call, changed, out_shape)
+        return Plan("full", WHOLE, reason=f"no slicing rule for {name}")
+    return rule(call, changed, out_shape)
+
+
+def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    found = []
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+        elif isinstance(v, (list, tuple)):
+            found.extend(x for x in v if isinstance(x, torch.Tensor))
+    return found
+
+
+def _aligned(changed, out_ndim: int, out_shape: tuple) -> Rows | str:
+    """One output region from argument regions aligned from the right (broadcasting)."""
+    region: Region = None
+    for t, r in changed:
+        axis = out_ndim - (t.dim() - r.axis)
+        if axis < 0 or t.shape[r.axis] != out_shape[axis]:
+            return "a changed argument is broadcast along its changed axis"
+        region = union(region, Rows(axis, r.start))
+    if region is WHOLE:
+        return "arguments changed along different axes"
+    return region
+
+
+def _slice_args(value: Any, axis: int, start: int, out_ndim: int, size: int) -> Any:
+    """Every tensor in ``value`` that spans ``axis`` of the output (aligned from the right), narrowed."""
+    if isinstance(value, torch.Tensor):
+        a = value.dim() - (out_ndim - axis)
+        if a >= 0 and value.shape[a] == size:
+            return _narrow(value, a, start)
+        return value
+    if isinstance(value, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in value):
+        return type(value)(_slice_args(x, axis, start, out_ndim, size) for x in value)
+    return value
+
+
+def _rows_plan(call: _Call, region: Rows, out_shape: tuple, build: Callable[[], Any] | None = None) -> Plan:
+    region = _normal(region)
+    if region is WHOLE:
+        return Plan("full", WHOLE)
+    if build is None:
+        n, axis, start, size = len(out_shape), region.axis, region.start, out_shape[region.axis]
+
+        def build():
+            args = tuple(_slice_args(a, axis, start, n, size) for a in call.args)
+            kwargs = {k: _slice_args(v, axis, start, n, size) for k, v in call.kwargs.items()}
+            return call.run(args, kwargs)
+
+    return Plan("rows", region, build)
+
+
+def _elementwise(call: _Call, changed, out_shape: tuple) -> Plan:
+    region = _aligned(changed, len(out_shape), out_shape)
+    if isinstance(region, str):
+        return Plan("full", WHOLE, reason=f"{call.op.func_name}: {region}")
+    return _rows_plan(call, region, out_shape)
+
+
+def _rowwise(trailing: Callable[[_Call], int], data: tuple[int, str] = (0, "input")):
+    """A rule for ops that treat the last ``trailing(call)`` dims of their data argument as one
+    row (``linear``, norms, softmax): the changed axis must lie before them."""
+
+    def rule(call: _Call, changed, out_shape: tuple) -> Plan:
+        x = call.arg(*data)
+        if len(changed) != 1 or changed[0][0] is not x:
+            return Plan("full", WHOLE, reason=f"{call.op.func_name}: a parameter changed, not only its input")
+        r = changed[0][1]
+        if r.axis >= x.dim() - trailing(call) or x.dim() != len(out_shape):
+            return Plan("full", WHOLE, reason=f"{call.op.func_name}: changed along an axis it mixes")
+        pos = data[0]
+
+        def build():
+            args = list(call.args)
+            if len(args) > pos:
+                args[pos] = _narrow(x, r.axis, r.start)
+                return call.run(tuple(args))
+            kwargs = dict(call.kwargs)
+            kwargs[data[1]] = _narrow(x, r.axis, r.start)
+            return call.run(tuple(args), kwargs)
+
+        return _rows_plan(call, r, out_shape, build)
+
+    return rule
+
+
+def _norm_dims(call: _Call) -> int:
+    shape = call.arg(1, "normalized_shape")
+    return 1 if isinstance(shape, int) else len(shape or (1,))
+
+
+def _dim_of(call: _Call) -> int:
+    dim = call.arg(1, "dim")
+    return dim if isinstance(dim, int) else -1
+
+
+def _softmax(call: _Call, changed, out_shape: tuple) -> Plan:
+    x = call.arg(0, "input")
+    if len(changed) != 1 or changed[0][0] is not x or x.dim() != len(out_shape):
+        return Plan("full", WHOLE, reason=f"{call.op.func_name}: changed along an axis it mixes")
+    r = changed[0][1]
+    if r.axis == _dim_of(call) % x.dim():
+        return Plan("full", WHOLE, reason=f"{call.op.func_name}: normalises over the changed axis")
+    return _rows_plan(call, r, out_shape, lambda: call.run((_narrow(x, r.axis, r.start), *call.args[1:])))
+
+
+def _reduction(call: _Call, changed, out_shape: tuple) -> Plan:
+    x = call.arg(0, "input")
+    dim = call.arg(1, "dim")
+    if len(changed) != 1 or changed[0][0] is not x or dim is None:
+        return Plan("full", WHOLE, reason=f"{call.op.func_name}: reduces over every axis")
+    dims = {d % x.dim() for d in (dim if isinstance(dim, (list, tuple)) else (dim,))}
+    r = changed[0][1]
+    if r.axis in dims:
+        return Plan("full", WHOLE, reason=f"{call.op.func_name}: reduces over the changed axis")
+    keep = call.arg(2, "keepdim", False)
+    axis = r.axis if keep else r.axis - sum(1 for d in dims if d < r.axis)
+    if axis >= len(out_shape) or out_shape[axis] != x.shape[r.axis]:
+        return Plan("full", WHOLE, reason=f"{call.op.func_name}: output shape does not keep the changed axis")
+    return _rows_plan(call, Rows(axis, r.start), out_shape,
+                      lambda: call.run((_narrow(x, r.axis, r.start), *call.args[1:])))
+
+
+def _addmm(call: _Call, changed, out_shape: tuple) -> Plan:
+    bias, mat1 = call.arg(0, "input"), call.arg(1, "mat1")
+    if len(changed) != 1 or changed[0][0] is not mat1 or changed[0][1].axis != 0:
+        return Plan("full", WHOLE, reason="addmm: its weight, bias or contracted axis changed")
+    r = changed[0][1]
+
+    def build():
+        b = _narrow(bias, 0, r.start) if bias.dim() == 2 and bias.shape[0] == out_shape[0] else bias
+        return call.run((b, _narrow(mat1, 0, r.start), *call.args[2:]))
+
+    return _rows_plan(call, r, out_shape, build)
+
+
+def _matmul(call: _Call, changed, out_shape: tuple) -> Plan:
+    a, b = call.arg(0, "input"), call.arg(1, "other")
+    if len(changed) != 1 or a.dim() < 2 or b.dim() < 2:
+        return Plan("full", WHOLE, reason=f"{call.op.func_name}: both factors changed")
+    t, r = changed[0]
+    n = len(out_shape)
+    if t is a and r.axis < a.dim() - 1:
+        axis = n - (a.dim() - r.axis)
+        if axis < 0 or out_shape[axis] != a.shape[r.axis]:
+            return Plan("full", WHOLE, reason=f"{call.op.func_name}: a broadcast batch axis changed")
+        return _rows_plan(call, Rows(axis, r.start), out_shape,
+                          lambda: call.run((_narrow(a, r.axis, r.start), b, *call.args[2:])))
+    if t is b and r.axis == b.dim() - 1:
+        return _rows_plan(call, Rows(n - 1, r.start), out_shape,
+                          lambda: call.run((a, _narrow(b, r.axis, r.start), *call.args[2:])))
+    return Plan("full", WHOLE, reason=f"{call.op.func_name}: changed along the contracted axis")
+
+
+def _embedding(call: _Call, changed, out_shape: tuple) -> Plan:
+    ids = call.arg(0, "input")
+    if len(changed) != 1 or changed[0][0] is not ids:
+        return Plan("full", WHOLE, reason="embedding: its weight changed")
+    r = changed[0][1]
+    return _rows_plan(call, r, out_shape, lambda: call.run((_narrow(ids, r.axis, r.start), *call.args[1:])))
+
+
+# -- shape ops: re-run whole (views and copies), region mapped through shapes ------------------
+
+
+def _full(region: Region) -> Plan:
+    region = _normal(region) if isinstance(region, Rows) else region
+    return Plan("full", region)
+
+
+def _map_shape(shape_in: tuple, r: Rows, shape_out: tuple) -> Region:
+    """A region of a tensor of ``shape_in`` as a region of the same elements viewed as ``shape_out``."""
+    outer, inner = math.prod(shape_in[: r.axis]), math.prod(shape_in[r.axis + 1:])
+    size = shape_in[r.axis]
+    for b in range(len(shape_out)):
+        if shape_out[b] == size and math.prod(shape_out[:b]) == outer and math.prod(shape_out[b + 1:]) == inner:
+            return Rows(b, r.start)
+    if outer != 1:
+        return WHOLE
+    flat_start = r.start * inner  # only a suffix of the flattened tensor changed
+    b = 0
+    while b + 1 < len(shape_out) and math.prod(shape_out[: b + 1]) == 1:
+        b += 1
+    return _normal(Rows(b, flat_start // max(1, math.prod(shape_out[b + 1:]))))
+
+
+def _view(call: _Call, changed, out_shape: tuple) -> Plan:
+    t, r = changed[0]
+    if len(changed) != 1 or t is not call.args[0]:
+        return Plan("full", WHOLE, reason=f"{call.op.func_name}: changed shape argument")
+    return _full(_map_shape(tuple(t.shape), r, out_shape))
+
+
+def _expand(call: _Call, changed, out_shape: tuple) -> Plan:
+    t, r = changed[0]
+    axis = len(out_shape) - (t.dim() - r.axis)
+    if t.shape[r.axis] != out_shape[axis]:
+        return Plan("full", WHOLE, reason="expand: the changed axis is broadcast")
+    return _full(Rows(axis, r.start))
+
+
+def _transpose(call: _Call, changed, out_shape: tuple) -> Plan:
+    t, r = changed[0]
+    n = t.dim()
+    if call.op.func_name in ("t", "T"):
+        d0, d1 = 0, n - 1
+    else:
+        d0, d1 = call.arg(1, "dim0") % n, call.arg(2, "dim1") % n
+    axis = d1 if r.axis == d0 else d0 if r.axis == d1 else r.axis
+    return _full(Rows(axis, r.start))
+
+
+def _permute(call: _Call, changed, out_shape: tuple) -> Plan:
+    t, r = changed[0]
+    dims = call.args[1:] if len(call.args) > 2 or isinstance(call.arg(1, "dims"), int) else call.arg(1, "dims")
+    dims = [d % t.dim() for d in dims]
+    return _full(Rows(dims.index(r.axis), r.start))
+
+
+def _cat(call: _Call, changed, out_shape: tuple) -> Plan:
+    seq = call.arg(0, "tensors")
+    dim = call.arg(1, "dim", 0) % len(out_shape)
+    regions = {id(t): r for t, r in changed}
+    region: Region = None
+    offset = 0
+    for t in seq:
+        r = regions.get(id(t))
+        if r is not None:
+            if r.axis == dim:
+                region = union(region, Rows(dim, offset + r.start))
+            else:
+                region = union(region, r)
+        offset += t.shape[dim] if t.dim() == len(out_shape) else 0
+    return _full(region)
+
+
+def _getitem(call: _Call, changed, out_shape: tuple) -> Plan:
+    t, r = changed[0]
+    index = call.args[1] if len(call.args) > 1 else None
+    index = index if isinstance(index, tuple) else (index,)
+    if any(isinstance(i, (torch.Tensor, list, bool)) for i in index):
+        return Plan("full", WHOLE, reason="getitem: advanced (tensor) indexing")
+    n_real = sum(1 for i in index if i is not None and i is not Ellipsis)
+    expanded: list[Any] = []
+    for i in index:
+        if i is Ellipsis:
+            expanded.extend([slice(None)] * (t.dim() - n_real))
+        else:
+            expanded.append(i)
+    expanded.extend([slice(None)] * (t.dim() - sum(1 for i in expanded if i is not None)))
+    src = out = 0
+    for i in expanded:
+        if i is None:
+            out += 1
+            continue
+        if src == r.axis:
+            size = t.shape[src]
+            if isinstance(i, int):
+                return Plan("full", WHOLE) if i % size >= r.start else Plan("skip", None)
+            lo, hi, step = i.indices(size)
+            if step != 1:
+                return Plan("full", WHOLE, reason="getitem: a strided slice of the changed axis")
+            if hi <= r.start:
+                return Plan("skip", None)
+            return _full(Rows(out, max(0, r.start - lo)))
+        src += 1
+        out += 0 if isinstance(i, int) else 1
+    return Plan("full", WHOLE, reason="getitem: could not follow the index")
+
+
+def _split(call: _Call, changed) -> Plan:
+    t, r = changed[0]
+    if t is not call.args[0]:
+        return Plan("full", WHOLE, reason=f"{call.op.func_name}: changed size argument")
+    outs = call.op.shape
+    dim = call.arg(2, "dim", 0) % t.dim() if call.op.func_name != "unbind" else call.arg(1, "dim", 0) % t.dim()
+    regions = []
+    offset = 0
+    for shape in outs:
+        if call.op.func_name == "unbind":
+            if dim == r.axis:
+                regions.append(WHOLE if offset >= r.start else None)
+            else:
+                regions.append(Rows(r.axis - (1 if r.axis > dim else 0), r.start))
+            offset += 1
+            continue
+        if dim != r.axis:
+            regions.append(Rows(r.axis, r.start))
+            continue
+        n = shape[dim]
+        regions.append(None if offset + n <= r.start else _normal(Rows(dim, max(0, r.start - offset))))
+        offset += n
+    return Plan("full", tuple(regions))
+
+
+def _sdpa(call: _Call, changed, out_shape: tuple) -> Plan:
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    defaults = (None, None, None, None, 0.0, False, None, False)
+    a = {n: call.arg(i, n, d) for i, (n, d) in enumerate(zip(names, defaults))}
+    q, k, v, mask = a["query"], a["key"], a["value"], a["attn_mask"]
+    by_id = {id(t): r for t, r in changed}
+    if mask is not None and id(mask) in by_id:
+        return Plan("full", WHOLE, reason="attention: its mask changed")
+    if a["dropout_p"]:
+        return Plan("full", WHOLE, reason="attention: dropout inside the kernel")
+    seq = q.dim() - 2
+    starts = {}
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        r = by_id.get(id(t))
+        if r is not None:
+            if r.axis != t.dim() - 2:
+                return Plan("full", WHOLE, reason="attention: changed along a head or feature axis")
+            starts[name] = r.start
+    start = min(starts.values())
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    kv = min((starts[n] for n in ("k", "v") if n in starts), default=None)
+    if kv is not None:
+        why = _hidden_from_earlier(mask, bool(a["is_causal"]), n_q, n_k, kv)
+        if why:
+            return Plan("full", WHOLE, reason=f"attention: {why}")
+    start = _normal(Rows(seq, start))
+    if start is WHOLE:
+        return Plan("full", WHOLE)
+    s = start.start
+
+    def build():
+        if a["is_causal"]:
+            m = torch.ones(n_q - s, n_k, dtype=torch.bool, device=q.device).tril(diagonal=s)
+        elif mask is not None and mask.dim() >= 2 and mask.shape[-2] == n_q:
+            m = _narrow(mask, mask.dim() - 2, s)
+        else:
+            m = mask
+        kwargs = dict(call.kwargs)
+        for n in names:
+            kwargs.pop(n, None)
+        kwargs.update(attn_mask=m, dropout_p=0.0, is_causal=False, scale=a["scale"])
+        if a["enable_gqa"]:
+            kwargs["enable_gqa"] = True
+        return call.run((_narrow(q, seq, s), k, v), kwargs)
+
+    return Plan("rows", start, build)
+
+
+def _hidden_from_earlier(mask: Any, causal: bool, n_q: int, n_k: int, start: int) -> str:
+    """Why queries before ``start`` may see keys at ``>= start`` ('' when they cannot)."""
+    if causal and mask is None:
+        return "" if n_q == n_k else "causal attention with a key cache (queries and keys differ in length)"
+    if mask is None:
+        return "not causal (every query sees every key, as in BERT)"
+    if mask.shape[-1] != n_k or mask.shape[-2] not in (1, n_q) or start >= n_q:
+        return "a mask that does not line queries up with keys"
+    early = mask[..., :start, start:] if mask.shape[-2] == n_q else mask[..., :, start:]
+    if mask.dtype == torch.bool:
+        seen = bool(early.any())
+    else:
+        seen = bool((early > torch.finfo(mask.dtype).min / 2).any())
+    return "not causal (its mask lets earlier queries see the changed keys)" if seen else ""
+
+
+_RULES: dict[str, Callable[[_Call, list, tuple], Plan]] = {
+    "linear": _rowwise(lambda c: 1),
+    "layer_norm": _rowwise(_norm_dims),
+    "rms_norm": _rowwise(_norm_dims),
+    "softmax": _softmax,
+    "log_softmax": _softmax,
+    "mean": _reduction,
+    "sum": _reduction,
+    "amax": _reduction,
+    "amin": _reduction,
+    "addmm": _addmm,
+    "matmul": _matmul,
+    "mm": _matmul,
+    "bmm": _matmul,
+    "embedding": _embedding,
+    "expand": _expand,
+    "expand_as": _expand,
+    "transpose": _transpose,
+    "swapaxes": _transpose,
+    "t": _transpose,
+    "permute": _permute,
+    "cat": _cat,
+    "concat": _cat,
+    "concatenate": _cat,
+    "getitem": _getitem,
+    "scaled_dot_product_attention": _sdpa,
+}
+_MULTI: dict[str, Callable[[_Call, list], Plan]] = {"split": _split, "chunk": _split, "unbind": _split}
+
+
+def region_lookup(values: list[Any], refs: list[Any], regions: dict[int, Region]) -> Callable[[Any], Region]:
+    """``region_of`` for :func:`plan_op`: the region of each rebuilt argument, by identity."""
+    by_id = {id(v): _region_at(v, r.index, r.elem, regions) for v, r in zip(values, refs)}
+    return lambda t: by_id.get(id(t))
+

@@ -1,0 +1,23 @@
+"""``tl.patching``: activation patching grids, causal tracing (ROME), attribution patching.
+
+The implementations live in :mod:`torchlens.analysis.patching` (exact patching on sliced
+replay), :mod:`torchlens.analysis.patching_attribution` and
+:mod:`torchlens.analysis.patching_lens`; this module is the public name. See docs/patching.md.
+"""
+
+from .analysis.patching import (
+    KINDS,
+    PatchingResult,
+    activation_patching,
+    causal_trace,
+    logit_diff,
+    prob,
+    restore_rows,
+)
+from .analysis.patching_attribution import attribution_patching
+from .analysis.patching_lens import LogitLens, logit_lens
+
+__all__ = [
+    "KINDS", "LogitLens", "PatchingResult", "activation_patching", "attribution_patching", "causal_trace",
+    "logit_diff", "logit_lens", "prob", "restore_rows",
+]
