@@ -17,8 +17,8 @@ import torch
 from conftest import SmallMLP
 
 import torchlens as tl
-from torchlens.demo import TinyLM
 from torchlens.analysis.draw import AUTO_MAX_NODES
+from torchlens.demo import TinyLM
 from torchlens.errors import EmptySelectionError, GraphvizNotFoundError, InvalidArgumentError
 
 NODE = re.compile(r'^\s*"((?:[^"\\]|\\.)*)" \[(.*)\];$')
