@@ -572,7 +572,7 @@ def rewrite(path: pathlib.Path, manifest: dict) -> None:
 
 
 @pytest.fixture(scope="session")
-def routing_mixtral() -> Case:
+def tiny_mixtral() -> Case:
     """A 2-layer Mixtral (4 experts, top-2 routing) with random weights: block 0 feeds block 1's router."""
     import transformers
 
@@ -581,7 +581,7 @@ def routing_mixtral() -> Case:
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
     )
     model = _seeded(lambda: transformers.MixtralForCausalLM(config).eval())
-    return Case("routing_mixtral", model, (torch.tensor([[5, 9, 17, 3, 44, 21, 8, 30]]),), block="model.layers.0")
+    return Case("tiny_mixtral", model, (torch.tensor([[5, 9, 17, 3, 44, 21, 8, 30]]),), block="model.layers.0")
 
 
 class IfCNN(nn.Module):
@@ -618,20 +618,6 @@ class EarlyExitNet(nn.Module):
             if confidence > self.threshold:
                 break
         return self.exit(x)
-
-
-@pytest.fixture(scope="session")
-def tiny_mixtral() -> Case:
-    """A 1-layer random-weight Mixtral: a top-2 router over 4 experts, renormalised in place."""
-    import transformers
-
-    config = transformers.MixtralConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
-    )
-    model = _seeded(lambda: transformers.MixtralForCausalLM(config))
-    ids = torch.tensor([[1, 5, 9, 3, 7, 2]])
-    return Case("tiny_mixtral", model, (ids,), block="model.layers.0")
 
 
 # -- a linear toy language model (attribution patching is exact on it) -------------------------

@@ -282,8 +282,22 @@ def tiny_gpt2_path(tiny_gpt2, tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def reloaded(tiny_gpt2_path, tmp_path_factory):
+    """The model exactly as the killed child loads it (from_pretrained of the saved directory), and
+    its uninterrupted job: the child's and the parent's shards then come from the same model
+    configuration, whatever earlier tests did to the shared session model."""
+    import transformers
+
+    model = transformers.GPT2LMHeadModel.from_pretrained(tiny_gpt2_path).eval()
+    out = tmp_path_factory.mktemp("ref_reloaded") / "job"
+    cache(model, out)
+    return model, out
+
+
 @pytest.mark.parametrize("point", ["forward", "write", "commit"])
-def test_sigkill_then_rerun_is_identical(point, tiny_gpt2, tiny_gpt2_path, uninterrupted, tmp_path):
+def test_sigkill_then_rerun_is_identical(point, tiny_gpt2_path, reloaded, tmp_path):
+    model, uninterrupted = reloaded
     out = tmp_path / "job"
     script = tmp_path / "child.py"
     script.write_text(CHILD)
@@ -296,7 +310,7 @@ def test_sigkill_then_rerun_is_identical(point, tiny_gpt2, tiny_gpt2_path, unint
         assert any(".tmp-" in name for name in before), "the kill should leave a half-written shard behind"
     committed = json.loads(before["manifest.json"])["shards"] if "manifest.json" in before else []
     assert len(committed) < len(json.loads((uninterrupted / "manifest.json").read_text())["shards"])
-    cache(tiny_gpt2.model, out)  # the same call again: resumes
+    cache(model, out)  # the same call again: resumes
     assert snapshot(out) == snapshot(uninterrupted)
 
 

@@ -49,15 +49,15 @@ def _quiet_fork(trace, *args, **kwargs):
 
 
 @pytest.fixture(scope="module", params=["grouped", "eager"])
-def mixtral(request, routing_mixtral):
+def mixtral(request, tiny_mixtral):
     """The tiny Mixtral with the default (sorted, grouped) experts and with the eager loop over
     experts (``nonzero``, one-argument ``where`` and ``bool`` reads of expert indices)."""
-    model = routing_mixtral.model
+    model = tiny_mixtral.model
     before = model.config._experts_implementation  # the default: sorted, grouped experts
     if request.param == "eager":
         model.config._experts_implementation = "eager"  # read by the experts module on every forward
     try:
-        yield model, routing_mixtral.args[0], request.param
+        yield model, tiny_mixtral.args[0], request.param
     finally:
         model.config._experts_implementation = before
 

@@ -14,6 +14,7 @@ import torchlens as tl
 from torchlens.core.records import Deferred
 from torchlens.core.tree import tensor_leaves
 from torchlens.errors import CaptureMemoryError, InvalidArgumentError, ValueNotSavedError
+from torchlens.store._trace_store import TraceStore
 
 
 class Chain(nn.Module):
@@ -158,6 +159,26 @@ def test_store_keeps_values_from_before_a_write_through_a_view(tmp_path):
     torch.testing.assert_close(disk["transpose_1"].out, (x * 2).T, rtol=0, atol=0)
     assert disk.stale_positions() == full.stale_positions()
     torch.testing.assert_close(disk.output[1], InPlaceViews()(x)[1], rtol=0, atol=0)
+
+
+def test_trace_store_big_values_views_and_structures(tmp_path):
+    store = TraceStore(tmp_path / "s", budget=256)
+    big = torch.arange(100.0)  # 400 bytes: over the budget, written at once from its own memory
+    h_big = store.put("big", big)
+    h_view = store.put("view", big.view(10, 10).t())  # stored as a view of "big", not as bytes
+    h_tuple = store.put("small", (torch.ones(3), None, 2))
+    h_scalar = store.put("scalar", torch.tensor(5.0))
+    big.mul_(2)  # after both were recorded: the store keeps what they were
+    h_after = store.put("after", big.view(10, 10))  # a view made after the write: its own bytes
+    store.close()
+    want = torch.arange(100.0)
+    assert torch.equal(h_big.load(), want)
+    assert torch.equal(h_view.load(), want.view(10, 10).t())
+    ones, none, two = h_tuple.load()
+    assert torch.equal(ones, torch.ones(3)) and none is None and two == 2
+    assert h_scalar.load().shape == () and h_scalar.load().item() == 5.0
+    assert torch.equal(h_after.load(), (want * 2).view(10, 10))
+    assert store.n_shards >= 2
 
 
 def test_store_refuses_a_non_empty_directory(tiny_gpt2, tmp_path):

@@ -179,3 +179,13 @@ def test_validate_reports_meta_values_instead_of_crashing():
     report = tl.validate(tl.trace(MetaOut(), torch.ones(2)))
     assert not report.ok
     assert any("meta tensor" in e for e in report.errors)
+
+
+def test_saved_offloaded_trace_holds_the_weights(disk_mapped, plain, tmp_path):
+    trace = tl.trace(disk_mapped, IDS)
+    trace.save(tmp_path / "saved")
+    loaded = tl.load_trace(tmp_path / "saved")
+    assert tl.validate(loaded).ok
+    fork = loaded.fork().do("transformer.h.1.mlp", tl.scale(0.5))
+    want = edited_forward(plain, "transformer.h.1.mlp", lambda o: o * 0.5, (IDS,))
+    torch.testing.assert_close(fork.output.logits, want.logits)

@@ -16,7 +16,8 @@ from conftest import edited_forward
 
 import torchlens as tl
 from torchlens.core.steps import REPLAY, Step
-from torchlens.edit._slicing import WHOLE, Rows, _hidden_from_earlier, _map_shape, diff_region
+from torchlens.edit._regions import WHOLE, Rows, diff_region
+from torchlens.edit._slicing import _hidden_from_earlier, _map_shape
 from torchlens.edit.replay import replay_step
 from torchlens.errors import GuardChangedError
 
@@ -94,8 +95,8 @@ def test_noncausal_attention_falls_back_and_says_so(minilm):
     assert reasons and all("not causal" in r for r in reasons)
 
 
-def test_guards_still_refuse_a_changed_routing(routing_mixtral):
-    model, ids = routing_mixtral.model, routing_mixtral.args[0]
+def test_guards_still_refuse_a_changed_routing(tiny_mixtral):
+    model, ids = tiny_mixtral.model, tiny_mixtral.args[0]
     trace = tl.trace(model, ids)
     with pytest.raises(GuardChangedError):
         trace.fork().do("model.layers.0.self_attn", tl.scale(0.5), replay="strict")
@@ -106,8 +107,8 @@ def test_guards_still_refuse_a_changed_routing(routing_mixtral):
     assert len(trace.edits) == before  # the refused fork left the trace untouched
 
 
-def test_fallback_after_changed_guard_is_recorded(routing_mixtral):
-    trace = tl.trace(routing_mixtral.model, routing_mixtral.args[0])
+def test_fallback_after_changed_guard_is_recorded(tiny_mixtral):
+    trace = tl.trace(tiny_mixtral.model, tiny_mixtral.args[0])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fork = trace.fork().do("model.layers.0.self_attn", tl.scale(0.5), replay="fallback")

@@ -5,6 +5,12 @@ two models at once. The per-call path is kept short: classification is cached pe
 function, raw arguments are kept as they are and only resolved into ``args_spec`` when
 someone asks (replay, parents, ``save=``), and outputs are copied only when an in-place
 op is about to overwrite a recorded value (copy on write).
+
+With ``save=`` or ``store=`` the capture is *transient*: arguments are linked to their
+producers at once, values the selector does not keep are held weakly (freed when the forward
+frees them), and kept values go to the sink (disk) as they are produced. Ops a dispatcher
+issues (accelerate moving activations between devices) are flagged ``DISPATCH`` and labelled
+``dispatch_*`` so the model's own ops keep the labels they have undispatched.
 """
 
 from __future__ import annotations
@@ -494,11 +500,27 @@ _CHECK_EVERY = 64  # ops between two reads of the resident size (max_bytes=)
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
+_STATM: list[int | None] = [None, None]  # (pid, fd) kept open: a pread is ~1 us, an open() several
+
+
+def _statm() -> int | None:
+    pid = os.getpid()
+    if _STATM[0] != pid:  # first use, or a forked child: /proc/self was resolved for the parent
+        try:
+            _STATM[1] = os.open("/proc/self/statm", os.O_RDONLY)
+        except OSError:
+            _STATM[1] = None
+        _STATM[0] = pid
+    return _STATM[1]
+
+
 def _resident_bytes() -> int:
     """The process's resident memory now (Linux), or its peak so far where that is all there is."""
     try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * _PAGE
+        fd = _statm()
+        if fd is None:
+            raise OSError("no /proc/self/statm")
+        return int(os.pread(fd, 128, 0).split()[1]) * _PAGE
     except OSError:
         if resource is None:
             return 0

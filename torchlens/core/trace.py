@@ -5,6 +5,8 @@ dictionary of replaced op values and the recipe of steps that produced them, so 
 forks are cheap and never disturb their parent. Both classes are the only writers of their
 state: engines build a trace through its ``add_*`` / ``record_*`` / ``finish`` methods,
 replay changes a fork through ``set_value`` / ``substitute`` / ``set_module_output``.
+Building lives in :class:`~torchlens.core.graph.Graph`, the actions carried out above the
+core (re-running, saving, pictures) in :class:`~torchlens.core.actions.TraceActions`.
 
 Which value a consumer sees is decided in one place, :meth:`Trace.seen_value`; reads,
 replay, validate and facets all ask it.
@@ -12,25 +14,20 @@ replay, validate and facets all ask it.
 
 from __future__ import annotations
 
-import bisect
-import weakref
 from collections.abc import Iterator
 from typing import Any, NamedTuple
-
-import torch
 
 from ..errors import (
     AmbiguousSiteError,
     EmptySelectionError,
     InvalidArgumentError,
-    ReplayNotExactError,
     SiteNotFoundError,
     TooManySitesError,
-    ValueNotSavedError,
 )
-from .inputs import call_inputs, split_inputs
+from .actions import TraceActions
+from .graph import MISSING, DataRead, Graph
 from .names import nearest
-from .records import EDIT, GUARD, INPUT, ModuleCall, Op, Ref
+from .records import EDIT, ModuleCall, Op, Ref
 from .selectors import Label, Selector, as_selector, split_pass
 from .services import services
 from .sites import ModuleSites, Site, Sites
@@ -38,36 +35,6 @@ from .steps import REPLAY, Step
 from .tree import flatten, unflatten
 
 __all__ = ["DataRead", "Fork", "ForkState", "Trace"]
-
-
-class DataRead(NamedTuple):
-    """A data-dependent read the forward made (``bool``, ``.item()`` ...) before op ``position``: a guard.
-
-    ``func`` and ``args_spec`` (arguments with ``Ref`` leaves for recorded tensors) let replay
-    recompute the read; ``seen`` is the value the forward saw. A read loaded from disk may lack
-    them (``func is None``): replay then cannot check it and refuses to cross it.
-    """
-
-    position: int
-    ref: Ref | None
-    code: Any
-    lineno: int
-    name: str
-    func: Any = None
-    args_spec: Any = None
-    seen: Any = None
-
-    @property
-    def source(self) -> str:
-        return f"{getattr(self.code, 'co_filename', '<unknown>')}:{self.lineno}"
-
-    @property
-    def refs(self) -> list[Ref]:
-        """Every recorded op this read reads from."""
-        if self.args_spec is None:
-            return [self.ref] if self.ref is not None else []
-        return [leaf for leaf in self.args_spec[0] if type(leaf) is Ref]
-
 
 class ForkState(NamedTuple):
     """A copy of what a fork changed: op values, substitutions, module outputs, recipe, edits."""
@@ -79,349 +46,17 @@ class ForkState(NamedTuple):
     edits: list[Any]
 
 
-class _Missing:
-    pass
-
-
-_MISSING = _Missing()
-
-
-class Trace:
+class Trace(Graph, TraceActions):
     """The record of one forward: every executed op, every module call, inputs and output.
 
     Read it with ``trace[label_or_address]``, ``trace.layers``, ``trace.modules`` and
     ``trace.find_sites(selector)``; edit it after the fact with ``trace.fork().do(...)``.
     """
-
-    def __init__(self, model: torch.nn.Module | None = None, args: tuple = (), kwargs: dict | None = None, *,
-                 engine: str = "", op_graph: bool = True, strict: bool = False) -> None:
-        self.model = model
-        self.strict = strict  # an edit on it (or its forks) that changes nothing raises, not warns
-        self.args = args
-        self.kwargs = kwargs or {}
-        self.name = "trace"
-        self.engine = engine  # which engine captured it (shown, saved; never branched on)
-        self.ops: list[Op] = []
-        self.calls: list[ModuleCall] = []
-        self.input_layers: list[str] = []
-        self.output_layers: list[str] = []
-        self.data_reads: list[DataRead] = []
-        self.edits: list[Any] = []  # AppliedEdit records, in the order edits landed
-        self.steps: list[Step] = []  # capture-time steps, in order
-        self.grad = False  # whether the capture ran with autograd (replay follows it)
-        self.complete = True  # False for a transaction stopped early
-        self.fingerprint: dict[str, Any] | None = None  # the model's, for a trace loaded from disk
-        self.unsaved_steps: list[str] = []  # why steps of a loaded trace could not be saved
-        self.saved_tensor_names: dict[int, str] = {}  # parameter names a loaded trace was saved with
-        self._op_graph = op_graph
-        self._labels: dict[str, int] = {}
-        self._calls_by_address: dict[str, list[ModuleCall]] = {}
-        self._producers: dict[int, tuple[list[int], list[int | None]]] = {}
-        self._output_raw: Any = None
-        self._output_refs: list[Ref | None] = []
-        self._graph_ready = False
-        self._values: dict[int, Any] = {}
-        self._stale: dict[int, int] = {}  # op index -> position after which its memory was overwritten
-        # A bounded capture (save=) keeps weak references to every op output, to link arguments to
-        # live producers and to keep a module output the selector asks for once the module returns.
-        self._weak: dict[int, Any] = {}
-        self._grads: dict[int, Any] = {}  # op index -> gradient of its output (grad=True, after a backward)
-
-    # -- capabilities ------------------------------------------------------------------------
-    @property
-    def has_op_graph(self) -> bool:
-        """Whether every op of the forward was recorded (replay and validate need it)."""
-        return self._op_graph
-
-    def require_op_graph(self, what: str) -> None:
-        """Raise ``ReplayNotExactError`` naming ``what`` when this trace holds no op graph."""
-        if not self._op_graph:
-            raise ReplayNotExactError(
-                f"this trace was captured without an op graph ({self.engine or 'module outputs only'}); "
-                f"{what} needs one",
-                remedy="Re-execute with do(site, edit, model=model, inputs=x), or capture with tl.trace(model, x) "
-                "(without a module-only save= next to intervene=) to get the graph.",
-            )
-
-    # -- building (engines and loaders) ----------------------------------------------------
-    def add_op(self, op: Op) -> None:
-        """Append one op record (its label must be new)."""
-        op.trace = self
-        self._labels[op.label] = op.index
-        self.ops.append(op)
-
-    def add_recorded_op(self, op: Op, multi: bool) -> None:
-        """The recorder's hot path: append ``op`` and register the tensors it produced."""
-        index = op.index
-        self._labels[op.label] = index
-        self.ops.append(op)
-        out = op._out
-        if not multi:
-            self.register_tensor(out, index, None)
-            return
-        for i, t in enumerate(out):
-            if t is not None:
-                self.register_tensor(t, index, i)
-
-    def add_transient_op(self, op: Op, multi: bool, keep: bool) -> None:
-        """A bounded capture's hot path: append ``op``, link its arguments now, and unless ``keep``
-        hold its output only weakly, so it is freed as soon as the forward itself lets go of it."""
-        self.add_recorded_op(op, multi)
-        out = op._out
-        self._weak[op.index] = (type(out), [None if t is None else weakref.ref(t) for t in out]) if multi \
-            else weakref.ref(out)
-        self.link_args(op)
-        if not keep:
-            op.drop_value()
-
-    def link_args(self, op: Op) -> None:
-        """Turn ``op``'s raw arguments into ``args_spec`` now, refs to live producers only, and drop them."""
-        leaves, spec = flatten((op.args, op.kwargs))
-        refs: list[Ref] = []
-        for i, leaf in enumerate(leaves):
-            if isinstance(leaf, torch.Tensor):
-                ref = self.producer_ref(leaf, op.index)
-                if ref is not None:
-                    leaves[i] = ref
-                    refs.append(ref)
-        op.args_spec = (leaves, spec)
-        op.parent_refs = refs
-        op.args = op.kwargs = None
-
-    def _alive(self, ref: Ref) -> Any:
-        """The live tensor op ``ref`` produced in a bounded capture (None once freed): an id reused
-        by a newer tensor must not link it to the op that made the old one."""
-        weak = self._weak.get(ref.index)
-        if weak is None:  # an input or a capture-time edit: held strongly
-            op = self.ops[ref.index]
-            if not op.saved:
-                return None
-            return op._out if ref.elem is None else op._out[ref.elem]
-        if isinstance(weak, tuple):
-            weaks = weak[1]
-            weak = weaks[ref.elem] if ref.elem is not None and ref.elem < len(weaks) else None
-        elif ref.elem is not None:
-            weak = None
-        return weak() if weak is not None else None
-
-    def live_value(self, index: int) -> Any:
-        """Op ``index``'s output as the model still holds it in a bounded capture (None: freed)."""
-        weak = self._weak.get(index)
-        if weak is None:
-            op = self.ops[index]
-            return op._out if op.saved else None
-        if isinstance(weak, tuple):
-            kind, weaks = weak
-            leaves = [None if w is None else w() for w in weaks]
-            return None if all(v is None for v in leaves) else kind(leaves)
-        return weak()
-
-    def spill(self, index: int, sink: Any) -> None:
-        """Move op ``index``'s value into ``sink`` (a disk store: ``put(key, value)`` returns a
-        ``Deferred`` that reads it back); the op keeps that handle, not the tensor."""
-        op = self.ops[index]
-        op.defer_value(sink.put(op.label, op._out))
-
-    def keep_value(self, index: int) -> None:
-        """A bounded capture keeps op ``index``'s output after all (a module the selector saves returned it)."""
-        op = self.ops[index]
-        if op.saved:
-            return
-        weak = self._weak.get(index)
-        if isinstance(weak, tuple):
-            kind, weaks = weak
-            leaves = [None if w is None else w() for w in weaks]
-            if any(v is None and w is not None for v, w in zip(leaves, weaks)):
-                return  # freed already: nothing left to keep
-            op.restore_value(kind(leaves))
-        elif weak is not None and weak() is not None:
-            op.restore_value(weak())
-
-    def store_grad(self, index: int, elem: int | None, grad: torch.Tensor) -> None:
-        """Note the gradient a backward computed for op ``index``'s output (element ``elem``)."""
-        if elem is None:
-            self._grads[index] = grad
-        else:
-            self._grads.setdefault(index, {})[elem] = grad
-
-    def grad_of(self, op: Op) -> Any:
-        """The gradient of op ``op``'s output (a tuple for a multi-output op).
-
-        Raises:
-            ValueNotSavedError: no gradient was recorded for it (see the message for why).
-        """
-        g = self._grads.get(op.index, _MISSING)
-        if g is _MISSING:
-            why = ("the trace was captured without grad=True" if not self.grad else
-                   "no backward has reached it yet (call .backward() on something computed from the output)"
-                   if op.saved else "save= excluded it")
-            raise ValueNotSavedError(f"op {op.label!r} has no gradient: {why}", site=op.label,
-                                     remedy="Capture with tl.trace(model, x, grad=True) (and a save= that "
-                                            "includes it), then call loss.backward().")
-        if isinstance(g, dict):
-            n = len(op._out) if op.saved else max(g) + 1
-            return tuple(g.get(i) for i in range(n))
-        return g
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by the recorded op values and module outputs (each storage counted once)."""
-        seen: set[int] = set()
-        total = 0
-        values = [op._out for op in self.ops if op.saved] + [c._out for c in self.calls if c._out is not None]
-        for value in values:
-            for t in flatten(value)[0]:
-                if isinstance(t, torch.Tensor) and not t.is_meta:
-                    try:
-                        storage = t.untyped_storage()
-                    except (RuntimeError, NotImplementedError):
-                        continue
-                    key = storage.data_ptr() or id(storage)
-                    if key not in seen:
-                        seen.add(key)
-                        total += storage.nbytes()
-        return total
-
-    def add_call(self, call: ModuleCall) -> None:
-        """Append one module call record."""
-        call.trace = self
-        self.calls.append(call)
-        same = self._calls_by_address.setdefault(call.address, [])
-        same.append(call)
-        n = len(same)
-        for c in same:
-            c.n_passes = n
-
-    def add_input(self, label: str) -> None:
-        self.input_layers.append(label)
-
-    def register_tensor(self, tensor: torch.Tensor, index: int, elem: int | None) -> None:
-        """Note that op ``index`` (element ``elem`` of a multi-output op) produced ``tensor``."""
-        entry = self._producers.get(id(tensor))
-        if entry is None:
-            self._producers[id(tensor)] = ([index], [elem])
-        else:
-            entry[0].append(index)
-            entry[1].append(elem)
-
-    def producer_ref(self, tensor: Any, before: int) -> Ref | None:
-        """The op that last produced ``tensor`` before op index ``before`` (None: not recorded)."""
-        entry = self._producers.get(id(tensor))
-        if entry is None:
-            return None
-        idx, elems = entry
-        k = bisect.bisect_left(idx, before) - 1
-        if k < 0:
-            return None
-        ref = Ref(idx[k], elems[k])
-        if self._weak and self._alive(ref) is not tensor:
-            return None  # a bounded capture freed that op's output: this is a newer tensor with its id
-        return ref
-
-    def refs_for_value(self, value: Any, before: int) -> tuple[list[Ref | None], Any]:
-        leaves, spec = flatten(value)
-        refs = [self.producer_ref(leaf, before) if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
-        return refs, spec
-
-    def record_data_read(self, position: int, ref: Ref | None, code: Any, lineno: int, name: str, *,
-                         func: Any = None, args_spec: Any = None, seen: Any = None) -> None:
-        """Note a read of tensor data into Python made before op ``position`` (a guard)."""
-        if hasattr(seen, "shape") and hasattr(seen, "copy") and not isinstance(seen, torch.Tensor):
-            seen = seen.copy()  # a NumPy array may share the tensor's memory
-        self.data_reads.append(DataRead(position, ref, code, lineno, name, func, args_spec, seen))
-
-    def record_edit(self, applied: Any) -> None:
-        """Note an edit that landed (an ``AppliedEdit``)."""
-        self.edits.append(applied)
-
-    def set_output(self, output: Any, refs: list[Ref | None] | None = None) -> None:
-        """The model's return value (and, when known, the ops its tensors came from)."""
-        self._output_raw = output
-        if refs is not None:
-            self._output_refs = refs
-            self.output_layers = list(dict.fromkeys(self.ops[r.index].label for r in refs if r is not None))
-
-    def finish(self, output: Any, *, steps: list[Step], save: Selector | None = None, grad: bool = False,
-               complete: bool = True, stale: dict[int, int] | None = None) -> None:
-        """Called once the forward returned: record outputs, then drop unsaved values."""
-        self.steps = list(steps)
-        self.grad = grad
-        self.complete = complete
-        self._stale = dict(stale or {})
-        if not self._op_graph:
-            self.set_output(output)
-            return
-        self.set_output(output, self.refs_for_value(output, len(self.ops))[0])
-        if save is not None:
-            self.ensure_graph()
-            matched = save.match(self)
-            keep = {id(r) for r in matched}
-            for r in matched:  # a kept module output is read through the ops that produced it
-                if isinstance(r, ModuleCall):
-                    keep.update(id(self.ops[ref.index]) for ref in r.out_refs if ref is not None)
-                elif self.capture_edit_of(r.index) is not None:  # a kept edited op reads as its edit
-                    keep.add(id(self.ops[self.capture_edit_of(r.index)]))
-            for op in self.ops:
-                if id(op) not in keep and not op.flags & (INPUT | GUARD):  # guard ops: replay compares them
-                    op.drop_value()
-            for call in self.calls:
-                if id(call) not in keep:
-                    call._out = None
-            for op in self.ops:
-                op.args = op.kwargs = None
-
-    def restore(self, *, name: str, engine: str, op_graph: bool, complete: bool, grad: bool,
-                fingerprint: dict[str, Any] | None, args: tuple, kwargs: dict, input_layers: list[str],
-                output_layers: list[str], output: Any, output_refs: list[Ref | None], data_reads: list[DataRead],
-                stale: dict[int, int], edits: list[Any], steps: list[Step], unsaved_steps: list[str],
-                saved_tensor_names: dict[int, str]) -> None:
-        """Set the state a loader decoded from disk (ops and calls were added one by one first)."""
-        self.name, self.engine, self._op_graph = name, engine, op_graph
-        self.complete, self.grad, self.fingerprint = complete, grad, fingerprint
-        self.args, self.kwargs = args, kwargs
-        self.input_layers, self.output_layers = list(input_layers), list(output_layers)
-        self._output_raw = output
-        self._output_refs = list(output_refs)
-        self.data_reads = list(data_reads)
-        self._stale = dict(stale)
-        self.edits = list(edits)
-        self.steps = list(steps)
-        self.unsaved_steps = list(unsaved_steps)
-        self.saved_tensor_names = dict(saved_tensor_names)
-        self._graph_ready = False
-        self.ensure_graph()
-
-    def ensure_graph(self) -> None:
-        """Turn every op's raw arguments into ``args_spec`` (refs to parent ops + constants)."""
-        if self._graph_ready:
-            return
-        ops = self.ops
-        for op in ops:
-            if op.args_spec is not None or op.flags & INPUT:
-                op.parent_refs = op.parent_refs or []
-                continue
-            leaves, spec = flatten((op.args, op.kwargs))
-            refs: list[Ref] = []
-            for i, leaf in enumerate(leaves):
-                if isinstance(leaf, torch.Tensor):
-                    ref = self.producer_ref(leaf, op.index)
-                    if ref is not None:
-                        leaves[i] = ref
-                        refs.append(ref)
-            op.args_spec = (leaves, spec)
-            op.parent_refs = refs
-        for op in ops:
-            op.children_idx = []
-        for op in ops:
-            for ref in dict.fromkeys(r.index for r in op.parent_refs):
-                ops[ref].children_idx.append(op.index)
-        self._graph_ready = True
-
     # -- which value a consumer sees (the one rule) ---------------------------------------------
     def value(self, index: int) -> Any:
         """Op ``index``'s own output in this trace (a fork's recomputed value when it has one)."""
-        v = self._values.get(index, _MISSING)
-        if v is _MISSING:
+        v = self._values.get(index, MISSING)
+        if v is MISSING:
             return self.ops[index].out
         return v
 
@@ -508,8 +143,8 @@ class Trace:
 
     def module_output(self, call: ModuleCall) -> Any:
         """What module call ``call`` returned in this trace (an edited output on a fork)."""
-        override = self._module_outputs().get(call.key, _MISSING)
-        if override is not _MISSING:
+        override = self._module_outputs().get(call.key, MISSING)
+        if override is not MISSING:
             return override
         raw = call._out
         if raw is None and call.out_refs:
@@ -743,99 +378,11 @@ class Trace:
         """Every step that made this trace: capture-time steps (then, on a fork, its recipe)."""
         return list(self.steps)
 
-    def run(self, model: torch.nn.Module | None = None, *args: Any, **kwargs: Any) -> Trace:
-        """Run the model again with this trace's steps as capture-time edits; a new trace."""
-        model = model if model is not None else self.model
-        args, kwargs = (self.args, self.kwargs) if not args and not kwargs else call_inputs(args, kwargs)
-        steps = [s.for_capture() for s in self.all_steps()]
-        return services().rerun(self, model, args, kwargs, steps, None)
-
-    def run_transaction(self, *, inputs: Any = None, until: Any, model=None) -> Trace:
-        """Run the forward again and stop right after ``until``; return the partial trace.
-
-        ``inputs`` follows the one input convention (a tensor, a tuple of positional
-        inputs, a dict of keyword inputs); default: this trace's own inputs.
-        """
-        model = model if model is not None else self.model
-        args, kwargs = (self.args, self.kwargs) if inputs is None else split_inputs(inputs)
-        return services().rerun(self, model, args, kwargs, [s.for_capture() for s in self.steps],
-                                as_selector(until))
-
-    def validate(self, **kwargs: Any) -> Any:
-        """``tl.validate(self, **kwargs)``."""
-        return services().validate(self, **kwargs)
-
-    # -- persistence (implemented in torchlens.store) -------------------------------------------
-    def save_intervention(self, path: Any, level: str = "portable", *, overwrite: bool = False) -> Any:
-        """Write this trace's edits (capture-time steps and, on a fork, its recipe) as ``.tlspec/``."""
-        return services().save_intervention(self, path, level=level, overwrite=overwrite)
-
-    def save(self, path: Any, *, selector: Any = None, overwrite: bool = False) -> Any:
-        """Write the graph (JSON) and activations (safetensors), optionally only ``selector``'s ops."""
-        return services().save_trace(self, path, selector=selector, overwrite=overwrite)
-
-    # -- presentation ----------------------------------------------------------------------
-    def table(self, selector: Any = None, limit: int | None = None) -> str:
-        """A text table of ops (label, function, module:pass, shape, source line)."""
-        return services().table(self, selector, limit)
-
     def __repr__(self) -> str:
         return (
             f"<{type(self).__name__} {self.name!r}: {len(self.ops)} ops, {len(self.calls)} module calls, "
             f"outputs {self.output_layers}>"
         )
-
-    # -- pictures, summaries, notebooks (implemented in torchlens.analysis) -----------------------
-    def to_dot(self, *, depth: int | str | None = "auto", focus: Any = None, rolled: bool = False,
-               highlight: Any = None) -> str:
-        """The DOT source of the executed graph (works without Graphviz installed).
-
-        Args:
-            depth: collapse module calls nested this deep into single nodes; None: every op;
-                "auto": the deepest level that stays readable.
-            focus: a selector: draw that region at full detail, with its inputs and readers.
-            rolled: draw a module called several times once, with loop edges.
-            highlight: a ``tl.debug.compare`` result whose divergences to highlight.
-
-        Returns:
-            the DOT text.
-        """
-        return services().to_dot(self, depth=depth, focus=focus, rolled=rolled, highlight=highlight)
-
-    def draw(self, path: Any = None, *, fmt: str | None = None, depth: int | str | None = "auto",
-             focus: Any = None, rolled: bool = False, highlight: Any = None) -> Any:
-        """Draw the executed graph with Graphviz: a file at ``path`` (.svg/.png/.pdf/.dot), inline in notebooks.
-
-        Args:
-            path: where to write the picture (None: only return the Drawing).
-            fmt: the format when ``path`` has no known suffix.
-            depth: see :meth:`to_dot`.
-            focus: see :meth:`to_dot`.
-            rolled: see :meth:`to_dot`.
-            highlight: see :meth:`to_dot`.
-
-        Returns:
-            a ``Drawing`` (``.dot``, ``.path``, ``.svg()``; shown inline by Jupyter).
-
-        Raises:
-            GraphvizNotFoundError: Graphviz's ``dot`` program is not installed (``to_dot()`` still works).
-        """
-        return services().draw(self, path, fmt=fmt, depth=depth, focus=focus, rolled=rolled, highlight=highlight)
-
-    def summary(self) -> Any:
-        """Per module call: ops, parameters, output shape and memory held (``print`` it, or show it in a notebook)."""
-        return services().summary(self)
-
-    def to_pandas(self) -> Any:
-        """One row per op (label, func, module, pass, shape, dtype, source, parents) as a pandas DataFrame.
-
-        Raises:
-            OptionalDependencyError: pandas is not installed.
-        """
-        return services().to_pandas(self)
-
-    def _repr_html_(self) -> str:
-        return services().html(self)
 
 
 class Fork(Trace):
@@ -869,7 +416,7 @@ class Fork(Trace):
                          list(self.edits))
 
     def module_override(self, key: str) -> Any:
-        """The edited output of module call ``key`` on this fork (``_MISSING``-free: None if none)."""
+        """The edited output of module call ``key`` on this fork (``MISSING``-free: None if none)."""
         return self._overrides.get(key)
 
     def has_module_override(self, key: str) -> bool:

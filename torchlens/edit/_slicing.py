@@ -28,137 +28,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
-__all__ = ["WHOLE", "Plan", "ReplayLog", "Rows", "diff_region", "plan_op", "region_lookup", "union"]
+from ._regions import WHOLE, Plan, Region, Rows, normal, union
 
-
-class Rows(NamedTuple):
-    """Only elements whose index along ``axis`` (a non-negative dim) is ``>= start`` may have changed."""
-
-    axis: int
-    start: int
-
-
-class _Whole:
-    """The whole tensor may have changed."""
-
-    def __repr__(self) -> str:
-        return "WHOLE"
-
-
-WHOLE = _Whole()
-Region = Any  # None | WHOLE | Rows, or a tuple of them for a multi-output op
-
-
-class Plan(NamedTuple):
-    """How replay recomputes one op: ``kind`` is ``"skip"`` (output unchanged), ``"full"``
-    (re-run it whole; ``region`` is its output's changed region) or ``"rows"`` (``call()``
-    returns only the rows ``region.start:`` along ``region.axis``). ``reason`` says why a
-    rule could not bound the output (empty when its inputs were simply changed whole)."""
-
-    kind: str
-    region: Region
-    call: Callable[[], Any] | None = None
-    reason: str = ""
-
-
-class ReplayLog:
-    """What one replayed edit recomputed on a fork: per op, whole or which rows, and each
-    fallback to whole-op replay with its reason.
-
-    ``entries`` holds ``(label, func_name, how, rows, reason)``: ``how`` is ``"rows"`` (only
-    ``rows`` = ``(axis, start, size)`` were recomputed), ``"full"`` (its inputs changed whole)
-    or ``"fallback"`` (a rule was missing or could not bound it; ``reason`` says which).
-    """
-
-    __slots__ = ("entries", "sliced")
-
-    def __init__(self, sliced: bool) -> None:
-        self.sliced = sliced
-        self.entries: list[tuple[str, str, str, tuple[int, int, int] | None, str]] = []
-
-    @property
-    def fallbacks(self) -> list[tuple[str, str, str]]:
-        """``(label, func_name, reason)`` of every op replayed whole because no rule could slice it."""
-        return [(e[0], e[1], e[4]) for e in self.entries if e[2] == "fallback"]
-
-    @property
-    def n_sliced(self) -> int:
-        """How many ops were recomputed on some of their rows only."""
-        return sum(1 for e in self.entries if e[2] == "rows")
-
-    @property
-    def fraction(self) -> float:
-        """The share of recomputed output elements, over the elements of every recomputed op (1.0: unsliced)."""
-        done = total = 0
-        for e in self.entries:
-            if e[3] is None:
-                continue
-            _, start, size = e[3]
-            done += size - start
-            total += size
-        whole = sum(1 for e in self.entries if e[3] is None)
-        return (done + whole) / (total + whole) if total + whole else 0.0
-
-    def __repr__(self) -> str:
-        return (f"<ReplayLog {len(self.entries)} ops recomputed, {self.n_sliced} on changed rows only, "
-                f"{len(self.fallbacks)} fallbacks>")
-
-
-# -- regions ---------------------------------------------------------------------------------
-
-
-def union(a: Region, b: Region) -> Region:
-    """The smallest region holding both (different axes: WHOLE)."""
-    if a is None:
-        return b
-    if b is None:
-        return a
-    if a is WHOLE or b is WHOLE or isinstance(a, tuple) and not isinstance(a, Rows) \
-            or isinstance(b, tuple) and not isinstance(b, Rows):
-        return WHOLE
-    if a.axis != b.axis:
-        return WHOLE
-    return Rows(a.axis, min(a.start, b.start))
-
-
-def _normal(r: Region) -> Region:
-    """``Rows(axis, 0)`` is the whole tensor."""
-    return WHOLE if isinstance(r, Rows) and r.start <= 0 else r
-
-
-def diff_region(old: Any, new: Any) -> Region:
-    """The region where ``new`` differs from ``old`` (the axis leaving the largest unchanged share)."""
-    if not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor)) or old.shape != new.shape \
-            or old.dtype != new.dtype:
-        return WHOLE
-    if old is new:
-        return None
-    changed = old != new
-    if old.is_floating_point() or old.is_complex():
-        changed &= ~(old.isnan() & new.isnan())
-    if not bool(changed.any()):
-        return None
-    best: Region = WHOLE
-    best_share = 0.0
-    for axis, size in enumerate(changed.shape):
-        if size <= 1:
-            continue
-        rows = changed.movedim(axis, 0).reshape(size, -1).any(1)
-        start = int(rows.nonzero()[0, 0])
-        if start / size > best_share:
-            best, best_share = Rows(axis, start), start / size
-    return best
-
-
-def _region_at(value: Any, index: int, elem: int | None, regions: dict[int, Region]) -> Region:
-    r = regions.get(index, WHOLE)
-    if elem is not None and isinstance(r, tuple) and not isinstance(r, Rows):
-        return r[elem]
-    return r
+__all__ = ["plan_op"]
 
 
 def _narrow(t: torch.Tensor, axis: int, start: int) -> torch.Tensor:
@@ -264,7 +140,7 @@ def _slice_args(value: Any, axis: int, start: int, out_ndim: int, size: int) -> 
 
 
 def _rows_plan(call: _Call, region: Rows, out_shape: tuple, build: Callable[[], Any] | None = None) -> Plan:
-    region = _normal(region)
+    region = normal(region)
     if region is WHOLE:
         return Plan("full", WHOLE)
     if build is None:
@@ -392,7 +268,7 @@ def _embedding(call: _Call, changed, out_shape: tuple) -> Plan:
 
 
 def _full(region: Region) -> Plan:
-    region = _normal(region) if isinstance(region, Rows) else region
+    region = normal(region) if isinstance(region, Rows) else region
     return Plan("full", region)
 
 
@@ -409,7 +285,7 @@ def _map_shape(shape_in: tuple, r: Rows, shape_out: tuple) -> Region:
     b = 0
     while b + 1 < len(shape_out) and math.prod(shape_out[: b + 1]) == 1:
         b += 1
-    return _normal(Rows(b, flat_start // max(1, math.prod(shape_out[b + 1:]))))
+    return normal(Rows(b, flat_start // max(1, math.prod(shape_out[b + 1:]))))
 
 
 def _view(call: _Call, changed, out_shape: tuple) -> Plan:
@@ -516,7 +392,7 @@ def _split(call: _Call, changed) -> Plan:
             regions.append(Rows(r.axis, r.start))
             continue
         n = shape[dim]
-        regions.append(None if offset + n <= r.start else _normal(Rows(dim, max(0, r.start - offset))))
+        regions.append(None if offset + n <= r.start else normal(Rows(dim, max(0, r.start - offset))))
         offset += n
     return Plan("full", tuple(regions))
 
@@ -546,7 +422,7 @@ def _sdpa(call: _Call, changed, out_shape: tuple) -> Plan:
         why = _hidden_from_earlier(mask, bool(a["is_causal"]), n_q, n_k, kv)
         if why:
             return Plan("full", WHOLE, reason=f"attention: {why}")
-    start = _normal(Rows(seq, start))
+    start = normal(Rows(seq, start))
     if start is WHOLE:
         return Plan("full", WHOLE)
     s = start.start
@@ -613,10 +489,3 @@ _RULES: dict[str, Callable[[_Call, list, tuple], Plan]] = {
     "scaled_dot_product_attention": _sdpa,
 }
 _MULTI: dict[str, Callable[[_Call, list], Plan]] = {"split": _split, "chunk": _split, "unbind": _split}
-
-
-def region_lookup(values: list[Any], refs: list[Any], regions: dict[int, Region]) -> Callable[[Any], Region]:
-    """``region_of`` for :func:`plan_op`: the region of each rebuilt argument, by identity."""
-    by_id = {id(v): _region_at(v, r.index, r.elem, regions) for v, r in zip(values, refs)}
-    return lambda t: by_id.get(id(t))
-

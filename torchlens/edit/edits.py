@@ -53,7 +53,7 @@ class AppliedEdit:
     n_changed: int
     how: str = "applied"  # "captured", "replayed", or "re-executed: <why>" (a fork that fell back)
     before: Any = field(default=None, repr=False, compare=False)
-    # replayed edits: what replay recomputed (a torchlens.edit._slicing.ReplayLog: ops, rows, fallbacks)
+    # replayed edits: what replay recomputed (a torchlens.edit._regions.ReplayLog: ops, rows, fallbacks)
     replay: Any = field(default=None, repr=False, compare=False)
 
 

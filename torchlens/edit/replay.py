@@ -27,7 +27,8 @@ from ..errors import (
     ValueNotSavedError,
 )
 from ._guards import index_leaves, recompute_read, same_value, short
-from ._slicing import WHOLE, Plan, ReplayLog, Rows, diff_region, plan_op, region_lookup, union
+from ._regions import WHOLE, Plan, ReplayLog, Rows, diff_region, region_lookup, union
+from ._slicing import plan_op
 from .edits import AppliedEdit, EditContext, apply_edit, count_changed, land_edit
 
 __all__ = ["REEXECUTE", "REPLAY_MODES", "UNINITIALISED", "Replayer", "execute", "refuse_reason", "replay_step"]

@@ -234,7 +234,7 @@ def _decode_op(i: int, entry: Any, dec: Decoder) -> Op:
     where = f"op {i}"
     fields(entry, _OP_KEYS, where, {"edit", "meta"})
     label = _str(entry, "label", where, 500)
-    flags = check_int(entry["flags"], f"{where}: flags", 0, 127)
+    flags = check_int(entry["flags"], f"{where}: flags", 0, 255)
     if ("edit" in entry) != bool(flags & EDIT):
         raise fail(f"{where}: edit metadata and the edit flag disagree")
     name = _get(entry, "func", (str, type(None)), where)

@@ -115,14 +115,33 @@ class TraceStore:
                 self._views[name] = (stored, list(t.shape), list(t.stride()), t.storage_offset())
                 return
         copy = t.detach().cpu().contiguous()
+        if copy.numel() * copy.element_size() >= self.budget:
+            # A value bigger than the buffer (the logits) is written now, from the model's own memory
+            # when it is contiguous: no second copy of it exists at any time.
+            self._shapes[name] = list(copy.shape)
+            self._write_now(name, copy.reshape(-1) if copy.dim() == 0 else copy)
+            self._remember_base(name, t, key, version)
+            return
         if copy.data_ptr() == t.data_ptr():  # still the model's memory: later in-place ops would show
             copy = copy.clone()
         self._shapes[name] = list(copy.shape)
         self._buffer[name] = [copy.reshape(-1) if copy.dim() == 0 else copy]
         self._buffered += copy.numel() * copy.element_size()
+        self._remember_base(name, t, key, version)
+
+    def _remember_base(self, name: str, t: torch.Tensor, key: int, version: int | None) -> None:
+        """Note that ``t``, stored whole as ``name``, covers its storage: later views of it are stored as views."""
         if key and version is not None and t.is_contiguous() and t.storage_offset() == 0 \
                 and t.numel() * t.element_size() == t.untyped_storage().nbytes():
             self._bases[key] = (name, version, weakref.ref(t))
+
+    def _write_now(self, name: str, t: torch.Tensor) -> None:
+        self._wait()
+        index = self.n_shards
+        self.n_shards += 1
+        info = write_shard(self.path, index, {name: [t]}, durable=False)
+        self._where[name] = index
+        self.bytes_written += info["bytes"]
 
     def flush(self) -> None:
         """Hand the buffered values to the writer thread as one shard (one shard in flight at most)."""

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .._progress import track
-from ..core.records import EDIT, INPUT, ModuleCall, Op
+from ..core.records import EDIT, INPUT, Deferred, ModuleCall, Op
 from ..core.selectors import as_selector
 from ..core.tree import unflatten
 from ..errors import NotPortableError
@@ -181,6 +181,8 @@ def _encode_op(op: Op, put_as: Callable, keep: set[int] | None, step_index: dict
     }
     if not op.flags & INPUT and op.args_spec is not None:
         leaves, spec = op.args_spec
+        # An offloaded weight is recorded as a reference to the offload: the file gets the tensor.
+        leaves = [leaf.load() if isinstance(leaf, Deferred) else leaf for leaf in leaves]
         # A selector-limited save is for reading a few sites: weights are left out, which
         # makes the ops that read them non-replayable in the loaded trace.
         put = put_as(f"const/{op.label}") if keep is None else (lambda t: {"opaque": "Tensor (not saved)"})

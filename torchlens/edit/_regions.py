@@ -1,0 +1,148 @@
+"""Changed regions of tensors, and the record of what one replayed edit recomputed.
+
+A *region* says which part of a tensor may have changed since the fork's previous values:
+``None`` (nothing), :data:`WHOLE`, or ``Rows(axis, start)`` (only elements whose index along
+``axis`` is ``>= start``), or a tuple of those for a multi-output op. The per-op rules that map
+regions through ops live in :mod:`torchlens.edit._slicing`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+__all__ = ["WHOLE", "Plan", "Region", "ReplayLog", "Rows", "diff_region", "normal", "region_lookup", "union"]
+
+
+class Rows(NamedTuple):
+    """Only elements whose index along ``axis`` (a non-negative dim) is ``>= start`` may have changed."""
+
+    axis: int
+    start: int
+
+
+class _Whole:
+    """The whole tensor may have changed."""
+
+    def __repr__(self) -> str:
+        return "WHOLE"
+
+
+WHOLE = _Whole()
+Region = Any  # None | WHOLE | Rows, or a tuple of them for a multi-output op
+
+
+class Plan(NamedTuple):
+    """How replay recomputes one op: ``kind`` is ``"skip"`` (output unchanged), ``"full"``
+    (re-run it whole; ``region`` is its output's changed region) or ``"rows"`` (``call()``
+    returns only the rows ``region.start:`` along ``region.axis``). ``reason`` says why a
+    rule could not bound the output (empty when its inputs were simply changed whole)."""
+
+    kind: str
+    region: Region
+    call: Callable[[], Any] | None = None
+    reason: str = ""
+
+
+class ReplayLog:
+    """What one replayed edit recomputed on a fork: per op, whole or which rows, and each
+    fallback to whole-op replay with its reason.
+
+    ``entries`` holds ``(label, func_name, how, rows, reason)``: ``how`` is ``"rows"`` (only
+    ``rows`` = ``(axis, start, size)`` were recomputed), ``"full"`` (its inputs changed whole)
+    or ``"fallback"`` (a rule was missing or could not bound it; ``reason`` says which).
+    """
+
+    __slots__ = ("entries", "sliced")
+
+    def __init__(self, sliced: bool) -> None:
+        self.sliced = sliced
+        self.entries: list[tuple[str, str, str, tuple[int, int, int] | None, str]] = []
+
+    @property
+    def fallbacks(self) -> list[tuple[str, str, str]]:
+        """``(label, func_name, reason)`` of every op replayed whole because no rule could slice it."""
+        return [(e[0], e[1], e[4]) for e in self.entries if e[2] == "fallback"]
+
+    @property
+    def n_sliced(self) -> int:
+        """How many ops were recomputed on some of their rows only."""
+        return sum(1 for e in self.entries if e[2] == "rows")
+
+    @property
+    def fraction(self) -> float:
+        """The share of recomputed output elements, over the elements of every recomputed op (1.0: unsliced)."""
+        done = total = 0
+        for e in self.entries:
+            if e[3] is None:
+                continue
+            _, start, size = e[3]
+            done += size - start
+            total += size
+        whole = sum(1 for e in self.entries if e[3] is None)
+        return (done + whole) / (total + whole) if total + whole else 0.0
+
+    def __repr__(self) -> str:
+        return (f"<ReplayLog {len(self.entries)} ops recomputed, {self.n_sliced} on changed rows only, "
+                f"{len(self.fallbacks)} fallbacks>")
+
+
+# -- regions ---------------------------------------------------------------------------------
+
+
+def union(a: Region, b: Region) -> Region:
+    """The smallest region holding both (different axes: WHOLE)."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    if a is WHOLE or b is WHOLE or isinstance(a, tuple) and not isinstance(a, Rows) \
+            or isinstance(b, tuple) and not isinstance(b, Rows):
+        return WHOLE
+    if a.axis != b.axis:
+        return WHOLE
+    return Rows(a.axis, min(a.start, b.start))
+
+
+def normal(r: Region) -> Region:
+    """``Rows(axis, 0)`` is the whole tensor."""
+    return WHOLE if isinstance(r, Rows) and r.start <= 0 else r
+
+
+def diff_region(old: Any, new: Any) -> Region:
+    """The region where ``new`` differs from ``old`` (the axis leaving the largest unchanged share)."""
+    if not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor)) or old.shape != new.shape \
+            or old.dtype != new.dtype:
+        return WHOLE
+    if old is new:
+        return None
+    changed = old != new
+    if old.is_floating_point() or old.is_complex():
+        changed &= ~(old.isnan() & new.isnan())
+    if not bool(changed.any()):
+        return None
+    best: Region = WHOLE
+    best_share = 0.0
+    for axis, size in enumerate(changed.shape):
+        if size <= 1:
+            continue
+        rows = changed.movedim(axis, 0).reshape(size, -1).any(1)
+        start = int(rows.nonzero()[0, 0])
+        if start / size > best_share:
+            best, best_share = Rows(axis, start), start / size
+    return best
+
+
+def _region_at(value: Any, index: int, elem: int | None, regions: dict[int, Region]) -> Region:
+    r = regions.get(index, WHOLE)
+    if elem is not None and isinstance(r, tuple) and not isinstance(r, Rows):
+        return r[elem]
+    return r
+
+
+def region_lookup(values: list[Any], refs: list[Any], regions: dict[int, Region]) -> Callable[[Any], Region]:
+    """``region_of`` for :func:`plan_op`: the region of each rebuilt argument, by identity."""
+    by_id = {id(v): _region_at(v, r.index, r.elem, regions) for v, r in zip(values, refs)}
+    return lambda t: by_id.get(id(t))
