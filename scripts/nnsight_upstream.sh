@@ -5,7 +5,7 @@
 #   bash scripts/nnsight_upstream.sh real     # re-run the baseline on the real nnsight 0.8.1
 # Results: ${NNS_RESULTS:-${TMPDIR:-/tmp}/nns-upstream/results} (shim-results.tsv, shim-failures.md).
 # The out-of-scope list (NDIF/remote, vLLM, tensor-parallel, serialization, internals) is
-# shims/torchlens_shims/nnsight/out_of_scope.tsv; docs/coming-from-nnsight.md shows it.
+# shims/torchlens_shims/nnsight/upstream_scope.tsv; docs/coming-from-nnsight.md shows it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 HARNESS=../shared/nnsight-upstream
