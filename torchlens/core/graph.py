@@ -146,6 +146,11 @@ class Graph:
 
     def link_args(self, op: Op) -> None:
         """Turn ``op``'s raw arguments into ``args_spec`` now, refs to live producers only, and drop them."""
+        self._resolve_args(op)
+        op.args = op.kwargs = None
+
+    def _resolve_args(self, op: Op) -> None:
+        """``op.args_spec`` (its arguments with a ``Ref`` for each recorded tensor) and ``op.parent_refs``."""
         leaves, spec = flatten((op.args, op.kwargs))
         refs: list[Ref] = []
         for i, leaf in enumerate(leaves):
@@ -156,7 +161,6 @@ class Graph:
                     refs.append(ref)
         op.args_spec = (leaves, spec)
         op.parent_refs = refs
-        op.args = op.kwargs = None
 
     def _alive(self, ref: Ref) -> Any:
         """The live tensor op ``ref`` produced in a bounded capture (None once freed): an id reused
@@ -370,16 +374,7 @@ class Graph:
             if op.args_spec is not None or op.flags & INPUT:
                 op.parent_refs = op.parent_refs or []
                 continue
-            leaves, spec = flatten((op.args, op.kwargs))
-            refs: list[Ref] = []
-            for i, leaf in enumerate(leaves):
-                if isinstance(leaf, torch.Tensor):
-                    ref = self.producer_ref(leaf, op.index)
-                    if ref is not None:
-                        leaves[i] = ref
-                        refs.append(ref)
-            op.args_spec = (leaves, spec)
-            op.parent_refs = refs
+            self._resolve_args(op)
         for op in ops:
             op.children_idx = []
         for op in ops:
