@@ -9,10 +9,14 @@ if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium \
     fonts-liberation >/dev/null) || echo "test.sh: could not install chromium; the browser test will skip" >&2
 fi
-# Test oracle: the real baukit is not on PyPI; its wheel sits in ../shared/oracles beside the repository
-# (--no-deps: its metadata asks for torchvision). Without it the baukit cross-checks skip, saying so.
+# Test oracle: the real baukit is not on PyPI; its wheel sits in ../shared/oracles beside the repository.
+# It is unpacked into .venv/oracles, not site-packages (--no-deps: its metadata asks for torchvision, and
+# its package __init__ cannot import without it); tests load its nethook.py from there
+# (tests/fixtures/oracles/baukit). Without the wheel the baukit cross-checks skip, saying so.
 for wheel in ../shared/oracles/baukit-*.whl; do
-  if [ -f "$wheel" ]; then .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "$wheel"; fi
+  if [ -f "$wheel" ]; then
+    .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --upgrade --target .venv/oracles "$wheel"
+  fi
 done
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 .venv/bin/ruff check torchlens adapters shims tests bench

@@ -104,6 +104,15 @@ def norm(value):
 
 
 def tool_available(tool: str) -> bool:
+    """Whether a fence's tool can be imported: installed, or (baukit) loadable through its stand-in."""
+    stand_in = ORACLES / tool / "__init__.py"
+    if stand_in.is_file():
+        spec = importlib.util.spec_from_file_location(f"_probe_{tool}", stand_in)
+        try:
+            spec.loader.exec_module(importlib.util.module_from_spec(spec))
+            return True
+        except ImportError:  # the oracle is not unpacked (PackageNotFoundError is a ModuleNotFoundError)
+            return False
     try:
         return importlib.util.find_spec(tool) is not None
     except (ImportError, ValueError):
