@@ -282,35 +282,37 @@ def tiny_gpt2_path(tiny_gpt2, tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def reloaded(tiny_gpt2_path, tmp_path_factory):
-    """The model exactly as the killed child loads it (from_pretrained of the saved directory), and
-    its uninterrupted job: the child's and the parent's shards then come from the same model
-    configuration, whatever earlier tests did to the shared session model."""
-    import transformers
+def run_child(script: pathlib.Path, model_path: pathlib.Path, out: pathlib.Path, point: str):
+    """Run the job in a fresh process (``point``: where it kills itself, or "none" to finish)."""
+    script.write_text(CHILD)
+    return subprocess.run([sys.executable, str(script), str(model_path), str(out), point,
+                           str(torch.get_num_threads()), json.dumps(ROWS)], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, TORCHLENS_PROGRESS="0"))
 
-    model = transformers.GPT2LMHeadModel.from_pretrained(tiny_gpt2_path).eval()
-    out = tmp_path_factory.mktemp("ref_reloaded") / "job"
-    cache(model, out)
-    return model, out
+
+@pytest.fixture(scope="module")
+def uninterrupted_child(tiny_gpt2_path, tmp_path_factory):
+    """The reference job, written in one go by a fresh process: the killed run, its resumption and
+    this reference then all compute in processes started alike (no state left by other tests)."""
+    where = tmp_path_factory.mktemp("ref_child")
+    proc = run_child(where / "child.py", tiny_gpt2_path, where / "job", "none")
+    assert proc.returncode == 0 and "finished without being killed" in proc.stdout, proc.stderr[-3000:]
+    return where / "job"
 
 
 @pytest.mark.parametrize("point", ["forward", "write", "commit"])
-def test_sigkill_then_rerun_is_identical(point, tiny_gpt2_path, reloaded, tmp_path):
-    model, uninterrupted = reloaded
+def test_sigkill_then_rerun_is_identical(point, tiny_gpt2_path, uninterrupted_child, tmp_path):
+    uninterrupted = uninterrupted_child
     out = tmp_path / "job"
-    script = tmp_path / "child.py"
-    script.write_text(CHILD)
-    proc = subprocess.run([sys.executable, str(script), str(tiny_gpt2_path), str(out), point,
-                           str(torch.get_num_threads()), json.dumps(ROWS)], capture_output=True, text=True,
-                          timeout=300, env=dict(os.environ, TORCHLENS_PROGRESS="0"))
+    proc = run_child(tmp_path / "child.py", tiny_gpt2_path, out, point)
     assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr[-3000:]
     before = snapshot(out)
     if point == "write":
         assert any(".tmp-" in name for name in before), "the kill should leave a half-written shard behind"
     committed = json.loads(before["manifest.json"])["shards"] if "manifest.json" in before else []
     assert len(committed) < len(json.loads((uninterrupted / "manifest.json").read_text())["shards"])
-    cache(model, out)  # the same call again: resumes
+    resumed = run_child(tmp_path / "child.py", tiny_gpt2_path, out, "none")  # the same call again: resumes
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert snapshot(out) == snapshot(uninterrupted)
 
 
