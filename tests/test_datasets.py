@@ -102,6 +102,34 @@ def test_real_tokens_match_plain_hooks_per_row(tiny_gpt2, uninterrupted):
     assert int(item["row"]) == int(want_rows[7]) and item["transformer.h.0"].shape == (32,)
 
 
+def test_stop_early_skips_the_rest_of_the_model_and_stores_the_same_bytes(tiny_gpt2, uninterrupted, tmp_path):
+    calls = []
+    handle = tiny_gpt2.model.lm_head.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        cache(tiny_gpt2.model, tmp_path / "again")  # stop_early=True is the default
+        early = len(calls)
+        cache(tiny_gpt2.model, tmp_path / "whole", stop_early=False)
+    finally:
+        handle.remove()
+    batches = math.ceil(len(ROWS) / 3)
+    assert early == 1  # the first batch runs whole (the run-twice check), the others stop at h.1.mlp
+    assert len(calls) - early == batches
+    assert snapshot(tmp_path / "again") == snapshot(uninterrupted)
+    assert snapshot(tmp_path / "whole") == snapshot(uninterrupted)
+    assert not tiny_gpt2.model.lm_head._forward_hooks and not tiny_gpt2.model.transformer.h[1].mlp._forward_hooks
+
+
+def test_stop_early_is_off_for_op_sites(tiny_gpt2, tmp_path):
+    calls = []
+    handle = tiny_gpt2.model.lm_head.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        tl.cache_activations(tiny_gpt2.model, ROWS[:6], {"act": tl.in_module("transformer.h.0.mlp.act") & tl.func("tanh")}, out=tmp_path / "j",
+                             batch_size=3, progress=False)
+    finally:
+        handle.remove()
+    assert len(calls) == 2  # every forward ran whole
+
+
 def test_shards_are_bounded_by_shard_size(uninterrupted):
     ds = tl.load_activations(uninterrupted)
     width = ds.manifest["record_bytes"]
@@ -235,7 +263,7 @@ CHILD = textwrap.dedent("""
             calls[0] += 1
             if calls[0] == 5:
                 die()
-        model.transformer.h[1].register_forward_hook(hook)
+        model.transformer.h[0].register_forward_hook(hook)  # h.1 never completes: the job stops after h.1.mlp
     elif point == "write":  # half-way through the bytes of the third shard file
         real, opened = _shards._open_for_write, [0]
         class Dying:

@@ -142,3 +142,35 @@ def test_extract_of_a_module_that_did_not_run(control_flow):
         tl.extract(model, {"x": x, "mode": "a"}, ["head_b"])
     assert "did not run" in str(err.value) and err.value.remedy
 
+
+
+def test_stop_reads_the_same_values_and_never_runs_the_rest(tiny_gpt2):
+    model, (ids,) = tiny_gpt2.model, tiny_gpt2.args
+    before = hook_state(model)
+    ran = []
+    handles = [model.get_submodule(a).register_forward_hook(lambda *_, a=a: ran.append(a))
+               for a in ("transformer.h.1", "transformer.ln_f", "lm_head")]
+    try:
+        got = tl.extract(model, ids, ["transformer.h.0.mlp", "transformer.h.1.attn"], stop=True)
+    finally:
+        for h in handles:
+            h.remove()
+    assert ran == []  # stopped inside h.1, right after its attention returned
+    reads, _ = hook_reads(model, (ids,))
+    assert_equal_tree(got["transformer.h.0.mlp"], reads["transformer.h.0.mlp"][0], what="mlp")
+    assert_equal_tree(got["transformer.h.1.attn"], reads["transformer.h.1.attn"][0], what="attn")
+    assert_model_clean(model, before)
+
+
+def test_stop_refuses_op_sites_and_passes(tiny_gpt2, shared_twice):
+    from torchlens.errors import InvalidArgumentError
+
+    model, (ids,) = tiny_gpt2.model, tiny_gpt2.args
+    before = hook_state(model)
+    with pytest.raises(InvalidArgumentError) as err:
+        tl.extract(model, ids, ["transformer.h.0", tl.func("layer_norm")], stop=True)
+    assert "op site" in str(err.value) and err.value.remedy
+    assert_model_clean(model, before)
+    with pytest.raises(InvalidArgumentError) as err:
+        tl.extract(shared_twice.model, shared_twice.args[0], ["block:2"], stop=True)
+    assert "pass index" in str(err.value)

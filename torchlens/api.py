@@ -29,7 +29,7 @@ from .errors import (
 from .plugins import choose_engine, engines
 from .store._trace_store import TraceStore
 
-__all__ = ["check_model", "extract", "rerun", "trace", "trace_until"]
+__all__ = ["check_model", "extract", "rerun", "stops_on_modules", "trace", "trace_until"]
 
 
 def check_model(model: Any) -> nn.Module:
@@ -358,7 +358,7 @@ def trace_until(model: nn.Module, args: tuple, kwargs: dict, until: Any, interve
 
 
 def extract(model: nn.Module, x: Any, sites: Any, *, grad: bool = False, backend: str | None = None,
-            intervene: Any = None) -> dict:
+            intervene: Any = None, stop: bool = False) -> dict:
     """Read activations in one forward; module outputs are read with forward hooks only.
 
     Args:
@@ -369,10 +369,17 @@ def extract(model: nn.Module, x: Any, sites: Any, *, grad: bool = False, backend
             ``{name: address_or_selector}`` (result keyed by name).
         intervene: ``tl.when(site, edit)``, a list of them, or a loaded recipe, applied while
             the forward runs (module edits with module reads still run on hooks only).
+        stop: stop the forward as soon as every site module has returned, so the rest of the
+            model (the final layers, the unembedding) never runs. Only for module sites
+            without a pass index; a site module the model would call again later is read at
+            its first call (``extract`` without ``stop`` refuses such an ambiguous read).
 
     Returns:
         ``{key: value}`` where a module's value is exactly what a forward hook on it sees;
         a selector matching several ops gives a list.
+
+    Raises:
+        InvalidArgumentError: ``stop=True`` with an op site, an op edit or a module pass index.
     """
     model = check_model(model)
     if isinstance(sites, dict):
@@ -394,6 +401,9 @@ def extract(model: nn.Module, x: Any, sites: Any, *, grad: bool = False, backend
                              intervene=_bound_steps(model, intervene))
     if not request.module_only():
         request.record_ops = True
+    if stop:
+        _check_stop(request)
+        request.stop_after_sites = True
     result = _capture(request, backend)
     out: dict[str, Any] = {}
     for key, sel in selectors.items():
@@ -404,6 +414,33 @@ def extract(model: nn.Module, x: Any, sites: Any, *, grad: bool = False, backend
             found = result.find_sites(sel)
             out[key] = found.first().out if len(found) == 1 else [s.out for s in found]
     return out
+
+
+def _check_stop(request: CaptureRequest) -> None:
+    """``extract(stop=True)`` stops on module hooks: every site and edit must be a whole module."""
+    paths = [p for sel in request.selectors() for p in (sel.module_paths() or [None])]
+    reads = set(request.sites.module_paths() or []) if request.sites is not None else set()
+    # A pass index on a read cannot be told apart from an earlier pass once stopped; on an edit it can.
+    bad = next((p for p in paths if p is None or (p in reads and module_address(request.model, p)[1] is not None)), 0)
+    if bad != 0:
+        what = "an op site or op edit" if bad is None else f"the pass index in {bad!r}"
+        raise InvalidArgumentError(f"extract(stop=True) stops after module outputs, but the request has {what}",
+                                   remedy="Read whole modules (no ':N' pass, no op selectors) or pass stop=False.")
+
+
+def stops_on_modules(model: nn.Module, sites: Any, intervene: Any = None) -> bool:
+    """True when ``extract(model, x, sites, intervene=..., stop=True)`` is allowed (module sites only)."""
+    named = sites.values() if isinstance(sites, dict) else sites if isinstance(sites, (list, tuple)) else [sites]
+    selectors = [bind(model, as_selector(s)) for s in named]
+    request = CaptureRequest(model, (), {}, record_ops=False, intervene=_bound_steps(model, intervene))
+    request.sites = selectors[0] if selectors else None
+    for sel in selectors[1:]:
+        request.sites = request.sites | sel
+    try:
+        _check_stop(request)
+    except InvalidArgumentError:
+        return False
+    return True
 
 
 def _module_value(result: Trace, path: str, key: str) -> Any:

@@ -66,6 +66,7 @@ class HooksEngine:
                 wanted[module_address(request.model, path)[0]] = None
         hooks = ModuleHooks(request.model)
         handed: list[tuple[ModuleCall, object, object]] = []
+        unread = dict(wanted) if request.stop_after_sites else {}
         for address in dict.fromkeys([*wanted, *edits, *stops]):
             steps = edits.get(address)
             stop_pass = stops.get(address, -1)
@@ -91,6 +92,8 @@ class HooksEngine:
                 trace.add_call(call)
                 if stop_pass != -1 and (stop_pass is None or stop_pass == info.pass_index):
                     raise StopCapture(info.address)
+                if unread and unread.pop(info.address, 0) is None and not unread:
+                    raise StopCapture(info.address)  # every site has given its output
                 return replaced
 
             hooks.on_output(address, on_output)

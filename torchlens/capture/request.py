@@ -34,6 +34,9 @@ class CaptureRequest:
     # the value back, ``close()`` once the forward ends): a disk store (store=) or a device offload.
     sink: Any = None
     max_bytes: int | None = None  # values held in memory beyond this raise CaptureMemoryError (None: no limit)
+    # Stop the forward once every site module has returned (module hooks only; the model's own
+    # output is then never computed): what a reader of early layers needs and nothing more.
+    stop_after_sites: bool = False
 
     def selectors(self) -> list[Selector]:
         found = [w.site for w in self.intervene]

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..api import check_model, extract
+from ..api import check_model, extract, stops_on_modules
 from ..core.tree import first_tensor
 from ..errors import DatasetError, DatasetRowError, InvalidArgumentError
 from ._batches import Batch, RawBatch, ShardPlan
@@ -33,12 +33,18 @@ SAMPLES_PER_PARAM = 1024  # values hashed per parameter: different weights, diff
 class SiteReader:
     """The per-batch function of ``tl.cache_activations``: the sites' values, as ``tl.extract`` reads them."""
 
-    def __init__(self, sites: Any, intervene: Any = None) -> None:
+    def __init__(self, sites: Any, intervene: Any = None, stop_early: bool = True) -> None:
         self.sites = sites
         self.intervene = intervene
+        # None: not decided yet. The first batch in each process runs the whole forward (which
+        # refuses a site module that runs twice); later ones stop after the last site when
+        # every site is a whole module.
+        self.stop: bool | None = None if stop_early else False
 
     def __call__(self, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
-        values = extract(model, batch.inputs(model), self.sites, intervene=self.intervene)
+        values = extract(model, batch.inputs(model), self.sites, intervene=self.intervene, stop=bool(self.stop))
+        if self.stop is None:
+            self.stop = stops_on_modules(model, self.sites, self.intervene)
         out = {}
         for key, value in values.items():
             tensor = first_tensor(value) if not isinstance(value, list) else None

@@ -55,6 +55,7 @@ def cache_activations(
     ray_address: str | None = None,
     progress: bool | None = None,
     overwrite: bool = False,
+    stop_early: bool = True,
 ) -> ActivationDataset:
     """Store the sites' activations at every real token of a dataset, as safetensors shards.
 
@@ -86,6 +87,11 @@ def cache_activations(
         ray_address: a Ray cluster to connect to when Ray is not initialised (default: a local one).
         progress: a tqdm bar with tokens/s (default: on when stderr is a terminal).
         overwrite: discard a different job found in ``out`` instead of refusing.
+        stop_early: when every site is a whole module, stop each forward once the last site
+            has returned (the later layers and the unembedding never run; stored values are the
+            same). The first batch in each process runs whole and refuses a site module that
+            runs twice per forward. Pass ``False`` for a model whose control flow differs
+            between batches so that a site module may run again after the others.
 
     Returns:
         the :class:`ActivationDataset` on ``out``.
@@ -98,7 +104,7 @@ def cache_activations(
         ShardWriteError: a shard could not be written (disk full); rerun to resume.
     """
     _check_sites(sites)
-    reader = SiteReader(sites, intervene)
+    reader = SiteReader(sites, intervene, stop_early)
     args = {"kind": "cache_activations", "sites": _describe_sites(sites), "intervene": _describe_intervene(intervene)}
     return _run(model, data, reader, True, args, out=out, batch_size=batch_size, tokenizer=tokenizer, dtype=dtype,
                 shard_size=shard_size, max_length=max_length, text_column=text_column,
