@@ -123,8 +123,9 @@ def test_stop_early_is_off_for_op_sites(tiny_gpt2, tmp_path):
     calls = []
     handle = tiny_gpt2.model.lm_head.register_forward_hook(lambda *a: calls.append(1))
     try:
-        tl.cache_activations(tiny_gpt2.model, ROWS[:6], {"act": tl.in_module("transformer.h.0.mlp.act") & tl.func("tanh")}, out=tmp_path / "j",
-                             batch_size=3, progress=False)
+        site = tl.in_module("transformer.h.0.mlp.act") & tl.func("tanh")
+        tl.cache_activations(tiny_gpt2.model, ROWS[:6], {"act": site}, out=tmp_path / "j", batch_size=3,
+                             progress=False)
     finally:
         handle.remove()
     assert len(calls) == 2  # every forward ran whole
