@@ -476,7 +476,8 @@ def test_source_operations_read_and_edit():
     check(idiom)
     nn_source = real_nnsight.NNsight(gpt2()).transformer.h[0].attn.source
     tl_source = shim.NNsight(gpt2()).transformer.h[0].attn.source
-    assert list(tl_source) == list(nn_source.compiled.names)
+    # iterating yields the operations, as nnsight's does; their names in execution order
+    assert [op.name for op in tl_source] == [op.name for op in nn_source] == list(nn_source.compiled.names)
     with pytest.raises(errors.SourceNotAvailableError):
         tl_source.no_such_op_0  # noqa: B018 - the lookup itself must raise
 

@@ -37,6 +37,8 @@ LAYOUT = {
     "modeling.vllm": (["VLLM"], "_unsupported"),
     "intervention.envoy": (["Envoy", "traceable"], "envoy"),
     "intervention.eproperty": (["eproperty"], "_served"),
+    "intervention.aliasing": (["bind", "named", "spellings", "path_ends_with"], "aliasing"),
+    "modeling.huggingface": (["HuggingFaceModel"], "modeling.huggingface"),
     "intervention.interleaver": (["EarlyStopException", "OutOfOrderError", "Event", "Pending"], "interleaver"),
     "intervention.tracer": (["InterleavingTracer", "Invoker", "Tracer"], "tracer"),
     "intervention.iterator": (["Iterations"], "tracer"),

@@ -160,9 +160,10 @@ class Worker:
         occurrence = self.occurrence(location)
         batcher = self.run.batcher
         while pending is not None and pending.location == location and pending.occurrence == occurrence:
-            if self.iteration:
+            if self.iteration and pending.occurrence == self.iteration:
                 # The first hit of a pinned step > 0 relaxes the pin, so the rest
-                # of that step's requests follow the model in order.
+                # of that step's requests follow the model in order (a held view's
+                # write-back, swapped in at an earlier step, is no hit of this one).
                 self.iteration = None
             kind = pending.kind
             if kind == VALUE:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import re
 import sys
 import warnings
 import weakref
@@ -25,13 +24,13 @@ from typing import Any
 
 import torch
 
-from . import _worker
+from . import _worker, aliasing
 from ._blocks import find_block
 from ._driver import drive
 from ._node import ModuleNode
 from ._served import Served, eproperty, first_input_repack, first_input_view
 from .batching import Batcher
-from .errors import BatchingNotSupportedError, NNsightDeprecationWarning, RemoteUnsupportedError, RenameError
+from .errors import BatchingNotSupportedError, NNsightDeprecationWarning, RemoteUnsupportedError
 from .interleaver import Tree
 from .source import Source
 from .tracer import EditingTracer, InterleavingTracer, Iterations, ScanningTracer, Tracer
@@ -109,7 +108,7 @@ class Envoy(ModuleNode):
             if child is not None:
                 self._wrap_envoy(name, child)
         if rename:
-            self._bind_aliases(rename)
+            aliasing.bind(self, rename)
 
     # -- the tree ------------------------------------------------------------------
     def _wrap_envoy(self, name: str, module: torch.nn.Module) -> Envoy:
@@ -158,6 +157,12 @@ class Envoy(ModuleNode):
         return envoy
 
     def _envoy_class(self, module: torch.nn.Module, path: str) -> type[Envoy]:
+        """The envoy class ``envoys=`` gives the module at ``path`` (by class, then by path suffix).
+
+        A string key matches the native path first; failing that, any spelling of the path
+        under the root's ``rename=`` aliases (``envoys={"layers.*": Block}`` beside
+        ``rename={"transformer.h": "layers"}``).
+        """
         mapping = self._envoys
         if mapping is None:
             return Envoy
@@ -166,99 +171,17 @@ class Envoy(ModuleNode):
         for cls in type(module).__mro__:
             if cls in mapping:
                 return mapping[cls]
-        for key, envoy_cls in mapping.items():
-            if isinstance(key, str) and (path == key or path.endswith("." + key)):
+        keys = [(key, cls) for key, cls in mapping.items() if isinstance(key, str)]
+        for key, envoy_cls in keys:
+            if aliasing.path_ends_with(path, key):
                 return envoy_cls
+        rename = self.root._rename
+        if keys and rename:
+            for spelled in aliasing.spellings(rename, path, module)[1:]:
+                for key, envoy_cls in keys:
+                    if aliasing.path_ends_with(spelled, key):
+                        return envoy_cls
         return Envoy
-
-    def _bind_aliases(self, rename: dict) -> None:
-        """``rename={"transformer.h": "layers"}``: extra spellings for existing paths."""
-        for real, alias in rename.items():
-            aliases = [alias] if isinstance(alias, str) else list(alias)
-            if isinstance(real, type):
-                self._bind_class_aliases(real, aliases)
-                continue
-            if not isinstance(real, str):
-                continue
-            real = real.lstrip(".")  # ".mlp" is "mlp": relative to wherever it matches
-            if "*" in real:
-                self._bind_wildcard_aliases(real, aliases)
-                continue
-            if any(_is_served_name(part) for part in real.split(".")):
-                # `.output` & co. are the served values, whatever submodule shares the name
-                self._bind_attribute_alias(real, aliases)
-                continue
-            matched = False
-            for envoy in self.modules():
-                relative = envoy.path[len(self.path) + 1 :] if envoy is not self else ""
-                parent = envoy.parent
-                if relative == real or relative.endswith("." + real) and parent is not None:
-                    matched = True
-                    holder = parent if "." not in real else self
-                    for name in aliases:
-                        if _claim_alias(holder, name, envoy, real):
-                            object.__setattr__(holder, name, envoy)
-                            holder._aliases[name] = real if holder is self else real.rsplit(".", 1)[-1]
-                elif real == type(envoy._module).__name__ and parent is not None:
-                    for name in aliases:
-                        object.__setattr__(parent, name, envoy)
-            if not matched and "." in real:
-                self._bind_attribute_alias(real, aliases)
-
-    def _bind_attribute_alias(self, real: str, aliases: list[str]) -> None:
-        """A dotted key written against attributes (``block.E_output``, a self-naming ``base_model``).
-
-        It is read the way user code reads it, attribute by attribute from this envoy, so a
-        served value on the way (``block.output``) raises as reading it outside a trace does.
-        """
-        target: Any = self
-        for part in real.split("."):
-            target = getattr(target, part, None)
-            if target is None:
-                return  # names nothing here: skipped, as any key that does not resolve
-        if isinstance(target, Envoy):
-            for name in aliases:
-                if _claim_alias(self, name, target, real):
-                    object.__setattr__(self, name, target)
-                    self._aliases[name] = real
-
-    def _bind_wildcard_aliases(self, key: str, aliases: list[str]) -> None:
-        """``rename={"*.h": "layers"}``: ``*`` is one path component; the one match under an envoy binds there."""
-        pattern = re.compile("^" + r"[^.]+".join(re.escape(part) for part in key.split("*")) + "$")
-        envoys = self.modules()
-        for holder in envoys:
-            prefix = holder.path + "."
-            matches = [e for e in envoys if e.path.startswith(prefix) and pattern.match(e.path[len(prefix):])]
-            if len(matches) > 1:
-                names = ", ".join(e.path[len(prefix):] for e in matches)
-                raise RenameError(
-                    f"rename: {key!r} matches {len(matches)} modules under `{holder.path}` ({names}); "
-                    "a wildcard must single out one module"
-                )
-            if matches:
-                target, relative = matches[0], matches[0].path[len(prefix):]
-                for alias in aliases:
-                    if _claim_alias(holder, alias, target, relative):
-                        object.__setattr__(holder, alias, target)
-                        holder._aliases[alias] = relative
-
-    def _bind_class_aliases(self, cls: type, aliases: list[str]) -> None:
-        """``rename={SomeModule: "alias"}``: under each envoy, the one child of that class gets the alias."""
-        for holder in self.modules():
-            named = [(name, child) for name, child in holder._module._modules.items() if isinstance(child, cls)]
-            if len(named) > 1:
-                names = ", ".join(name for name, _ in named)
-                raise RenameError(
-                    f"rename={{{cls.__name__}: {aliases!r}}}: the class matches {len(named)} modules under "
-                    f"`{holder.path}` ({names}); name the path instead"
-                )
-            if named:
-                name, _ = named[0]
-                child = getattr(holder, name)
-                for alias in aliases:
-                    if alias != name and _claim_alias(holder, alias, child, name):
-                        object.__setattr__(holder, alias, child)
-                        holder._aliases[alias] = name
 
     def _named_children(self) -> list[tuple[str, Envoy]]:
         named = list(self._child_map.items())
@@ -538,31 +461,6 @@ class Envoy(ModuleNode):
             else:
                 text += "\n  " + "\n  ".join(lines) + "\n"
         return text + ")"
-
-
-def _claim_alias(holder: Envoy, name: str, envoy: Envoy, real: str) -> bool:
-    """Whether ``holder.name`` may become an alias of ``envoy``; a `RenameError` when it would hide something.
-
-    ``False`` (nothing to do) when the name already reaches that very envoy: an alias equal to
-    the child's own name, or a second path to one shared module.
-    """
-    current = holder.__dict__.get(name)
-    if current is envoy:
-        return False
-    where = f"rename={{{real!r}: {name!r}}}"
-    if name in holder._aliases:
-        raise RenameError(f"{where}: the alias {name!r} is already bound here from {holder._aliases[name]!r}")
-    module = holder._module
-    if name in module._modules:
-        raise RenameError(f"{where}: the alias {name!r} would shadow the child module {name!r} of {holder.path}")
-    if current is not None or name in ("interleaver",):
-        raise RenameError(f"{where}: the alias {name!r} would shadow the envoy's own state {name!r}")
-    owner = next((cls for cls in type(holder).__mro__ if name in vars(cls)), None)
-    if owner is not None and owner is not object:
-        raise RenameError(f"{where}: the alias {name!r} would shadow {owner.__name__}.{name}")
-    if hasattr(module, name):
-        raise RenameError(f"{where}: the alias {name!r} would shadow the module's own attribute {name!r}")
-    return True
 
 
 def _is_served_name(name: str) -> bool:

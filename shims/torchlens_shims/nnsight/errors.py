@@ -36,6 +36,8 @@ __all__ = [
     "InternalsUnsupportedError",
     "RenameError",
     "MaskTokenMissingError",
+    "InputFieldError",
+    "AttentionImplementationError",
 ]
 
 
@@ -137,6 +139,25 @@ class RenameError(NNsightShimError, ValueError):
     remedy = (
         "Pick an alias the envoy, its module and its children do not already answer to, and give "
         "each alias to one path only."
+    )
+
+
+class InputFieldError(NNsightShimError, ValueError):
+    """A model input field does not fit the rows or positions of the token ids beside it."""
+
+    remedy = (
+        "Give every per-row field one row per sequence of the ids (or one row, for token_type_ids and "
+        "position_ids, to share), per-token fields as wide as the ids, and a pad token to pad rows of "
+        "different lengths (model.tokenizer.pad_token)."
+    )
+
+
+class AttentionImplementationError(NNsightShimError, ValueError):
+    """The model cannot be switched to the attention implementation asked for."""
+
+    remedy = (
+        "Use an implementation transformers supports for this model and machine (\"eager\" always works; "
+        "\"sdpa\" for most models; flash attention needs its package and a GPU)."
     )
 
 

@@ -71,7 +71,7 @@ class Run:
     # Slots: every gate reads several of these on every module call.
     __slots__ = (
         "workers", "batcher", "counts", "parked", "observers", "thread", "owner", "hooksets",
-        "hooked", "attached", "deliver", "once", "stack", "hooked_mid_call", "skipping",
+        "hooked", "attached", "deliver", "once", "stack", "hooked_mid_call", "skipping", "drilled",
     )
 
     def __init__(self, workers: list[Worker], batcher: Batcher | None, hooksets: list[HookSet] = ()) -> None:
@@ -93,6 +93,9 @@ class Run:
         self.once: set[int] = set()
         self.stack: list[int] = []  # modules whose forward is running (pushed by their gates)
         self.hooked_mid_call: set[int] = set()  # modules first hooked while their forward ran
+        # `.source` operations drilled into this run (op path -> the instrumented callable
+        # that call runs instead, and its Compiled): see `source.SourceOp.source`
+        self.drilled: dict[str, tuple] = {}
         self.skipping: int | None = None  # module whose skip check is serving a block
 
     def ensure(self, location: str) -> None:

@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 from torch._guards import detect_fake_mode
+from transformers import GenerationConfig
 
-from .errors import BatchingNotSupportedError
+from .errors import BatchingNotSupportedError, InputFieldError
 
 __all__ = [
     "ROW_FIELDS",
@@ -35,6 +36,7 @@ __all__ = [
     "is_token_ids",
     "positions",
     "preprocess_invoke",
+    "rows_with_fields",
     "split",
     "supply_position_ids",
 ]
@@ -50,8 +52,11 @@ ROW_FIELDS: dict[str, Any] = {
     "labels": -100,
     "decoder_input_ids": None,
     "decoder_attention_mask": 0,
+    "decoder_inputs_embeds": 0.0,
 }
-TARGET_FIELDS = frozenset({"decoder_input_ids", "decoder_attention_mask"})
+# any other per-token field (``global_attention_mask`` ...) pads with this
+OTHER_PAD = 0
+TARGET_FIELDS = frozenset({"decoder_input_ids", "decoder_attention_mask", "decoder_inputs_embeds"})
 SHARED_FIELDS = frozenset({"token_type_ids", "position_ids"})
 TOKENIZER_KWARGS = frozenset({"add_special_tokens", "truncation", "padding", "tokenizer_encode_kwargs"})
 
@@ -150,12 +155,49 @@ def encode_pretokenized(encoding: dict) -> tuple[list[dict], dict]:
     for key, value in fields.items():
         parts, _ = split(key, value, batched, width)
         if len(parts) == 1 and key in SHARED_FIELDS:
-            parts = parts * len(items)
+            parts = parts * len(items)  # one segment / position row serves every row
         if len(parts) != len(items):
-            raise ValueError(f"`{key}` has {len(parts)} rows, but `{source}` has {len(items)}.")
+            raise InputFieldError(f"`{key}` has {len(parts)} rows, but `{source}` has {len(items)}.")
+        if key in SHARED_FIELDS and parts[0].shape[-1] != width:
+            raise InputFieldError(f"`{key}` has {parts[0].shape[-1]} positions for a row of {width}.")
         for item, part in zip(items, parts):
             item[key] = part
-    return items, forward
+    return items, forward, batched
+
+
+_GENERATION_OPTIONS = frozenset(vars(GenerationConfig()))
+
+
+def _is_per_row(key: str, value: Any) -> bool:
+    """A field beside the ids that may hold one entry per row (a tensor, or nested lists of numbers)."""
+    if key in _GENERATION_OPTIONS or key in TOKENIZER_KWARGS:
+        return False  # `bad_words_ids=[[...]]` & co. configure generation, they are no rows
+    if isinstance(value, torch.Tensor):
+        return value.dim() > 0
+    leaf = value
+    while isinstance(leaf, (list, tuple)) and leaf:
+        leaf = leaf[0]
+    return leaf is not value and isinstance(leaf, numbers.Number)
+
+
+def rows_with_fields(encoding: dict) -> tuple[list[dict], dict]:
+    """One invoke's rows, carrying its per-example fields outside the table (``start_positions`` ...).
+
+    A field the table does not know is split into the invoke's rows when it has one entry
+    per row, so invokes batch it as the model would see it batched; any other value stays
+    a forward keyword.
+    """
+    items, forward, batched = encode_pretokenized(encoding)
+    width = items[0][input_key(items[0])].shape[1]
+    kept = {}
+    for key, value in forward.items():
+        parts = split(key, value, batched, width)[0] if _is_per_row(key, value) else []
+        if len(parts) != len(items):
+            kept[key] = value
+            continue
+        for item, part in zip(items, parts):
+            item[key] = part
+    return items, kept
 
 
 def _has_other_tensors(encoding: Mapping) -> bool:
@@ -174,10 +216,10 @@ def preprocess_invoke(model: Any, data: Any, kwargs: dict) -> tuple[list[dict] |
                 for k, v in encoding.items()
                 if k in ROW_FIELDS and v is not None
             ):
-                rows, forward = encode_pretokenized(encoding)
+                rows, forward, _ = encode_pretokenized(encoding)
                 encoding = {**collate(model, rows), **forward}
             return None, ((), encoding)
-        return encode_pretokenized(encoding)
+        return encode_pretokenized(encoding)[:2]
     tokenizer = model.tokenizer
     if tokenizer is None:
         raise ValueError(
@@ -217,11 +259,11 @@ def positions(mask: torch.Tensor) -> torch.Tensor:
 def _pad(model: Any, key: str, rows: list[torch.Tensor], left: bool) -> torch.Tensor:
     rows = [row.to(rows[0].device) for row in rows]
     if len({row.shape[1:] for row in rows}) > 1:
-        value = ROW_FIELDS[key]
+        value = ROW_FIELDS.get(key, OTHER_PAD)
         if value is None:
             value = getattr(model.tokenizer, "pad_token_id", None)
             if value is None:
-                raise ValueError(
+                raise InputFieldError(
                     f"can't pad `{key}` rows of different lengths without a pad token; set "
                     "model.tokenizer.pad_token"
                 )
@@ -255,17 +297,18 @@ def collate(model: Any, items: list[dict]) -> dict:
                     item[key] = torch.full(ids.shape[:2], ROW_FIELDS["labels"], dtype=torch.long)
                 else:
                     having = sum(key in other for other in items)
-                    raise ValueError(
+                    raise InputFieldError(
                         f"can't batch these invokes: {having} of {len(items)} rows have `{key}`; pass it "
                         "in every invoke or in none"
                     )
     side = getattr(model.tokenizer, "padding_side", None) or "right"
     encoding = {}
     for key in keys:
-        if key in ROW_FIELDS:
-            encoding[key] = _pad(model, key, [item[key] for item in items], side == "left" and key not in TARGET_FIELDS)
+        rows = [item[key] for item in items]
+        if key in ROW_FIELDS or rows[0].dim() > 1:  # a per-token field: padded to the widest row
+            encoding[key] = _pad(model, key, rows, side == "left" and key not in TARGET_FIELDS)
         else:
-            encoding[key] = torch.cat([item[key] for item in items])
+            encoding[key] = torch.cat(rows)
     return encoding
 
 
@@ -294,11 +337,17 @@ def batch_forward(model: Any, invokes: list[tuple[tuple, dict]]) -> tuple[tuple,
     items: list[dict] = []
     forward: dict = {}
     for inputs, kwargs in invokes:
-        rows, extra = preprocess_invoke(model, inputs[0] if inputs else None, kwargs)
-        if rows is None:
-            if len(invokes) > 1:
-                raise BatchingNotSupportedError("can't batch these inputs; pass text or token ids")
-            return extra
+        data = inputs[0] if inputs else None
+        encoding = as_encoding(data, kwargs) if len(invokes) > 1 else None
+        if encoding is not None and input_key(encoding) is not None:
+            # ids beside per-example fields: each field travels with its rows into the batch
+            rows, extra = rows_with_fields(encoding)
+        else:
+            rows, extra = preprocess_invoke(model, data, kwargs)
+            if rows is None:
+                if len(invokes) > 1:
+                    raise BatchingNotSupportedError("can't batch these inputs; pass text or token ids")
+                return extra
         items.extend(rows)
         forward.update(extra)
     encoding = collate(model, items)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from ..source import STATE, Controller, Source, SourceNotAvailable, SourceOp
 
+SourceEnvoy = SourceOp  # nnsight's name for one operation (`envoy.source.<op>_<n>`)
+
 __all__ = [
     "STATE",
     "Controller",
     "Source",
+    "SourceEnvoy",
     "SourceNotAvailable",
     "SourceOp",
 ]

@@ -20,12 +20,14 @@ import transformers
 from .. import processing
 from ..envoy import Envoy, traceable
 from ..errors import (
+    AttentionImplementationError,
     MaskTokenMissingError,
     ModelDownloadError,
     NNsightDeprecationWarning,
     TaskInferenceError,
     TensorParallelUnsupportedError,
 )
+from .huggingface import HuggingFaceModel
 
 __all__ = ["Generator", "GeneratorEnvoy", "LanguageModel", "TransformersModel"]
 
@@ -46,7 +48,6 @@ _TASK_AUTO = {
     "feature-extraction": "AutoModel",
 }
 _TP_KWARGS = ("tp_plan", "distributed_config", "tp_size", "device_mesh")
-_ENVOY_KWARGS = ("envoys", "rename")
 
 
 class _Passthrough(torch.nn.Module):
@@ -111,41 +112,44 @@ def _infer_task(module: torch.nn.Module) -> str:
     )
 
 
-def _load_local(repo_id: str, task: str | None, revision: str | None, kwargs: dict) -> tuple[Any, str, Any]:
-    """A checkpoint from a local directory or the local cache, never from the network."""
+def _local_config(repo_id: str, revision: str | None) -> Any:
+    """The checkpoint's config from a local directory or the local cache, never from the network."""
     try:
-        config = transformers.AutoConfig.from_pretrained(repo_id, revision=revision, local_files_only=True)
+        return transformers.AutoConfig.from_pretrained(repo_id, revision=revision, local_files_only=True)
     except (OSError, ValueError) as error:
         raise ModelDownloadError(
             f"{repo_id!r} is neither a local checkpoint directory nor in the local cache, and the shim "
             "does not download models",
             repo_id=repo_id,
         ) from error
-    if task is None:
-        names = getattr(config, "architectures", None) or []
-        task = next(
-            (t for name in names for suffix, t in _ARCH_TASK.items() if name.endswith(suffix)),
-            "feature-extraction",
-        )
-    auto = getattr(transformers, _TASK_AUTO.get(task, "AutoModel"))
-    wanted = ("dtype", "torch_dtype", "attn_implementation", "trust_remote_code")
-    load = {k: v for k, v in kwargs.items() if k in wanted}
-    module = auto.from_pretrained(repo_id, revision=revision, local_files_only=True, **load)
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(repo_id, revision=revision, local_files_only=True)
-    except (OSError, ValueError):
-        tokenizer = None
-    return module.eval(), task, tokenizer
 
 
-class TransformersModel(Envoy):
+def _config_task(config: Any) -> str:
+    names = getattr(config, "architectures", None) or []
+    return next(
+        (t for name in names for suffix, t in _ARCH_TASK.items() if name.endswith(suffix)),
+        "feature-extraction",
+    )
+
+
+_LOAD_KWARGS = ("dtype", "torch_dtype", "attn_implementation", "trust_remote_code")
+
+
+class TransformersModel(HuggingFaceModel):
     """A transformers model traced with text inputs; see the module docstring.
+
+    Built from a hub id or a local directory, the model is first built on the ``meta``
+    device (``_load_meta``: the architecture and the tokenizer, no weights) and loads its
+    weights (``_load``) on ``dispatch()``, ``dispatch=True`` or the first trace, as in
+    nnsight; a subclass overrides those two steps to build the model its own way. A
+    module given directly is used as it is.
 
     Attributes:
         tokenizer: the tokenizer prompts go through (its pad token and padding side
             are set as nnsight sets them: EOS padding, left side for causal LMs).
         task: the pipeline task (inferred from the model when not given).
         generator: the module generated ids pass through (``.streamer`` per step).
+        dispatched: whether the real weights are loaded.
     """
 
     def __init__(
@@ -167,38 +171,103 @@ class TransformersModel(Envoy):
                     f"{key}= asks for a tensor-parallel load; the shim runs one local eager forward",
                     option=key,
                 )
-        envoy_kwargs = {k: kwargs.pop(k) for k in _ENVOY_KWARGS if k in kwargs}
-        object.__setattr__(self, "processor", processor)
-        object.__setattr__(self, "image_processor", image_processor)
-        object.__setattr__(self, "feature_extractor", feature_extractor)
-        object.__setattr__(self, "revision", revision)
-        object.__setattr__(self, "pipeline", None)
-        object.__setattr__(self, "peft", kwargs.pop("peft", None))
+        # set before loading: a subclass's `_load_meta` reads (and may fill) them
+        for name, value in (
+            ("tokenizer", tokenizer),
+            ("processor", processor),
+            ("image_processor", image_processor),
+            ("feature_extractor", feature_extractor),
+            ("task", task),
+            ("pipeline", None),
+            ("peft", kwargs.pop("peft", None)),
+            ("args", args),
+        ):
+            object.__setattr__(self, name, value)
+        super().__init__(repo_id, *args, revision=revision, dispatch=dispatch, **kwargs)
         if isinstance(repo_id, torch.nn.Module):
-            module = repo_id
-            object.__setattr__(self, "repo_id", getattr(module, "name_or_path", None))
-            task = task or _infer_task(module)
-        else:
-            object.__setattr__(self, "repo_id", repo_id)
-            module, task, loaded = _load_local(repo_id, task, revision, kwargs)
-            tokenizer = tokenizer or loaded
-        object.__setattr__(self, "task", task)
-        object.__setattr__(self, "tokenizer", tokenizer)
-        object.__setattr__(self, "args", args)
-        object.__setattr__(self, "kwargs", kwargs)
-        super().__init__(module, **envoy_kwargs)
+            object.__setattr__(self, "repo_id", getattr(repo_id, "name_or_path", None))
+            if self.task is None:
+                object.__setattr__(self, "task", _infer_task(repo_id))
+
+    def _built(self) -> None:
         generator = GeneratorEnvoy(Generator(), path=f"{self.path}.generator", tree=self._tree, parent=self)
         object.__setattr__(self, "generator", generator)
         self._children.append(generator)
         self._standalone.append(generator)
         self._configure_tokenizer()
 
-    @property
-    def dispatched(self) -> bool:
-        return True
+    # -- loading (a subclass may override both) ----------------------------------------------
+    def _auto_class(self, config: Any) -> Any:
+        if self.task is None:
+            object.__setattr__(self, "task", _config_task(config))
+        return getattr(transformers, _TASK_AUTO.get(self.task, "AutoModel"))
 
-    def dispatch(self) -> TransformersModel:
-        return self
+    def _load_meta(self, repo_id: str, *args: Any, **kwargs: Any) -> torch.nn.Module:
+        """The architecture from the local config, on the meta device, and the local tokenizer."""
+        config = _local_config(repo_id, self.revision)
+        load = {k: v for k, v in kwargs.items() if k in _LOAD_KWARGS}
+        module = self._auto_class(config).from_config(config, **load)
+        if self.tokenizer is None:
+            self._load_tokenizer(repo_id)
+        return module.eval()
+
+    def _load(self, repo_id: str, *args: Any, **kwargs: Any) -> torch.nn.Module:
+        """The checkpoint's weights from a local directory or the local cache."""
+        config = _local_config(repo_id, self.revision)
+        load = {k: v for k, v in kwargs.items() if k in _LOAD_KWARGS}
+        module = self._auto_class(config).from_pretrained(
+            repo_id, revision=self.revision, local_files_only=True, **load
+        )
+        if self.tokenizer is None:
+            self._load_tokenizer(repo_id)
+        return module.eval()
+
+    def _load_tokenizer(self, repo_id: str) -> None:
+        """The checkpoint's tokenizer, when it has one on disk (a model may have none)."""
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(
+                repo_id, revision=self.revision, local_files_only=True
+            )
+        except (OSError, ValueError):
+            tokenizer = None
+        object.__setattr__(self, "tokenizer", tokenizer)
+
+    # -- attention implementation -------------------------------------------------------------
+    @property
+    def attn_implementation(self) -> str | None:
+        """The attention implementation transformers resolved for this model (``"sdpa"``, ``"eager"``…)."""
+        return getattr(getattr(self._module, "config", None), "_attn_implementation", None)
+
+    def set_attn_implementation(self, name: str) -> None:
+        """Switch the model's attention implementation (``"eager"`` returns attention weights).
+
+        Args:
+            name: an implementation transformers knows (``"eager"``, ``"sdpa"``, …); kept for
+                the weights a later dispatch loads.
+
+        Raises:
+            AttentionImplementationError: transformers does not know or cannot use ``name`` for
+                this model (the model keeps its implementation).
+        """
+        if name == self.attn_implementation:
+            return
+        try:
+            self._module.set_attn_implementation(name)
+        except (ValueError, ImportError) as error:
+            raise AttentionImplementationError(
+                f"can't switch {type(self._module).__name__} to attn_implementation={name!r}: {error}"
+            ) from error
+        self._load_kwargs["attn_implementation"] = name
+
+    def _remoteable_get_env(self) -> dict:
+        """nnsight's name: the settings a run depends on (the attention implementation)."""
+        return {"attn_implementation": self.attn_implementation}
+
+    def _remoteable_set_env(self, env: dict | None) -> None:
+        """nnsight's name: apply `_remoteable_get_env` settings (a missing key changes nothing)."""
+        requested = (env or {}).get("attn_implementation")
+        if requested is not None:
+            self.set_attn_implementation(requested)
 
     def _is_encoder_decoder(self) -> bool:
         return bool(getattr(getattr(self._module, "config", None), "is_encoder_decoder", False))
@@ -209,8 +278,8 @@ class TransformersModel(Envoy):
 
     def _configure_tokenizer(self) -> None:
         tokenizer = self.tokenizer
-        if tokenizer is None:
-            return
+        if tokenizer is None or not hasattr(tokenizer, "pad_token"):
+            return  # not a transformers tokenizer (a subclass's own): nothing to set
         if tokenizer.pad_token is None and tokenizer.eos_token is not None:
             tokenizer.pad_token = tokenizer.eos_token
         if self._is_causal():

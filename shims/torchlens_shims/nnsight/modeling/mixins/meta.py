@@ -8,9 +8,11 @@ the first trace.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
+from torch._guards import detect_fake_mode
 from torch.overrides import TorchFunctionMode
 
 from ...envoy import Envoy
@@ -74,19 +76,39 @@ class Meta(Loadable):
             dispatched = False
         object.__setattr__(self, "dispatched", dispatched)
         Envoy.__init__(self, module, **envoy_kwargs)
+        self._built()
 
     def _load_meta(self, *args: Any, **kwargs: Any) -> torch.nn.Module:
         raise NotImplementedError(f"{type(self).__name__} defines no _load_meta(); subclass Meta and define it")
 
+    def _built(self) -> None:
+        """Called after the envoy tree is (re)built over a module; subclasses add what they own."""
+
     def dispatch(self) -> Meta:
-        """Load the real module (once) and point every envoy of the tree at it."""
+        """Load the real module (once) and point every envoy of the tree at it.
+
+        Returns:
+            This model, now on its real weights (stored ``model.edit()`` bodies are kept).
+        """
         if not self.dispatched:
             module = self._load(*self._load_args, **self._load_kwargs)
-            Envoy.__init__(self, module, path=self.path, **self._envoy_kwargs)
+            edits = self._edits
+            with warnings.catch_warnings():
+                # the same architecture again: its moved-submodule warnings were given at the meta build
+                warnings.filterwarnings("ignore", message=".*has a submodule named", category=UserWarning)
+                Envoy.__init__(self, module, path=self.path, **self._envoy_kwargs)
+            object.__setattr__(self, "_edits", edits)
             object.__setattr__(self, "dispatched", True)
+            self._built()
         return self
 
     def trace(self, *args: Any, **kwargs: Any) -> Any:
         """`Envoy.trace` on the real weights: dispatches first when still on meta."""
         self.dispatch()
         return super().trace(*args, **kwargs)
+
+    def interleave(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """`Envoy.interleave` on the real weights, except under ``scan`` (fake tensors need none)."""
+        if detect_fake_mode() is None:
+            self.dispatch()
+        return super().interleave(fn, *args, **kwargs)
