@@ -9,6 +9,9 @@ activation peak (``plain_activation_mb``: the warm-up forward's peak above the c
   trace_all      tl.trace(model, ids): every op value in memory
   save_block     tl.trace(model, ids, save=tl.module("transformer.h.5")): values freed as the forward frees them
   store          tl.trace(model, ids, store=dir): every op value written to safetensors shards as it is produced
+                 (the store hands freed memory back at each shard: held_mb may be below the warm model's)
+  estimate       the pass over shapes tl.trace(..., max_bytes=n) runs before the forward (FakeTensorMode, no
+                 compute): its estimate of the values an every-op trace holds (compare trace_all's values_mb)
   offload_kept   a disk_offload()ed model (1 x 64 tokens), trace with save= one block: RSS held after the
                  capture, with the offloaded weights recorded as references (what TorchLens does) ...
   offload_copy   ... and with the materialised weights left in the recorded arguments (the second copy
@@ -26,7 +29,7 @@ import sys
 import tempfile
 import time
 
-CASES = ["plain", "trace_all", "save_block", "store", "offload_kept", "offload_copy"]
+CASES = ["plain", "trace_all", "save_block", "store", "estimate", "offload_kept", "offload_copy"]
 
 
 def _rss_mb(field: str) -> float:
@@ -85,25 +88,34 @@ def child(case: str, seq: int, tmp: str) -> dict:
         keep = tl.trace(model, ids, store=os.path.join(tmp, "store"))
         out["disk_mb"] = round(sum(os.path.getsize(os.path.join(tmp, "store", f))
                                    for f in os.listdir(os.path.join(tmp, "store"))) / 2**20, 1)
+    elif case == "estimate":
+        from torchlens.capture._estimate import estimate_capture
+
+        estimate = estimate_capture(model, (ids,), {}, lambda a, k: tl.trace(model, *a, max_bytes=None))
+        out["estimate_mb"] = round(estimate.nbytes / 2**20, 1)
     out["ms"] = round((time.perf_counter() - t0) * 1000, 1)
     out["peak_mb"] = round(_rss_mb("VmHWM") - before, 1)
     out["held_mb"] = round(_rss_mb("VmRSS") - before, 1)  # still held once the capture returned
     if keep is not None:
         out["ops"] = len(keep.ops)
         out["values_mb"] = round(keep.nbytes / 2**20, 1)
-        if case == "save_block":
+        if case in ("save_block", "store"):
             # The graph is Python objects (tracemalloc sees them; tensor storage it does not).
             import tracemalloc
 
             del keep
             tracemalloc.start()
-            again = tl.trace(model, ids, save=tl.module("transformer.h.5"))
+            again = tl.trace(model, ids, save=tl.module("transformer.h.5")) if case == "save_block" else \
+                tl.trace(model, ids, store=os.path.join(tmp, "store-again"))
             out["graph_bytes_per_op"] = round(tracemalloc.get_traced_memory()[0] / len(again.ops))
             tracemalloc.stop()
     return out
 
 
 def main() -> None:
+    if "--help" in sys.argv or "-h" in sys.argv:
+        print(__doc__)
+        return
     if "--child" in sys.argv:
         _, case, seq, tmp = sys.argv[sys.argv.index("--child"):][:4]
         print(json.dumps(child(case, int(seq), tmp)), flush=True)
@@ -124,6 +136,9 @@ def main() -> None:
     for case, r in results.items():
         r = dict(r)
         note = ""
+        if case == "estimate" and "trace_all" in results:
+            r["time_vs_in_memory"] = round(r["ms"] / results["trace_all"]["ms"], 2)
+            r["estimate_vs_values"] = round(r["estimate_mb"] / results["trace_all"]["values_mb"], 3)
         if case == "store" and "trace_all" in results:
             r["time_vs_in_memory"] = round(r["ms"] / results["trace_all"]["ms"], 2)
             r["disk_mb_per_s"] = round(r["disk_mb"] / (r["ms"] / 1000), 1)
@@ -132,6 +147,8 @@ def main() -> None:
             budget = 1.2 * plain + r["values_mb"] + r["graph_bytes_per_op"] * r["ops"] / 2**20
             r["target_mb"] = round(budget, 1)
             note = "within target" if r["peak_mb"] <= budget else "over target"
+        if case == "store":
+            note = "target: peak <= 300 MB above the warm model, time <= 2x the in-memory trace"
         if case.startswith("offload"):
             note = "RSS held after the capture (the trace alive)"
         print(json.dumps({"tool": "torchlens", "case": f"mem_{case}", **r,

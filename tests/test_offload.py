@@ -94,6 +94,24 @@ def test_func_selector_skips_dispatcher_moves(disk_mapped, plain):
     assert any(op.func_name == "to" for op in got.ops if op.flags & DISPATCH)
 
 
+def test_module_listings_hold_the_model_ops_only(dispatched, plain):
+    got = tl.trace(dispatched, IDS)
+    want = tl.trace(plain, IDS)
+    for address in ("transformer.h.1", "transformer.h.1.attn", "transformer", ""):
+        sel = tl.in_module(address)
+        labels = [s.label for s in got.find_sites(sel)]
+        assert labels == [s.label for s in want.find_sites(sel)], address
+        assert all(sel.matches_op(got[label].record) for label in labels)
+    dispatch = [op for op in got.ops if op.flags & DISPATCH]
+    assert not any(tl.in_module("").matches_op(op) or tl.in_module(op.module or "").matches_op(op)
+                   for op in dispatch)
+    for call in got.calls:
+        assert call.op_labels == want.module_call(call.key).op_labels, call.key
+    # Where the dispatcher moved something inside a block, the listing above really dropped it.
+    inside = [op for op in dispatch if op.module.startswith("transformer.h.")]
+    assert inside and all(op.label not in got.module_call(op.module + ":1").op_labels for op in inside)
+
+
 def test_validate_and_replay_through_offloaded_weights(dispatched, plain):
     trace = tl.trace(dispatched, IDS)
     report = tl.validate(trace)

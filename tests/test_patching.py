@@ -99,6 +99,31 @@ def test_activation_patching_equals_plain_hooks_every_cell(case_name, kind, requ
         assert abs(result.corrupted - float(metric(model(corrupt_ids)))) < ATOL
 
 
+@pytest.mark.parametrize("case_name", ["tiny_gpt2", "tiny_llama"])
+def test_declared_reads_equal_a_metric_reading_the_whole_output(case_name, request):
+    """logit_diff declares the two logits it reads (the LM head computes only those); a plain
+    function of the output replays the whole head. Both equal the plain-hooks cell."""
+    case = request.getfixturevalue(case_name)
+    model, clean_ids = case.model, case.args[0]
+    corrupt_ids = _corrupt(clean_ids, 1, 11)
+    declared = tl.patching.logit_diff(5, 11, position=-2)
+    assert declared.reads.columns == (5, 11)
+
+    def plain(output):  # no .reads: every cell computes the whole output
+        logits = output.logits[:, -2]
+        return (logits[:, 5] - logits[:, 11]).mean()
+
+    clean, corrupted = tl.trace(model, clean_ids), tl.trace(model, corrupt_ids)
+    fast = tl.patching.activation_patching(clean, corrupted, declared, site="resid_pre")
+    slow = tl.patching.activation_patching(clean, corrupted, plain, site="resid_pre")
+    assert torch.allclose(fast.values, slow.values, atol=ATOL)
+    donor = _read(model, clean_ids, "resid_pre", 1)
+    for p in range(clean_ids.shape[1]):
+        want = float(plain(_patched(model, corrupt_ids, "resid_pre", 1, p, donor)))
+        assert abs(float(fast.values[1, p]) - want) < ATOL, p
+    assert not corrupted.edits and torch.equal(corrupted.output.logits, model(corrupt_ids).logits.detach())
+
+
 @pytest.mark.parametrize("case_name,proj", [("tiny_gpt2", "c_proj"), ("tiny_llama", "o_proj")])
 def test_head_patching_equals_plain_hooks_every_cell(case_name, proj, request):
     case = request.getfixturevalue(case_name)

@@ -16,10 +16,11 @@ from conftest import edited_forward
 
 import torchlens as tl
 from torchlens.core.steps import REPLAY, Step
-from torchlens.edit._regions import WHOLE, Rows, diff_region
+from torchlens.edit._regions import WHOLE, RowPatch, Rows, diff_region
 from torchlens.edit._slicing import _hidden_from_earlier, _map_shape
+from torchlens.edit.reads import OutputRead, replay_read
 from torchlens.edit.replay import replay_step
-from torchlens.errors import GuardChangedError
+from torchlens.errors import GuardChangedError, ReplayNotExactError
 
 ATOL = 1e-5
 
@@ -146,3 +147,93 @@ def test_attention_visibility_rule():
     assert "not causal" in _hidden_from_earlier(torch.ones(5, 5, dtype=torch.bool), False, 5, 5, 2)
     additive = torch.zeros(5, 5).masked_fill(~causal, torch.finfo(torch.float32).min)
     assert _hidden_from_earlier(additive, False, 5, 5, 2) == ""
+
+
+# -- unbuilt rows and partial reads (issue 17's speed paths) ----------------------------------
+
+
+def test_recomputed_rows_stay_unbuilt_until_read_and_equal_full_replay(tiny_gpt2):
+    trace = tl.trace(tiny_gpt2.model, *tiny_gpt2.args)
+    last = tiny_gpt2.args[0].shape[1] - 1
+    sliced = trace.fork().do("transformer.h.0", _tl_edit(last))
+    full = _full_replay(trace, "transformer.h.0", _tl_edit(last))
+    rows = [e[0] for e in sliced.edits[-1].replay.entries if e[2] == "rows"]
+    indices = [trace.op_index(label) for label in rows]
+    # the logits (read by nothing during replay) and the row-wise chains are not copied yet
+    assert isinstance(sliced.value(_logits_op(trace), pending_ok=True), RowPatch)
+    assert sum(isinstance(sliced.value(i, pending_ok=True), RowPatch) for i in indices) > len(indices) // 2
+    for i in indices:  # built on read: the recorded rows before the edit, the recomputed ones after
+        got, want = sliced.value(i), full.value(i)
+        assert isinstance(got, torch.Tensor) and torch.allclose(got, want, atol=ATOL), trace.ops[i].label
+    assert not any(isinstance(v, RowPatch) for v in sliced.fork_state().values.values())
+    want = edited_forward(tiny_gpt2.model, "transformer.h.0", _at_position(last), tiny_gpt2.args).logits
+    assert torch.allclose(sliced.output.logits, want, atol=ATOL)
+
+
+def test_a_second_edit_on_the_same_fork_reads_the_first_ones_rows(tiny_gpt2):
+    trace = tl.trace(tiny_gpt2.model, *tiny_gpt2.args)
+    fork = trace.fork().do("transformer.h.0", _tl_edit(5)).do("transformer.h.1", _tl_edit(3, 0.5))
+
+    model = tiny_gpt2.model
+    handles = [model.transformer.h[0].register_forward_hook(lambda m, i, o: _at_position(5)(o)),
+               model.transformer.h[1].register_forward_hook(lambda m, i, o: _at_position(3, 0.5)(o))]
+    try:
+        with torch.no_grad():
+            want = model(*tiny_gpt2.args).logits
+    finally:
+        for h in handles:
+            h.remove()
+    assert torch.allclose(fork.output.logits, want, atol=ATOL)
+
+
+def _logits_op(trace) -> int:
+    logits = trace.output.logits
+    return next(r.index for r in trace.output_refs if r is not None and trace.value(r.index) is logits)
+
+
+@pytest.mark.parametrize("case_name", ["tiny_gpt2", "tiny_llama"])
+def test_partial_read_equals_full_replay_and_reexecution(case_name, request):
+    case = request.getfixturevalue(case_name)
+    trace = tl.trace(case.model, *case.args)
+    seq = case.args[0].shape[1]
+    cols = (3, 11)
+    for p in range(seq):
+        fork = trace.fork()
+        step = Step(fork.bind(case.block, strings_as_modules=True), _tl_edit(p), REPLAY)
+        got = replay_read(fork, step, OutputRead(_logits_op(trace), 1, seq - 1, cols))
+        full = _full_replay(trace, case.block, _tl_edit(p)).output.logits[:, -1, list(cols)]
+        want = edited_forward(case.model, case.block, _at_position(p), case.args).logits[:, -1, list(cols)]
+        assert got.shape == want.shape and torch.allclose(got, want, atol=ATOL), p
+        assert torch.allclose(got, full, atol=ATOL), p
+        log = fork.edits[-1].replay
+        assert [e[1] for e in log.entries if e[2] == "read"] == ["linear"] and not log.fallbacks
+        with pytest.raises(ReplayNotExactError, match="declared"):
+            fork.output  # noqa: B018 - the rest of the logits was never computed: refused, not stale
+
+
+def test_partial_read_falls_back_and_says_so_where_the_op_is_read_by_others(tiny_gpt2):
+    trace = tl.trace(tiny_gpt2.model, *tiny_gpt2.args)
+    lm_head = trace.ops[_logits_op(trace)]
+    norm = next(i for i in reversed(range(lm_head.index)) if trace.ops[i].func_name == "layer_norm")
+    fork = trace.fork()
+    step = Step(fork.bind("transformer.h.0", strings_as_modules=True), _tl_edit(2), REPLAY)
+    got = replay_read(fork, step, OutputRead(norm, 1, 4, None))
+    want = _full_replay(trace, "transformer.h.0", _tl_edit(2)).value(norm)[:, 4]
+    assert torch.allclose(got, want, atol=ATOL)
+    fallbacks = fork.edits[-1].replay.fallbacks
+    assert any(label == trace.ops[norm].label and "partial read" in why for label, _, why in fallbacks)
+    assert torch.allclose(fork.output.logits,  # the op ran whole, so the fork stays readable
+                          edited_forward(tiny_gpt2.model, "transformer.h.0", _at_position(2), tiny_gpt2.args).logits,
+                          atol=ATOL)
+
+
+def test_a_fork_with_unbuilt_rows_saves_and_loads_its_values(tiny_gpt2, tmp_path):
+    trace = tl.trace(tiny_gpt2.model, *tiny_gpt2.args)
+    fork = trace.fork("last").do("transformer.h.0", _tl_edit(5))
+    mid = next(trace.op_index(e[0]) for e in fork.edits[-1].replay.entries if e[2] == "rows")
+    assert isinstance(fork.value(mid, pending_ok=True), RowPatch)
+    loaded = tl.load_trace(fork.save(tmp_path / "f"))
+    assert torch.equal(loaded.value(mid), fork.value(mid))
+    assert torch.equal(loaded.output.logits, fork.output.logits)
+    want = edited_forward(tiny_gpt2.model, "transformer.h.0", _at_position(5), tiny_gpt2.args).logits
+    assert torch.allclose(loaded.output.logits, want, atol=ATOL)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .arch.resolve import bind
+from .capture._estimate import estimate_capture
 from .capture._offload import ValueOffload
 from .capture.request import CaptureRequest, module_address
 from .core.inputs import call_inputs, split_inputs
@@ -20,6 +21,7 @@ from .core.selectors import Selector, as_selector
 from .core.steps import Step
 from .core.trace import Trace
 from .errors import (
+    CaptureMemoryError,
     EditNotAppliedError,
     InvalidArgumentError,
     LegacyArgumentError,
@@ -224,6 +226,11 @@ def trace(
         max_bytes: the most bytes an in-memory capture may add to the process's resident
             memory before it is stopped with ``CaptureMemoryError`` (checked every 64 ops);
             ``"auto"``: 90% of the memory available when the capture starts; None: no limit.
+            A number, or ``"estimate"`` (90% of the memory available), is also checked
+            *before* the forward: the capture first runs on fake tensors (shapes only, no
+            compute) and sums the bytes its values would hold (``save=`` applied, capture-time
+            edits left out). Where the model cannot run on fake tensors (it reads tensor data
+            in Python), only the check during the forward remains, and its error says so.
 
     Returns:
         the Trace.
@@ -238,16 +245,44 @@ def trace(
         LegacyArgumentError: a keyword spelled as in the older TorchLens package
             (``layers_to_save=`` ...) that the model's forward does not take.
         FingerprintMismatchError: a loaded recipe was saved for a different model.
-        CaptureMemoryError: the capture grew the process by more than ``max_bytes`` (the
-            forward is stopped before memory runs out; ``save=`` or ``store=`` bound it).
+        CaptureMemoryError: the values would not fit in ``max_bytes`` (raised before the
+            forward, from the estimate), or the capture grew the process by more than it (the
+            forward is stopped before memory runs out); ``save=`` or ``store=`` bound it.
     """
     model = check_model(model)
     call_args, call_kwargs = call_inputs(args, kwargs)
     _check_keywords(model, kwargs, call_kwargs if len(args) == 1 and isinstance(args[0], dict) else {})
+    in_memory = store is None or offload_values is not None
+    limit = _byte_limit(max_bytes) if in_memory else None
+    failure = None
+    if limit is not None and max_bytes != "auto":
+        failure = _check_estimate(model, call_args, call_kwargs, save, backend, limit)
     sink = _sink(store, offload_values)
-    limit = _byte_limit(max_bytes) if sink is None or offload_values is not None else None
-    return _trace(model, call_args, call_kwargs, save=save, intervene=intervene, backend=backend, grad=grad,
-                  strict=strict, sink=sink, max_bytes=limit)
+    try:
+        return _trace(model, call_args, call_kwargs, save=save, intervene=intervene, backend=backend, grad=grad,
+                      strict=strict, sink=sink, max_bytes=limit)
+    except CaptureMemoryError as err:
+        if failure is None:
+            raise
+        raise CaptureMemoryError(f"{err.message}; no estimate could stop it before the forward, because the "
+                                 f"model does not run on fake tensors ({failure})", **err.fields) from err
+
+
+def _check_estimate(model: nn.Module, args: tuple, kwargs: dict, save: Any, backend: str | None,
+                    limit: int) -> str | None:
+    """Raise ``CaptureMemoryError`` before any real compute when the values the capture would hold,
+    estimated on fake tensors, exceed ``limit``; return why there is no estimate (None: there is)."""
+    estimate = estimate_capture(model, args, kwargs, lambda a, k: _trace(model, a, k, save=save, backend=backend))
+    if estimate.nbytes is None:
+        return estimate.failure
+    if estimate.nbytes > limit:
+        raise CaptureMemoryError(
+            f"an in-memory capture of this forward would hold about {estimate.nbytes / 2**20:,.0f} MiB of values "
+            f"({estimate.n_ops} ops, estimated on fake tensors: no compute ran), more than "
+            f"max_bytes={limit / 2**20:,.0f} MiB",
+            estimated=estimate.nbytes, max_bytes=limit,
+        )
+    return None
 
 
 def _sink(store: Any, offload_values: Any) -> Any:
@@ -271,11 +306,12 @@ def _sink(store: Any, offload_values: Any) -> Any:
 def _byte_limit(max_bytes: int | str | None) -> int | None:
     if max_bytes is None:
         return None
-    if max_bytes == "auto":
+    if max_bytes in ("auto", "estimate"):
         available = _available_memory()
         return None if available is None else int(available * 0.9)
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
-        raise InvalidArgumentError(f"max_bytes= takes a positive number of bytes, 'auto' or None; got {max_bytes!r}")
+        raise InvalidArgumentError(
+            f"max_bytes= takes a positive number of bytes, 'auto', 'estimate' or None; got {max_bytes!r}")
     return max_bytes
 
 

@@ -19,8 +19,8 @@ __all__ = [
     "PickleNotAllowedError", "PluginError", "RecipeError", "RecipeExistsError", "RecipeFormatError",
     "RecipeHelperError", "ReplayError", "ReplayFellBack", "ReplayNotExactError", "ShardWriteError",
     "ShimUnsupportedError", "SiteError", "SiteNotFoundError", "StopCapture", "TokenizerRequiredError",
-    "TooManySitesError", "TorchLensError", "UnknownHelperError", "UnsafePathError", "UnsupportedModelError",
-    "ValueNotSavedError", "all_error_classes",
+    "TooManySitesError", "TorchLensError", "TraceStoreWriteError", "UnknownHelperError", "UnsafePathError",
+    "UnsupportedModelError", "ValueNotSavedError", "all_error_classes",
 ]
 
 
@@ -96,6 +96,13 @@ class CaptureMemoryError(CaptureError, MemoryError):
 
     remedy = ("Keep fewer values with save= (a selector: only they are held, the rest is freed as the forward "
               "runs), or write every value to disk with store=path; max_bytes= sets the limit.")
+
+
+class TraceStoreWriteError(CaptureError, OSError):
+    """Writing a disk-backed trace (``store=``) failed: the disk is full or an I/O error happened."""
+
+    remedy = ("Free space or pass store= a directory on a disk with room (an every-op trace needs about "
+              "trace-size bytes: see docs/big-models.md), or write fewer values with save= next to store=.")
 
 
 class UnsupportedModelError(CaptureError):

@@ -7,6 +7,7 @@ replay), :mod:`torchlens.analysis.patching_attribution` and
 
 from .analysis.patching import (
     KINDS,
+    MetricReads,
     PatchingResult,
     activation_patching,
     causal_trace,
@@ -18,6 +19,6 @@ from .analysis.patching_attribution import attribution_patching
 from .analysis.patching_lens import LogitLens, logit_lens
 
 __all__ = [
-    "KINDS", "LogitLens", "PatchingResult", "activation_patching", "attribution_patching", "causal_trace",
-    "logit_diff", "logit_lens", "prob", "restore_rows",
+    "KINDS", "LogitLens", "MetricReads", "PatchingResult", "activation_patching", "attribution_patching",
+    "causal_trace", "logit_diff", "logit_lens", "prob", "restore_rows",
 ]

@@ -22,15 +22,18 @@ import torch
 from .._progress import track
 from ..api import trace as capture
 from ..arch.resolve import arch
+from ..core.steps import REPLAY, Step
 from ..core.trace import Trace
 from ..core.tree import first_tensor, flatten, unflatten
 from ..edit.edits import when
-from ..errors import InvalidArgumentError, SiteNotFoundError
+from ..edit.reads import OutputRead, replay_read
+from ..errors import GuardChangedError, InvalidArgumentError, SiteNotFoundError
 from . import plots
 from .heads import patch_head
 
 __all__ = [
-    "KINDS", "PatchingResult", "activation_patching", "causal_trace", "logit_diff", "prob", "restore_rows",
+    "KINDS", "MetricReads", "PatchingResult", "activation_patching", "causal_trace", "logit_diff", "prob",
+    "restore_rows",
 ]
 
 KINDS = ("resid_pre", "resid_mid", "resid_post", "attn", "mlp", "heads")
@@ -99,6 +102,18 @@ def _logits(output: Any) -> torch.Tensor:
     return t
 
 
+@dataclass(frozen=True)
+class MetricReads:
+    """What a metric reads of the logits, so patching computes only that: the row at
+    ``position`` and the vocabulary ``columns`` (None: all); ``score(t)`` is the metric's value
+    from ``t = logits[:, position][:, columns]``. :func:`logit_diff` and :func:`prob` declare it
+    as ``metric.reads``; a metric without it gets the whole output of every cell."""
+
+    position: int
+    columns: tuple[int, ...] | None
+    score: Callable[[torch.Tensor], torch.Tensor]
+
+
 def logit_diff(correct: int, wrong: int, *, position: int = -1) -> Callable[[Any], torch.Tensor]:
     """A metric: ``logits[:, position, correct] - logits[:, position, wrong]``, averaged over the batch.
 
@@ -108,13 +123,15 @@ def logit_diff(correct: int, wrong: int, *, position: int = -1) -> Callable[[Any
         position: the sequence position read.
 
     Returns:
-        ``metric(model_output) -> scalar tensor``.
+        ``metric(model_output) -> scalar tensor``, declaring what it reads (``metric.reads``, a
+        :class:`MetricReads`): patching then computes two logits per cell, not the whole LM head.
     """
     def metric(output: Any) -> torch.Tensor:
         logits = _logits(output)[:, position]
         return (logits[:, correct] - logits[:, wrong]).mean()
 
     metric.__name__ = f"logit_diff({correct}, {wrong})"
+    metric.reads = MetricReads(position, (correct, wrong), lambda t: (t[:, 0] - t[:, 1]).mean())
     return metric
 
 
@@ -126,12 +143,14 @@ def prob(token: int, *, position: int = -1) -> Callable[[Any], torch.Tensor]:
         position: the sequence position read.
 
     Returns:
-        ``metric(model_output) -> scalar tensor``.
+        ``metric(model_output) -> scalar tensor``, declaring what it reads (``metric.reads``):
+        patching then computes one row of the LM head per cell.
     """
     def metric(output: Any) -> torch.Tensor:
         return _logits(output)[:, position].float().softmax(-1)[:, token].mean()
 
     metric.__name__ = f"prob({token})"
+    metric.reads = MetricReads(position, None, lambda t: t.float().softmax(-1)[:, token].mean())
     return metric
 
 
@@ -143,6 +162,42 @@ def _score(metric: Callable[[Any], Any], output: Any) -> float:
                                        remedy="Reduce it to one number (e.g. .mean()).")
         return float(value)
     return float(value)
+
+
+class _Cells:
+    """Scores patched forks of one trace. When the metric declares what it reads
+    (:class:`MetricReads`) and the logits come straight from a linear LM head, a cell replays
+    with ``replay_read``: the head computes only those logits (its log says ``"read"``)."""
+
+    def __init__(self, trace: Trace, metric: Callable[[Any], Any]) -> None:
+        self.trace, self.metric = trace, metric
+        self.read = _output_read(trace, metric)
+        self.sites: dict[str, Any] = {}
+
+    def score(self, name: str, site: str, edit: Any) -> float:
+        fork = self.trace.fork(name)
+        if self.read is not None:
+            bound = self.sites.get(site)
+            if bound is None:
+                bound = self.sites[site] = self.trace.bind(site, strings_as_modules=True)
+            try:
+                return _score(self.metric.reads.score, replay_read(fork, Step(bound, edit, REPLAY), self.read))
+            except GuardChangedError:
+                fork = self.trace.fork(name)  # a changed guard: fork.do below re-executes (and warns)
+        return _score(self.metric, fork.do(site, edit).output)
+
+
+def _output_read(trace: Trace, metric: Callable[[Any], Any]) -> OutputRead | None:
+    reads = getattr(metric, "reads", None)
+    if not isinstance(reads, MetricReads) or not trace.has_op_graph:
+        return None
+    logits = _logits(trace.output)
+    if logits.dim() != 3:
+        return None
+    for ref in trace.output_refs:
+        if ref is not None and ref.elem is None and trace.value(ref.index) is logits:
+            return OutputRead(ref.index, 1, reads.position % logits.shape[1], reads.columns)
+    return None
 
 
 # -- edits -----------------------------------------------------------------------------------
@@ -272,10 +327,10 @@ def activation_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any]
     values = torch.empty(len(rows), len(cols))
     cells = [(i, layer, j, p) for i, layer in enumerate(rows) for j, p in enumerate(cols)]
     donors = {layer: clean[f"blocks.{layer}.{site}"].out for layer in rows}
+    scorer = _Cells(corrupted, metric)
     for i, layer, j, p in track(cells, desc=f"patching {site}", unit="cell", progress=progress):
-        fork = corrupted.fork(f"{corrupted.name}/patch[{layer}.{site}@{p}]")
-        fork.do(f"blocks.{layer}.{site}", restore_rows(donors[layer], p))
-        values[i, j] = _score(metric, fork.output)
+        values[i, j] = scorer.score(f"{corrupted.name}/patch[{layer}.{site}@{p}]", f"blocks.{layer}.{site}",
+                                    restore_rows(donors[layer], p))
     return PatchingResult(values, ("layer", "position"), {"layer": rows, "position": cols}, name, base_clean,
                           base_corrupted)
 
@@ -354,6 +409,7 @@ def causal_trace(model: Any, ids: torch.Tensor, subject: Sequence[int], *, answe
     metric = prob(answer)
     base_clean = _score(metric, clean.output)
     base_noised = sum(_score(metric, t.output) for t in noised) / samples
+    scorers = [_Cells(t, metric) for t in noised]
     results = {}
     for kind in kinds:
         rows = _layers(model, kind, layers)
@@ -362,8 +418,9 @@ def causal_trace(model: Any, ids: torch.Tensor, subject: Sequence[int], *, answe
         cells = [(i, layer, p) for i, layer in enumerate(rows) for p in range(seq)]
         for i, layer, p in track(cells, desc=f"causal trace {kind}", unit="cell", progress=progress):
             total = 0.0
-            for t in noised:
-                total += _score(metric, t.fork().do(f"blocks.{layer}.{kind}", restore_rows(donors[layer], p)).output)
+            for scorer in scorers:
+                total += scorer.score(f"{scorer.trace.name}/restore[{layer}.{kind}@{p}]", f"blocks.{layer}.{kind}",
+                                      restore_rows(donors[layer], p))
             values[i, p] = total / samples
         results[kind] = PatchingResult(values, ("layer", "position"), {"layer": rows, "position": list(range(seq))},
                                        f"p({answer})", base_clean, base_noised,

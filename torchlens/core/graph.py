@@ -16,10 +16,10 @@ from typing import Any, NamedTuple
 import torch
 
 from ..errors import ReplayNotExactError, ValueNotSavedError
-from .records import GUARD, INPUT, ModuleCall, Op, Ref
+from .records import GUARD, INPUT, Deferred, ModuleCall, Op, Ref
 from .selectors import Selector
 from .steps import Step
-from .tree import flatten
+from .tree import flatten, unflatten
 
 __all__ = ["MISSING", "DataRead", "Graph"]
 
@@ -29,6 +29,37 @@ class _Missing:
 
 
 MISSING = _Missing()  # "no value here" where None is a value
+
+# Argument types that are never containers. ``(args, kwargs)`` made of them, and of tuples and
+# lists of them (shapes, dims), flattens to a spec fixed by its signature, shared by every op with
+# that signature. A spec per op was a third of the graph's bytes (a few hundred bytes each).
+_LEAF_TYPES = frozenset({torch.Tensor, torch.nn.Parameter, int, float, bool, complex, str, type(None), slice,
+                         type(Ellipsis), torch.dtype, torch.device, torch.layout, torch.memory_format})
+_FLAT_CONTAINERS = frozenset({tuple, list, torch.Size})  # pytree nodes whose children are their items
+_ARG_SPECS: dict[tuple, Any] = {}
+
+
+def _flatten_args(args: Any, kwargs: Any) -> tuple[list[Any], Any]:
+    """``flatten((args, kwargs))``, with one shared spec per signature in the common cases."""
+    if type(args) is not tuple or type(kwargs) is not dict:
+        return flatten((args, kwargs))
+    leaves: list[Any] = []
+    shape: list[Any] = []
+    for a in (*args, *kwargs.values()):
+        kind = type(a)
+        if kind in _LEAF_TYPES:
+            leaves.append(a)
+            shape.append(None)
+        elif kind in _FLAT_CONTAINERS and all(type(x) in _LEAF_TYPES for x in a):
+            leaves.extend(a)
+            shape.append((kind, len(a)))
+        else:
+            return flatten((args, kwargs))
+    key = (len(args), tuple(kwargs), tuple(shape))
+    spec = _ARG_SPECS.get(key)
+    if spec is None:
+        spec = _ARG_SPECS[key] = flatten((args, kwargs))[1]
+    return leaves, spec
 
 
 class DataRead(NamedTuple):
@@ -86,9 +117,10 @@ class Graph:
         self._op_graph = op_graph
         self._labels: dict[str, int] = {}
         self._calls_by_address: dict[str, list[ModuleCall]] = {}
-        self._producers: dict[int, tuple[list[int], list[int | None]]] = {}
+        self._producers: dict[int, tuple[int, int | None] | list[tuple[int, int | None]]] = {}
         self._output_raw: Any = None
         self._output_refs: list[Ref | None] = []
+        self._output_deferred = False  # output tensors are read through their ops (kept on disk)
         self._graph_ready = False
         self._values: dict[int, Any] = {}
         self._stale: dict[int, int] = {}  # op index -> position after which its memory was overwritten
@@ -151,7 +183,7 @@ class Graph:
 
     def _resolve_args(self, op: Op) -> None:
         """``op.args_spec`` (its arguments with a ``Ref`` for each recorded tensor) and ``op.parent_refs``."""
-        leaves, spec = flatten((op.args, op.kwargs))
+        leaves, spec = _flatten_args(op.args, op.kwargs)
         refs: list[Ref] = []
         for i, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
@@ -271,23 +303,31 @@ class Graph:
 
     def register_tensor(self, tensor: torch.Tensor, index: int, elem: int | None) -> None:
         """Note that op ``index`` (element ``elem`` of a multi-output op) produced ``tensor``."""
-        entry = self._producers.get(id(tensor))
+        # One (index, elem) pair for a tensor one op produced (nearly all of them), a list of pairs
+        # in op order for one several ops returned (in-place ops): a list per tensor doubled its bytes.
+        key = id(tensor)
+        entry = self._producers.get(key)
         if entry is None:
-            self._producers[id(tensor)] = ([index], [elem])
+            self._producers[key] = (index, elem)
+        elif type(entry) is tuple:
+            self._producers[key] = [entry, (index, elem)]
         else:
-            entry[0].append(index)
-            entry[1].append(elem)
+            entry.append((index, elem))
 
     def producer_ref(self, tensor: Any, before: int) -> Ref | None:
         """The op that last produced ``tensor`` before op index ``before`` (None: not recorded)."""
         entry = self._producers.get(id(tensor))
         if entry is None:
             return None
-        idx, elems = entry
-        k = bisect.bisect_left(idx, before) - 1
-        if k < 0:
-            return None
-        ref = Ref(idx[k], elems[k])
+        if type(entry) is tuple:
+            if entry[0] >= before:
+                return None
+            ref = Ref(*entry)
+        else:
+            k = bisect.bisect_left(entry, (before,)) - 1  # (i, elem) < (before,) exactly when i < before
+            if k < 0:
+                return None
+            ref = Ref(*entry[k])
         if self._weak and self._alive(ref) is not tensor:
             return None  # a bounded capture freed that op's output: this is a newer tensor with its id
         return ref
@@ -343,6 +383,31 @@ class Graph:
                     call._out = None
             for op in self.ops:
                 op.args = op.kwargs = None
+        self._defer_output()
+
+    def _defer_output(self) -> None:
+        """Drop the model output's tensors whose ops keep their values deferred (``store=``: on
+        disk): ``output`` reads them back through those ops, so the trace does not hold them."""
+        leaves, spec = flatten(self._output_raw)
+        deferred = False
+        for i, ref in enumerate(self._output_refs):
+            if ref is not None and ref.index not in self._stale and isinstance(self.ops[ref.index]._out, Deferred):
+                leaves[i] = 0  # placeholders must not be None: a ModelOutput drops None fields
+                deferred = True
+        if deferred:
+            self._output_raw = unflatten(leaves, spec)
+            self._output_deferred = True
+
+    def recorded_output(self) -> Any:
+        """The model's return value as the forward produced it (tensors kept on disk read back)."""
+        if not self._output_deferred:
+            return self._output_raw
+        leaves, spec = flatten(self._output_raw)
+        for i, ref in enumerate(self._output_refs):
+            if ref is not None and ref.index not in self._stale:
+                v = self.ops[ref.index].out
+                leaves[i] = v if ref.elem is None else v[ref.elem]
+        return unflatten(leaves, spec)
 
     def restore(self, *, name: str, engine: str, op_graph: bool, complete: bool, grad: bool,
                 fingerprint: dict[str, Any] | None, args: tuple, kwargs: dict, input_layers: list[str],

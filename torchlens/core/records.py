@@ -12,7 +12,7 @@ import torch
 
 from ..errors import ValueNotSavedError
 from .services import services
-from .tree import describe_shape, tensor_leaves, unflatten
+from .tree import describe_shape, tensor_leaves, unflatten_call
 
 if TYPE_CHECKING:
     from .trace import Trace
@@ -256,8 +256,9 @@ class ModuleCall(_TraceLink):
 
     @property
     def op_labels(self) -> list[str]:
-        """Labels of every op executed during this call (its submodules' included)."""
-        return [op.label for op in self.trace.ops[self.op_start : self.op_end]]
+        """Labels of every op executed during this call (its submodules' included), a dispatcher's
+        device moves (``dispatch_*``) excepted."""
+        return [op.label for op in self.trace.ops[self.op_start : self.op_end] if not op.flags & DISPATCH]
 
     def __repr__(self) -> str:
         return f"<ModuleCall {self.key} ({self.module_type}) ops {self.op_start}:{self.op_end}>"
@@ -271,4 +272,4 @@ def build_args(op: Op, resolve: Callable[[Ref], Any]) -> tuple[tuple, dict]:
     leaves, spec = op.args_spec
     leaves = [resolve(leaf) if type(leaf) is Ref else leaf.load() if isinstance(leaf, Deferred) else leaf
               for leaf in leaves]
-    return unflatten(leaves, spec)
+    return unflatten_call(leaves, spec)

@@ -126,7 +126,8 @@ class ModuleOutput(Selector):
 
 
 class InModule(Selector):
-    """Every op executed inside a module (its submodules included)."""
+    """Every op executed inside a module (its submodules included), a dispatcher's device moves
+    (``DISPATCH``, accelerate's hooks around the module) excepted: they are not the module's ops."""
 
     def __init__(self, path: str) -> None:
         if not isinstance(path, str):
@@ -139,7 +140,7 @@ class InModule(Selector):
         return a == "" or module == a or module.startswith(a + ".")
 
     def matches_op(self, op: Op) -> bool:
-        if not self._inside(op.module):
+        if op.flags & DISPATCH or not self._inside(op.module):
             return False
         if self._pass is None:
             return True
@@ -161,11 +162,11 @@ class InModule(Selector):
                 site=self.path,
             )
         if address == "":
-            return [op for op in trace.ops if not op.is_input]
+            return [op for op in trace.ops if not op.is_input and not op.flags & DISPATCH]
         chosen = calls if pass_index is None else calls[pass_index - 1 : pass_index]
         out: list[Record] = []
         for call in chosen:
-            out.extend(trace.ops[call.op_start : call.op_end])
+            out.extend(op for op in trace.ops[call.op_start : call.op_end] if not op.flags & DISPATCH)
         return out
 
     def describe(self) -> str:

@@ -32,7 +32,7 @@ from .selectors import Label, Selector, as_selector, split_pass
 from .services import services
 from .sites import ModuleSites, Site, Sites
 from .steps import REPLAY, Step
-from .tree import flatten, unflatten
+from .tree import Pending, flatten, unflatten
 
 __all__ = ["DataRead", "Fork", "ForkState", "Trace"]
 
@@ -53,14 +53,17 @@ class Trace(Graph, TraceActions):
     ``trace.find_sites(selector)``; edit it after the fact with ``trace.fork().do(...)``.
     """
     # -- which value a consumer sees (the one rule) ---------------------------------------------
-    def value(self, index: int) -> Any:
-        """Op ``index``'s own output in this trace (a fork's recomputed value when it has one)."""
+    def value(self, index: int, *, pending_ok: bool = False) -> Any:
+        """Op ``index``'s own output in this trace (a fork's recomputed value when it has one);
+        ``pending_ok`` returns a value replay stored unbuilt (a ``Pending``) as it is."""
         v = self._values.get(index, MISSING)
         if v is MISSING:
             return self.ops[index].out
+        if not pending_ok and isinstance(v, Pending):
+            v = self._values[index] = v.resolve()  # built once, on the first read
         return v
 
-    def seen_value(self, ref: Ref, consumer: int | ModuleCall | None = None) -> Any:
+    def seen_value(self, ref: Ref, consumer: int | ModuleCall | None = None, *, pending_ok: bool = False) -> Any:
         """The value ``ref`` names as ``consumer`` sees it.
 
         ``consumer`` is an op index (an op reading it as an argument), a module call
@@ -69,7 +72,7 @@ class Trace(Graph, TraceActions):
         producing op's own value: later ops, the model output and modules returning after
         the edited one (or enclosing it) see the edit; a submodule that returned first does not.
         """
-        v = self.value(ref.index)
+        v = self.value(ref.index, pending_ok=pending_ok and ref.elem is None)
         sub = self._substitution(ref.index)
         if sub is not None and self._sees_substitution(sub[0], ref.index, consumer):
             v = sub[1]
@@ -177,7 +180,7 @@ class Trace(Graph, TraceActions):
     def output(self) -> Any:
         """The model's return value (rebuilt from edited values on a fork)."""
         if not self._values and not self._module_outputs():
-            return self._output_raw
+            return self.recorded_output()  # its tensors read back from disk with store=
         leaves, spec = flatten(self._output_raw)
         for i, ref in enumerate(self._output_refs):
             # Memory of the producing op overwritten (through another view) before the model returned:
@@ -193,7 +196,7 @@ class Trace(Graph, TraceActions):
     @property
     def raw_output(self) -> Any:
         """The model's return value as the forward produced it (no fork edits)."""
-        return self._output_raw
+        return self.recorded_output()
 
     # -- navigating --------------------------------------------------------------------------
     @property
@@ -412,8 +415,8 @@ class Fork(Trace):
 
     def fork_state(self) -> ForkState:
         """A copy of what this fork changed (for saving and inspection)."""
-        return ForkState(dict(self._values), dict(self._subst), dict(self._overrides), list(self.recipe),
-                         list(self.edits))
+        return ForkState({i: self.value(i) for i in self._values}, dict(self._subst), dict(self._overrides),
+                         list(self.recipe), list(self.edits))
 
     def module_override(self, key: str) -> Any:
         """The edited output of module call ``key`` on this fork (``MISSING``-free: None if none)."""

@@ -13,7 +13,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["WHOLE", "Plan", "Region", "ReplayLog", "Rows", "diff_region", "normal", "region_lookup", "union"]
+from ..core.tree import Pending
+
+__all__ = [
+    "WHOLE", "Plan", "Region", "ReplayLog", "RowPatch", "Rows", "diff_region", "normal", "region_lookup", "union",
+]
 
 
 class Rows(NamedTuple):
@@ -21,6 +25,46 @@ class Rows(NamedTuple):
 
     axis: int
     start: int
+
+
+class RowPatch(Pending):
+    """A recomputed value kept as its recorded tensor ``base`` with the rows ``start:`` along
+    ``axis`` replaced by ``rows``, built (one copy) only when something reads it whole.
+
+    Replay's row rules read the changed rows straight from ``rows`` (:meth:`narrow`), so a
+    chain of row-wise ops downstream of an edit never copies the unchanged rows.
+    """
+
+    __slots__ = ("base", "axis", "start", "rows")
+
+    def __init__(self, base: torch.Tensor, axis: int, start: int, rows: torch.Tensor) -> None:
+        self.base, self.axis, self.start, self.rows = base, axis, start, rows
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.base.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.base.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.base.device
+
+    def dim(self) -> int:
+        return self.base.dim()
+
+    def narrow(self, axis: int, start: int, length: int) -> torch.Tensor:
+        """``value.narrow(axis, start, length)`` without building the value when only new rows are asked for."""
+        if axis == self.axis and start >= self.start:
+            return self.rows.narrow(axis, start - self.start, length)
+        return self.resolve().narrow(axis, start, length)
+
+    def resolve(self) -> torch.Tensor:
+        new = self.base.clone()
+        new.narrow(self.axis, self.start, new.shape[self.axis] - self.start).copy_(self.rows)
+        return new
 
 
 class _Whole:
@@ -52,7 +96,9 @@ class ReplayLog:
 
     ``entries`` holds ``(label, func_name, how, rows, reason)``: ``how`` is ``"rows"`` (only
     ``rows`` = ``(axis, start, size)`` were recomputed), ``"full"`` (its inputs changed whole)
-    or ``"fallback"`` (a rule was missing or could not bound it; ``reason`` says which).
+    or ``"fallback"`` (a rule was missing or could not bound it; ``reason`` says which), or
+    ``"read"`` (a final ``linear`` computed only on the row and columns a patching metric
+    declared it reads; ``rows`` counts it as one row, ``reason`` says which).
     """
 
     __slots__ = ("entries", "sliced")

@@ -32,13 +32,21 @@ from typing import Any
 
 import torch
 
-from ._regions import WHOLE, Plan, Region, Rows, normal, union
+from ._regions import WHOLE, Plan, Region, RowPatch, Rows, normal, union
 
 __all__ = ["plan_op"]
 
 
-def _narrow(t: torch.Tensor, axis: int, start: int) -> torch.Tensor:
+_TENSORS = (torch.Tensor, RowPatch)  # a changed argument may be a RowPatch: its new rows over the recorded tensor
+
+
+def _narrow(t: torch.Tensor | RowPatch, axis: int, start: int) -> torch.Tensor:
     return t.narrow(axis, start, t.shape[axis] - start)
+
+
+def _built(t: torch.Tensor | RowPatch) -> torch.Tensor:
+    """An argument a rule passes whole (attention's keys and values): built if it is a RowPatch."""
+    return t.resolve() if isinstance(t, RowPatch) else t
 
 
 # -- the rules -------------------------------------------------------------------------------
@@ -107,10 +115,10 @@ def plan_op(op: Any, args: tuple, kwargs: dict, region_of: Callable[[Any], Regio
 def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     found = []
     for v in (*args, *kwargs.values()):
-        if isinstance(v, torch.Tensor):
+        if isinstance(v, _TENSORS):
             found.append(v)
         elif isinstance(v, (list, tuple)):
-            found.extend(x for x in v if isinstance(x, torch.Tensor))
+            found.extend(x for x in v if isinstance(x, _TENSORS))
     return found
 
 
@@ -129,12 +137,12 @@ def _aligned(changed, out_ndim: int, out_shape: tuple) -> Rows | str:
 
 def _slice_args(value: Any, axis: int, start: int, out_ndim: int, size: int) -> Any:
     """Every tensor in ``value`` that spans ``axis`` of the output (aligned from the right), narrowed."""
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, _TENSORS):
         a = value.dim() - (out_ndim - axis)
         if a >= 0 and value.shape[a] == size:
             return _narrow(value, a, start)
         return value
-    if isinstance(value, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in value):
+    if isinstance(value, (list, tuple)) and any(isinstance(x, _TENSORS) for x in value):
         return type(value)(_slice_args(x, axis, start, out_ndim, size) for x in value)
     return value
 
@@ -440,7 +448,7 @@ def _sdpa(call: _Call, changed, out_shape: tuple) -> Plan:
         kwargs.update(attn_mask=m, dropout_p=0.0, is_causal=False, scale=a["scale"])
         if a["enable_gqa"]:
             kwargs["enable_gqa"] = True
-        return call.run((_narrow(q, seq, s), k, v), kwargs)
+        return call.run((_narrow(q, seq, s), _built(k), _built(v)), kwargs)
 
     return Plan("rows", start, build)
 

@@ -7,6 +7,7 @@ an error while doing so names the op and the model line that issued it.
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -27,11 +28,14 @@ from ..errors import (
     ValueNotSavedError,
 )
 from ._guards import index_leaves, recompute_read, same_value, short
-from ._regions import WHOLE, Plan, ReplayLog, Rows, diff_region, region_lookup, union
+from ._regions import WHOLE, Plan, ReplayLog, RowPatch, Rows, diff_region, region_lookup, union
 from ._slicing import plan_op
 from .edits import AppliedEdit, EditContext, apply_edit, count_changed, land_edit
 
-__all__ = ["REEXECUTE", "REPLAY_MODES", "UNINITIALISED", "Replayer", "execute", "refuse_reason", "replay_step"]
+__all__ = [
+    "REEXECUTE", "REPLAY_MODES", "ROW_VIEWS", "UNINITIALISED", "Replayer", "Target", "execute", "refuse_reason",
+    "replay_step",
+]
 
 REEXECUTE = "do(site, edit, model=model, inputs=x) re-executes the real forward instead."
 # How fork.do handles a changed guard: "strict" raises GuardChangedError; "fallback" re-executes
@@ -41,6 +45,9 @@ EVAL_REMEDY = ("Call model.eval() before capturing if this is dropout left on by
                + REEXECUTE)
 
 
+# Shape ops replay applies to the new rows alone when their input is a RowPatch (see _rerun_view).
+ROW_VIEWS = frozenset({"view", "reshape", "transpose", "swapaxes", "t", "permute", "unsqueeze", "squeeze",
+                       "flatten", "unflatten"})
 # Ops whose output memory is uninitialised: re-issuing them gives arbitrary values, so replay
 # gives them the recorded contents (the model overwrites what it uses; this keeps replay exact).
 UNINITIALISED = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "empty_permuted"})
@@ -82,7 +89,7 @@ def refuse_reason(op: Op) -> str | None:
     return None
 
 
-class _Target:
+class Target:
     """Where a step lands on the recorded graph: a module call's output or an op's output."""
 
     __slots__ = ("record", "position")
@@ -134,7 +141,7 @@ def replay_step(fork, step: Step, *, model=None, inputs=None, check: bool = Fals
     step = fork.recipe[-1]
     try:
         with torch.set_grad_enabled(fork.grad):
-            Replayer(fork, sliced=sliced).push(step, [_Target(r) for r in records])
+            Replayer(fork, sliced=sliced).push(step, [Target(r) for r in records])
     except GuardChangedError as exc:
         fork.restore_fork(before, fork.unsaved_steps)
         if replay == "strict" or (replay == "auto" and fork.model is None):
@@ -180,8 +187,14 @@ def _check_against_forward(fork) -> None:
 class Replayer:
     """Pushes one new step down a fork's recorded graph, re-applying later steps it crosses."""
 
-    def __init__(self, fork, *, sliced: bool = True) -> None:
+    def __init__(self, fork, *, sliced: bool = True, read: Any = None) -> None:
         self.fork = fork
+        parent = getattr(fork, "parent", None)
+        if parent is not None:  # the records are shared: built once on the parent, later forks copy its flag
+            parent.ensure_graph()
+        # an OutputRead (torchlens.edit.reads): ``read.compute(self, op)`` computes only part of op ``read.index``
+        self.read = read
+        self.read_value: torch.Tensor | None = None  # what ``read`` names, when computed alone
         fork.ensure_graph()
         self.ops = fork.ops
         self.changed: set[int] = set()
@@ -190,13 +203,13 @@ class Replayer:
         self.previous: dict[int, Any] = {}  # op index -> its value on the fork before this push
         self.log = ReplayLog(sliced)
 
-    def push(self, new_step: Step, new_targets: list[_Target]) -> None:
+    def push(self, new_step: Step, new_targets: list[Target]) -> None:
         fork = self.fork
         start = min(t.position for t in new_targets)
-        plan: dict[int, list[tuple[Step, _Target, bool]]] = {}
+        plan: dict[int, list[tuple[Step, Target, bool]]] = {}
         for step in fork.recipe:
             is_new = step is new_step
-            targets = new_targets if is_new else [_Target(r) for r in step.site.match(fork)]
+            targets = new_targets if is_new else [Target(r) for r in step.site.match(fork)]
             for t in targets:
                 if t.position >= start:
                     plan.setdefault(t.position, []).append((step, t, is_new))
@@ -249,12 +262,18 @@ class Replayer:
                         op_label=op.label, source=op.source,
                     )
         plan = None
+        if self.read is not None and j == self.read.index and self.read.compute(self, op):
+            return
         if self.sliced and not op.flags & (INPLACE | EDIT | GUARD) and op.func_name not in UNINITIALISED:
-            plan, args, kwargs = self._plan(op)
+            plan, args, kwargs, pending = self._plan(op)
             if plan.kind == "skip":
                 return
             if plan.kind == "rows" and self._rerun_rows(op, plan):
                 return
+            if pending and op.func_name in ROW_VIEWS and self._rerun_view(op, plan, args, kwargs):
+                return
+            if pending:  # a whole-op call needs every argument built
+                args, kwargs = build_args(op, lambda r: fork.seen_value(r, j))
         else:
             args, kwargs = build_args(op, lambda r: fork.seen_value(r, j))
         try:
@@ -295,25 +314,53 @@ class Replayer:
             else "mapped"
         self.log.entries.append((op.label, op.func_name, how, _rows_of(plan, new), plan.reason if plan else ""))
 
-    def _plan(self, op: Op) -> tuple[Plan, tuple, dict]:
+    def _plan(self, op: Op) -> tuple[Plan, tuple, dict, bool]:
         """How to recompute ``op`` from the changed regions of its parents (``_slicing.plan_op``),
-        with the arguments rebuilt for it."""
+        with the arguments rebuilt for it; changed parents stored as a :class:`RowPatch` stay
+        unbuilt (the last item says whether any did), as the row rules read only their new rows."""
         fork, j, changed = self.fork, op.index, self.changed
         values: list[Any] = []
         refs: list[Any] = []
 
         def resolve(r):
-            v = fork.seen_value(r, j)
-            if r.index in changed:
-                values.append(v)
-                refs.append(r)
+            if r.index not in changed:
+                return fork.seen_value(r, j)
+            v = fork.seen_value(r, j, pending_ok=True)
+            values.append(v)
+            refs.append(r)
             return v
 
         args, kwargs = build_args(op, resolve)
-        return plan_op(op, args, kwargs, region_lookup(values, refs, self.regions)), args, kwargs
+        pending = any(isinstance(v, RowPatch) for v in values)
+        return plan_op(op, args, kwargs, region_lookup(values, refs, self.regions)), args, kwargs, pending
+
+    def _rerun_view(self, op: Op, plan: Plan, args: tuple, kwargs: dict) -> bool:
+        """A shape op on a :class:`RowPatch` whose rows map to rows of its output (``plan.region``):
+        apply it to the new rows alone (False: build the input and run it whole)."""
+        region, x = plan.region, args[0] if args else None
+        if not isinstance(region, Rows) or not isinstance(x, RowPatch) or not isinstance(op.shape, tuple) \
+                or any(isinstance(a, RowPatch) for a in (*args[1:], *kwargs.values())):
+            return False
+        want = list(op.shape)
+        want[region.axis] -= region.start
+        if math.prod(want) != x.rows.numel():  # the new rows are not exactly the output's changed rows
+            return False
+        try:
+            old = self.fork.value(op.index)
+            # view/reshape bake the sizes in their arguments: the rule mapped the rows, so reshape them
+            rows = x.rows.reshape(want) if op.func_name in ("view", "reshape") else op.func(x.rows, *args[1:], **kwargs)
+        except Exception:  # noqa: BLE001 - the whole-op path re-raises with the op and its line
+            return False
+        if not isinstance(old, torch.Tensor) or tuple(old.shape) != op.shape or not isinstance(rows, torch.Tensor) \
+                or list(rows.shape) != want:
+            return False
+        self._store(op.index, RowPatch(old, region.axis, region.start, rows), region)
+        self.log.entries.append((op.label, op.func_name, "mapped", (region.axis, region.start, op.shape[region.axis]),
+                                 ""))
+        return True
 
     def _rerun_rows(self, op: Op, plan: Plan) -> bool:
-        """Recompute only ``plan``'s rows of ``op`` into a copy of its current value (False: do it whole)."""
+        """Recompute only ``plan``'s rows of ``op``, kept beside its current value (False: do it whole)."""
         j = op.index
         try:
             old = self.fork.value(j)
@@ -326,12 +373,12 @@ class Replayer:
             rows = plan.call()
         except Exception:  # noqa: BLE001 - the whole-op path re-raises with the op and its line
             return False
-        want = old.narrow(axis, start, old.shape[axis] - start)
-        if not isinstance(rows, torch.Tensor) or rows.shape != want.shape or rows.dtype != old.dtype:
+        if not isinstance(rows, torch.Tensor) or rows.dtype != old.dtype or rows.dim() != old.dim() \
+                or rows.shape[axis] != old.shape[axis] - start \
+                or any(a != b for d, (a, b) in enumerate(zip(rows.shape, old.shape)) if d != axis):
             return False
-        new = old.clone()
-        new.narrow(axis, start, old.shape[axis] - start).copy_(rows)
-        self._store(j, new, plan.region)
+        # kept unbuilt: the next row rule reads ``rows`` alone, a whole read builds it once
+        self._store(j, RowPatch(old, axis, start, rows), plan.region)
         self.log.entries.append((op.label, op.func_name, "rows", (axis, start, old.shape[axis]), ""))
         return True
 
@@ -355,8 +402,8 @@ class Replayer:
         except ValueNotSavedError:
             return None
 
-    def _apply_steps(self, entries: list[tuple[Step, _Target, bool]]) -> None:
-        by_record: dict[int, list[tuple[Step, _Target, bool]]] = {}
+    def _apply_steps(self, entries: list[tuple[Step, Target, bool]]) -> None:
+        by_record: dict[int, list[tuple[Step, Target, bool]]] = {}
         for entry in entries:
             by_record.setdefault(id(entry[1].record), []).append(entry)
         for group in by_record.values():

@@ -1,0 +1,134 @@
+"""Replay that computes, of the final op, only what its reader reads (patching metrics).
+
+A patching cell scores one number, e.g. a logit difference: two logits of one row. The LM
+head (a ``linear`` onto the vocabulary) is the single most expensive op of a sliced replay
+— one row reads the whole unembedding matrix — yet the metric needs two of its dot products.
+:func:`replay_read` replays an edit like :func:`torchlens.edit.replay.replay_step` (sliced) but
+computes of that op only the row and columns an :class:`OutputRead` names, and refuses (a
+typed error) to show the rest of the fork's output, which was never computed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from ..core.records import Op, build_args
+from ..core.steps import Step
+from ..core.tree import Pending
+from ..errors import EmptySelectionError, ReplayNotExactError
+from ._regions import WHOLE, RowPatch
+from .replay import Replayer, Target
+
+__all__ = ["OutputRead", "replay_read"]
+
+
+class OutputRead(NamedTuple):
+    """The only elements of a final op that a consumer reads: row ``position`` along ``axis``
+    and ``columns`` of the last axis (None: every column). The op must be a ``linear`` that no
+    other op reads (an LM head), so replay can compute just those dot products."""
+
+    index: int
+    axis: int
+    position: int
+    columns: tuple[int, ...] | None
+
+    def compute(self, replayer: Replayer, op: Op) -> bool:
+        """Compute only what this read names of ``op`` for ``replayer`` (False: run it whole).
+
+        Args:
+            replayer: the replayer pushing the edit (its fork, changed ops and log).
+            op: the op at ``self.index``, some of whose arguments changed.
+
+        Returns:
+            True when done (``replayer.read_value`` holds the elements), False when the op
+            must run whole (the log says why).
+        """
+        fork, j = replayer.fork, op.index
+        changed_ids: set[int] = set()
+
+        def resolve(r):
+            if r.index not in replayer.changed:
+                return fork.seen_value(r, j)
+            v = fork.seen_value(r, j, pending_ok=True)  # a RowPatch: only one of its rows is read
+            changed_ids.add(id(v))
+            return v
+
+        args, kwargs = build_args(op, resolve)
+        why = ""
+        if op.func_name != "linear" or op.children_idx or kwargs.keys() - {"bias"} or len(args) < 2:
+            why = "not a linear that nothing else reads"
+        else:
+            x, weight = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if id(weight) in changed_ids or bias is not None and id(bias) in changed_ids:
+                why = "its weight or bias changed"
+            elif not isinstance(x, (torch.Tensor, RowPatch)) or x.dim() != len(op.shape) or self.axis >= x.dim() - 1:
+                why = "the read row is not a row of its input"
+        if why:
+            replayer.log.entries.append((op.label, op.func_name, "fallback", None, f"partial read: {why}"))
+            return False
+        cols = None if self.columns is None else list(self.columns)
+        if cols is not None:
+            weight = weight[cols]
+            bias = None if bias is None else bias[cols]
+        replayer.read_value = op.func(x.narrow(self.axis, self.position, 1), weight, bias).squeeze(self.axis)
+        fork.set_recomputed(j, _Unread(op.label))
+        replayer.changed.add(j)
+        replayer.regions[j] = WHOLE
+        n = x.shape[self.axis]
+        what = "every column" if cols is None else f"{len(cols)} columns"
+        replayer.log.entries.append((op.label, op.func_name, "read", (self.axis, n - 1, n),
+                                     f"only row {self.position}, {what}: what the metric reads"))
+        return True
+
+
+class _Unread(Pending):
+    """The value of an op replay computed only partly (:func:`replay_read`): reading it whole is refused."""
+
+    __slots__ = ("label",)
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+
+    def resolve(self) -> Any:
+        raise ReplayNotExactError(
+            f"this fork computed only the elements of {self.label} its metric declared (replay_read); the rest "
+            "is not there", op_label=self.label, remedy="Replay with fork.do(site, edit) to read the whole output.")
+
+
+def replay_read(fork: Any, step: Step, read: OutputRead) -> torch.Tensor:
+    """Push a bound replay ``step`` down ``fork`` computing of op ``read.index`` only what ``read`` names.
+
+    Every other op replays as in :func:`torchlens.edit.replay.replay_step` (sliced); reading the
+    fork's whole output afterwards raises ``ReplayNotExactError``, never shows stale values.
+    When the op's arguments do not allow it (its weight changed, it is not a ``linear``) it is
+    recomputed whole and the log (``fork.edits[-1].replay``) says so.
+
+    Args:
+        fork: a fresh fork of the trace (one patching cell).
+        step: the bound replay step.
+        read: what is read.
+
+    Returns:
+        the read elements: the op's output at ``read.position`` along ``read.axis`` (that axis
+        dropped), restricted to ``read.columns``.
+
+    Raises:
+        GuardChangedError: the edit changes a guard (the caller re-executes instead).
+        ReplayNotExactError: the recorded graph cannot reproduce the edit exactly.
+        EmptySelectionError: the site matches nothing in the trace.
+    """
+    fork.require_op_graph("replaying an edit")
+    records = step.site.match(fork)
+    if not records:
+        raise EmptySelectionError(f"{step.site.describe()} matches nothing in this trace", site=step.site.describe())
+    fork.add_step(step)
+    replayer = Replayer(fork, sliced=True, read=read)
+    with torch.set_grad_enabled(fork.grad):
+        replayer.push(fork.recipe[-1], [Target(r) for r in records])
+    if replayer.read_value is not None:
+        return replayer.read_value
+    row = fork.value(read.index).select(read.axis, read.position)  # not reached, or run whole
+    return row if read.columns is None else row[..., list(read.columns)]
