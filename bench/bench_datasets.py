@@ -133,7 +133,7 @@ def main() -> None:
         child(case, int(n), out)
         return
     n = 96 if "--quick" in sys.argv else int(sys.argv[sys.argv.index("--rows") + 1]) if "--rows" in sys.argv else 2000
-    plan = [("hooks", n), ("local", n), ("whole", n), ("ray", n), ("local", n // 4)]
+    plan = [("hooks", n), ("local", n), ("whole", n), ("local", n // 4), ("ray", n)]
     results = {}
     for case, rows_n in plan:
         with tempfile.TemporaryDirectory() as tmp:
