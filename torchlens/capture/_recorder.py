@@ -94,6 +94,30 @@ def _is_internal(code) -> bool:
     return internal
 
 
+def _source(f) -> tuple[Any, int]:
+    """The code object and line of the first frame from ``f`` outwards that is the model's own."""
+    internal = _INTERNAL
+    while f is not None:
+        code = f.f_code
+        found = internal.get(code)
+        if found is None:
+            found = _is_internal(code)
+        if not found:
+            return code, f.f_lineno
+        f = f.f_back
+    return None, 0
+
+
+# Functions whose calls need none of the per-call checks (in place, random, guard): the op
+# path looks them up here first.
+_PLAIN: dict[Any, Any] = {}
+
+
+def _is_plain(info) -> bool:
+    return not (info.inplace or info.inplace_pos is not None or info.random or info.training_pos is not None
+                or info.name == "scaled_dot_product_attention" or info.guard)
+
+
 class EditApplier:
     """The function of a capture-time EDIT op: re-applies the edit when replay re-runs it."""
 
@@ -149,12 +173,7 @@ class Recorder(TorchFunctionMode):
 
     @staticmethod
     def source() -> tuple[Any, int]:
-        f = sys._getframe(3)  # skip source(), _record(), __torch_function__
-        while f is not None:
-            if not _is_internal(f.f_code):
-                return f.f_code, f.f_lineno
-            f = f.f_back
-        return None, 0
+        return _source(sys._getframe(3))  # skip source(), _record(), __torch_function__
 
     # -- the hot path --------------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -162,7 +181,42 @@ class Recorder(TorchFunctionMode):
             kwargs = {}
         if self.paused:
             return func(*args, **kwargs)
-        info = info_for(func)
+        try:
+            info = _PLAIN.get(func)
+        except TypeError:  # an unhashable callable: classified on each call by info_for
+            info = None
+        if info is not None and "out" not in kwargs:
+            flags, inplace, target = 0, False, None  # the common op: none of the checks apply
+        else:
+            info = info_for(func)
+            flags, inplace, target = self._checks(func, info, args, kwargs)
+
+        out = func(*args, **kwargs)
+
+        if inplace and out is None:
+            out = target
+        if isinstance(out, Tensor):
+            return self._record(func, info, out, args, kwargs, flags, None)
+        if type(out) in (tuple, list) or isinstance(out, tuple):
+            if out and all(isinstance(x, Tensor) or x is None for x in out):
+                return self._record(func, info, out, args, kwargs, flags, True)
+            return out
+        if info.data_read:
+            self._data_read(func, info.name, args, kwargs, out)
+        return out
+
+    def _checks(self, func, info, args: tuple, kwargs: dict) -> tuple[int, bool, Any]:
+        """The flags of a call about to run (in place, random, guard) and the tensor it writes in place.
+
+        Copies what an in-place op is about to overwrite first (copy on write). A function that
+        never needs any of this is remembered in ``_PLAIN``, so its next calls skip the checks.
+        """
+        if _is_plain(info):
+            try:
+                _PLAIN[func] = info
+            except TypeError:
+                pass
+        target = None
         flags = 0
         inplace = info.inplace
         if not inplace:
@@ -189,32 +243,24 @@ class Recorder(TorchFunctionMode):
             flags |= RANDOM
         if info.guard and (info.name != "where" or len(args) + len(kwargs) == 1):
             flags |= GUARD
-
-        out = func(*args, **kwargs)
-
-        if inplace and out is None:
-            out = target
-        if isinstance(out, Tensor):
-            return self._record(func, info, out, args, kwargs, flags, None)
-        if type(out) in (tuple, list) or isinstance(out, tuple):
-            if out and all(isinstance(x, Tensor) or x is None for x in out):
-                return self._record(func, info, out, args, kwargs, flags, True)
-            return out
-        if info.data_read:
-            self._data_read(func, info.name, args, kwargs, out)
-        return out
+        return flags, inplace, target
 
     def _record(self, func, info, out, args, kwargs, flags, multi) -> Any:
         trace = self.trace
         ops = self.ops
         index = len(ops)
-        code, lineno = self.source()
-        if _DISPATCHER_DIRS and _is_dispatcher(sys._getframe(2).f_code):
-            # A dispatcher's move of an activation is kept (the model reads its output: an edit
-            # must propagate through it) under its own stem; its weight on/offloads are not ops.
-            if not any(trace.producer_ref(t, index) is not None for t in _tensor_args(args, kwargs)):
-                return out
-            flags |= DISPATCH
+        caller = sys._getframe(2)  # skip _record(), __torch_function__
+        code = caller.f_code
+        if _INTERNAL.get(code) is False:  # called from the model's own line (never a dispatcher's): no walk
+            lineno = caller.f_lineno
+        else:
+            code, lineno = _source(caller)
+            if _DISPATCHER_DIRS and _is_dispatcher(caller.f_code):
+                # A dispatcher's move of an activation is kept (the model reads its output: an edit
+                # must propagate through it) under its own stem; its weight on/offloads are not ops.
+                if not any(trace.producer_ref(t, index) is not None for t in _tensor_args(args, kwargs)):
+                    return out
+                flags |= DISPATCH
         stack = self.stack
         if stack:
             call = stack[-1]
@@ -452,15 +498,19 @@ class Recorder(TorchFunctionMode):
                 if pass_index is None or pass_index == call.pass_index:
                     output = self._edit_op(when, output, call.address, call.pass_index, call.address, call)
                     replaced = output
-        call.op_end = len(self.ops)
-        refs, call.out_spec = self.trace.refs_for_value(output, len(self.ops))
+        n = call.op_end = len(self.ops)
+        if type(output) is Tensor:  # the common module output, without the generic walk
+            refs = [self.trace.producer_ref(output, n)]
+        else:
+            refs, call.out_spec = self.trace.refs_for_value(output, n)
         if self.stale:
             # Memory of that op was overwritten through another view before the module returned:
             # no recorded op produced what it returns, so the call keeps its own copy instead.
             refs = [None if r is not None and r.index in self.stale else r for r in refs]
         call.out_refs = refs
         if self.save is None or self.save.matches_call(call):
-            call._out = self._kept_output(output, refs, call.out_spec)
+            call._out = output if call.out_spec is None and refs[0] is not None else \
+                self._kept_output(output, refs, call.out_spec)
             if self.sink is not None:  # on disk, its tensors are read through the ops that produced them
                 leaves, spec = flatten(call._out)
                 # placeholders must not be None: a ModelOutput drops None fields, losing leaves

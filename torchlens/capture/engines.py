@@ -140,6 +140,11 @@ def _unchanged(value: object, copy: object, versions: list[int | None]) -> bool:
     return True
 
 
+def _may_offload(module: torch.nn.Module) -> bool:
+    """Whether ``module`` carries an accelerate hook (``_hf_hook``), which may offload its weights."""
+    return "_hf_hook" in module.__dict__ or hasattr(type(module), "_hf_hook")
+
+
 def _record_inputs(trace: Trace, args: tuple, kwargs: dict) -> None:
     named = [(str(i), a) for i, a in enumerate(args)] + list(kwargs.items())
     for key, value in named:
@@ -173,17 +178,14 @@ class FunctionModeEngine:
                             max_bytes=request.max_bytes)
         _record_inputs(trace, request.args, request.kwargs)
         hooks = ModuleHooks(model)
-        enter = recorder.enter_module
-        for name in hooks.names():
-            steps = module_steps.get(name)
-            stop_pass = stops.get(name, -1)
-            hooks.on_input(name, enter)
+        exit_module = recorder.exit_module
 
-            def exit_(info, args, kwargs, output, steps=steps, stop_pass=stop_pass):
-                stop = stop_pass != -1 and (stop_pass is None or stop_pass == info.pass_index)
-                return recorder.exit_module(info, args, kwargs, output, steps, stop)
+        def exit_(info, args, kwargs, output):  # one callback for every module: no closure per module
+            stop_pass = stops.get(info.address, -1)
+            stop = stop_pass != -1 and (stop_pass is None or stop_pass == info.pass_index)
+            return exit_module(info, args, kwargs, output, module_steps.get(info.address), stop)
 
-            hooks.on_output(name, exit_)
+        hooks.on_every_module(recorder.enter_module, exit_)
         output = None
         complete = True
         with torch.set_grad_enabled(request.grad), hooks, recorder:
@@ -194,7 +196,8 @@ class FunctionModeEngine:
         for call in trace.calls:  # calls a stopped (until=) forward never finished
             if call.op_end == OPEN:
                 call.op_end = len(trace.ops)
-        defer_offloaded_weights(trace, model)  # offloaded weights: references, not a second copy
+        if any(_may_offload(m) for m in hooks.modules()):  # the full search reads every module's attributes
+            defer_offloaded_weights(trace, model)  # offloaded weights: references, not a second copy
         if request.sink is not None:
             request.sink.close()
         trace.finish(output, steps=request.intervene, save=request.save, grad=request.grad, complete=complete,

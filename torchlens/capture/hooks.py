@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from ..core.names import nearest
 from ..errors import SiteNotFoundError
@@ -66,7 +67,7 @@ class ModuleHooks:
         self._post: dict[str, list[PostHook]] = {}
         self._handles: list[Any] = []
         self._counts: dict[str, int] = {}
-        self._open: dict[str, list[int]] = {}
+        self._open: dict[str, list[CallInfo]] = {}
         self._owner: int | None = None
         self._named: dict[str, nn.Module] | None = None
 
@@ -82,18 +83,39 @@ class ModuleHooks:
         self.module("")
         return list(self._named)
 
+    def modules(self) -> list[nn.Module]:
+        """Every module of the model (shared modules once), in ``names()`` order."""
+        self.module("")
+        return list(self._named.values())
+
     # -- registration ----------------------------------------------------------
     def on_input(self, address: str, fn: PreHook) -> None:
+        if self._owner is not None:  # the attached hooks have their callbacks fixed
+            raise RuntimeError("register callbacks before entering the hooks context")
         self.module(address)
         self._pre.setdefault(address, []).append(fn)
-        if self._owner is not None:
-            raise RuntimeError("register callbacks before entering the hooks context")
 
     def on_output(self, address: str, fn: PostHook) -> None:
+        if self._owner is not None:  # the attached hooks have their callbacks fixed
+            raise RuntimeError("register callbacks before entering the hooks context")
         self.module(address)
         self._post.setdefault(address, []).append(fn)
+
+    def on_every_module(self, pre: PreHook, post: PostHook) -> None:
+        """``pre`` and ``post`` on every module of the model (shared modules once).
+
+        Args:
+            pre: called as each module call starts (see ``on_input``).
+            post: called as each module call returns (see ``on_output``).
+
+        Raises:
+            RuntimeError: the hooks are attached already (inside ``with``).
+        """
         if self._owner is not None:
             raise RuntimeError("register callbacks before entering the hooks context")
+        for address in self.names():
+            self._pre.setdefault(address, []).append(pre)
+            self._post.setdefault(address, []).append(post)
 
     def passes(self, address: str) -> int:
         """How many calls of ``address`` have started since the hooks were attached."""
@@ -106,20 +128,14 @@ class ModuleHooks:
     # -- lifetime --------------------------------------------------------------
     def __enter__(self) -> ModuleHooks:
         self._owner = threading.get_ident()
+        pre, post, handles = self._pre, self._post, self._handles
         try:
-            for address in dict.fromkeys([*self._pre, *self._post]):
+            for address in dict.fromkeys([*pre, *post]):
                 module = self.module(address)
-                if address in self._pre:
-                    self._handles.append(
-                        module.register_forward_pre_hook(self._make_pre(address, module), with_kwargs=True)
-                    )
-                if address in self._post:
-                    self._handles.append(
-                        module.register_forward_hook(
-                            self._make_post(address, module, address in self._pre),
-                            with_kwargs=True,
-                        )
-                    )
+                if address in pre:
+                    handles.append(_attach(module, self._make_pre(address, module), pre=True))
+                if address in post:
+                    handles.append(_attach(module, self._make_post(address, module, address in pre), pre=False))
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -127,7 +143,12 @@ class ModuleHooks:
 
     def __exit__(self, *exc: object) -> None:
         for handle in self._handles:
-            handle.remove()
+            if type(handle) is tuple:
+                hooks, flags, hook_id = handle
+                hooks.pop(hook_id, None)
+                flags.pop(hook_id, None)
+            else:
+                handle.remove()
         self._handles.clear()
         self._owner = None
 
@@ -136,17 +157,22 @@ class ModuleHooks:
         callbacks = self._pre[address]
         counts = self._counts
         open_passes = self._open.setdefault(address, [])
+        owner = self._owner  # made in __enter__, removed in __exit__ by this same thread
+        get_ident = threading.get_ident
+        single = callbacks[0] if len(callbacks) == 1 else None  # callbacks are fixed once entered
 
         def pre_hook(mod, args, *rest):
             # ``*rest``: another thread's forward may run this hook while torch is still
             # registering it (hook added, with_kwargs flag not yet), without kwargs.
-            if threading.get_ident() != self._owner or not rest:
+            if get_ident() != owner or not rest:
                 return None
             kwargs = rest[0]
             n = counts.get(address, 0) + 1
             counts[address] = n
-            open_passes.append(n)
             info = CallInfo(address, module, n)
+            open_passes.append(info)  # the post hook of this call gets the same record
+            if single is not None:  # one callback (every capture's case): its result as is
+                return single(info, args, kwargs)
             replaced = None
             for fn in callbacks:
                 result = fn(info, args, kwargs)
@@ -161,18 +187,23 @@ class ModuleHooks:
         callbacks = self._post[address]
         counts = self._counts
         open_passes = self._open.setdefault(address, [])
+        owner = self._owner
+        get_ident = threading.get_ident
+        single = callbacks[0] if len(callbacks) == 1 else None
 
         def post_hook(mod, args, *rest):
             # ``*rest`` as in pre_hook: (kwargs, output), or (output,) mid-registration elsewhere.
-            if threading.get_ident() != self._owner or len(rest) != 2:
+            if get_ident() != owner or len(rest) != 2:
                 return None
             kwargs, output = rest
             if counted_by_pre:
-                n = open_passes.pop() if open_passes else counts.get(address, 0)
+                info = open_passes.pop() if open_passes else CallInfo(address, module, counts.get(address, 0))
             else:
                 n = counts.get(address, 0) + 1
                 counts[address] = n
-            info = CallInfo(address, module, n)
+                info = CallInfo(address, module, n)
+            if single is not None:
+                return single(info, args, kwargs, output)
             replaced = None
             for fn in callbacks:
                 result = fn(info, args, kwargs, output)
@@ -184,6 +215,32 @@ class ModuleHooks:
         return post_hook
 
 
+def _attach(module: nn.Module, hook: Callable[..., Any], *, pre: bool) -> Any:
+    """Add ``hook`` (with kwargs) to ``module``'s forward pre- or post-hooks; return what removes it.
+
+    Every module of a model gets two hooks per capture, so ``RemovableHandle`` (two weak
+    references per hook) was most of an every-op capture's setup: for modules that use
+    ``nn.Module``'s own registration, the entries it would make are made directly (same id
+    counter, same order), the kwargs flag first, so a forward in another thread never finds
+    the hook without it. A module type that registers hooks its own way goes through its API.
+    """
+    if pre:
+        if type(module).register_forward_pre_hook is not _REGISTER_PRE:
+            return module.register_forward_pre_hook(hook, with_kwargs=True)
+        hooks, flags = module._forward_pre_hooks, module._forward_pre_hooks_with_kwargs
+    else:
+        if type(module).register_forward_hook is not _REGISTER_POST:
+            return module.register_forward_hook(hook, with_kwargs=True)
+        hooks, flags = module._forward_hooks, module._forward_hooks_with_kwargs
+    hook_id = RemovableHandle.next_id
+    RemovableHandle.next_id += 1
+    flags[hook_id] = True
+    hooks[hook_id] = hook
+    return hooks, flags, hook_id
+
+
+_REGISTER_PRE = nn.Module.register_forward_pre_hook
+_REGISTER_POST = nn.Module.register_forward_hook
 _NO_FORWARD = object()
 
 
