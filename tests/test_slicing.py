@@ -237,3 +237,28 @@ def test_a_fork_with_unbuilt_rows_saves_and_loads_its_values(tiny_gpt2, tmp_path
     assert torch.equal(loaded.output.logits, fork.output.logits)
     want = edited_forward(tiny_gpt2.model, "transformer.h.0", _at_position(5), tiny_gpt2.args).logits
     assert torch.allclose(loaded.output.logits, want, atol=ATOL)
+
+
+def test_memory_held_by_a_fork_counts_its_unbuilt_rows_without_building_them(tiny_gpt2):
+    from torchlens.analysis.summary import memory_held
+
+    trace = tl.trace(tiny_gpt2.model, *tiny_gpt2.args)
+    fork = trace.fork().do("transformer.h.0", _tl_edit(5))
+    held = fork.held_values()
+    patches = [v for v in held if isinstance(v, list)]  # each RowPatch as [base, rows]
+    assert patches and not any(isinstance(v, RowPatch) for v in held)
+
+    def storages(values):
+        found = {}
+        for v in values:
+            for t in (v if isinstance(v, list) else [v]):
+                if isinstance(t, torch.Tensor):
+                    found[(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())] = None
+        return found
+
+    # by hand: the trace's own storages, then every storage the fork adds (new rows included)
+    own = storages([op._out for op in trace.ops if op.saved])
+    added = {k: None for k in storages(held) if k not in own}
+    assert memory_held(fork) == sum(n for _, n in own) + sum(n for _, n in added)
+    assert sum(p[1].untyped_storage().nbytes() for p in patches) > 0
+    assert sum(isinstance(v, list) for v in fork.held_values()) == len(patches)  # counting built nothing

@@ -68,9 +68,8 @@ def memory_held(trace: Any, ops: Any = None) -> int:
     for op in chosen:
         if op.saved:
             total += _storage_bytes(op._out, seen)
-    fork_values = getattr(trace, "_values", None)
-    if ops is None and fork_values:
-        total += _storage_bytes(list(fork_values.values()), seen)
+    if ops is None:
+        total += _storage_bytes(trace.held_values(), seen)
     return total
 
 

@@ -63,6 +63,11 @@ class Trace(Graph, TraceActions):
             v = self._values[index] = v.resolve()  # built once, on the first read
         return v
 
+    def held_values(self) -> list[Any]:
+        """What this trace keeps beyond its ops' recorded outputs (a fork's recomputed values; an
+        unbuilt one as the tensors it holds), as they are: reading them builds nothing."""
+        return [v.held() if isinstance(v, Pending) else v for v in self._values.values()]
+
     def seen_value(self, ref: Ref, consumer: int | ModuleCall | None = None, *, pending_ok: bool = False) -> Any:
         """The value ``ref`` names as ``consumer`` sees it.
 

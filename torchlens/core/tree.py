@@ -30,6 +30,10 @@ class Pending:
         """The value itself."""
         raise NotImplementedError(f"{type(self).__name__} must define resolve()")
 
+    def held(self) -> list[Any]:
+        """The tensors this unbuilt value keeps alive (what memory accounting counts)."""
+        raise NotImplementedError(f"{type(self).__name__} must define held()")
+
 
 def flatten(value: Any) -> tuple[list[Any], Any]:
     """Leaves and a spec; a bare tensor takes a fast path (the common module output)."""

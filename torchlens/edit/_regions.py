@@ -40,6 +40,9 @@ class RowPatch(Pending):
     def __init__(self, base: torch.Tensor, axis: int, start: int, rows: torch.Tensor) -> None:
         self.base, self.axis, self.start, self.rows = base, axis, start, rows
 
+    def held(self) -> list[torch.Tensor]:
+        return [self.base, self.rows]
+
     @property
     def shape(self) -> torch.Size:
         return self.base.shape
