@@ -20,6 +20,7 @@ from .core.records import ModuleCall, Op
 from .core.selectors import Selector
 from .core.services import install
 from .core.steps import Step
+from .edit._batch import replay_many
 from .edit.replay import replay_step
 from .edit.validate import validate
 from .plugins import facets_for
@@ -40,6 +41,11 @@ class Services:
             step = Step(bind(model, step.site), step.edit, step.phase)
         strict = partial(rerun, strict=getattr(fork, "strict", False))  # a re-executed strict fork stays strict
         return replay_step(fork, step, model=model, inputs=inputs, check=check, rerun=strict, replay=replay)
+
+    def replay_many(self, forks: list[Any], steps: list[Step], *, check: bool, replay: str,
+                    batch_size: int | None) -> list[Any]:
+        strict = partial(rerun, strict=getattr(forks[0], "strict", False)) if forks else rerun
+        return replay_many(forks, steps, rerun=strict, replay=replay, check=check, batch_size=batch_size)
 
     def rerun(self, trace: Any, model: Any, args: tuple, kwargs: dict, steps: list[Step],
               until: Selector | None) -> Any:

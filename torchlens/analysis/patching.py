@@ -13,7 +13,7 @@ fused-attention facets, ``torchlens.mechinterp.patch_head``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +26,7 @@ from ..core.steps import REPLAY, Step
 from ..core.trace import Trace
 from ..core.tree import first_tensor, flatten, unflatten
 from ..edit.edits import when
-from ..edit.reads import OutputRead, replay_read
+from ..edit.reads import OutputRead, replay_reads
 from ..errors import GuardChangedError, InvalidArgumentError, SiteNotFoundError
 from . import plots
 from .heads import patch_head
@@ -36,6 +36,9 @@ __all__ = [
     "restore_rows",
 ]
 
+# Cells replayed together by default: enough to share most weight reads of a sweep's few-row
+# recomputations, few enough that the batch's recomputed rows stay well under one trace per cell.
+DEFAULT_BATCH = 16
 KINDS = ("resid_pre", "resid_mid", "resid_post", "attn", "mlp", "heads")
 
 
@@ -165,26 +168,42 @@ def _score(metric: Callable[[Any], Any], output: Any) -> float:
 
 
 class _Cells:
-    """Scores patched forks of one trace. When the metric declares what it reads
-    (:class:`MetricReads`) and the logits come straight from a linear LM head, a cell replays
-    with ``replay_read``: the head computes only those logits (its log says ``"read"``)."""
+    """Scores patched forks of one trace, ``batch_size`` cells replayed together (their row
+    recomputations stacked: ``Trace.forks``). When the metric declares what it reads
+    (:class:`MetricReads`) and the logits come straight from a linear LM head, cells replay
+    with ``replay_reads``: the head computes only those logits (the log says ``"read"``)."""
 
-    def __init__(self, trace: Trace, metric: Callable[[Any], Any]) -> None:
-        self.trace, self.metric = trace, metric
+    def __init__(self, trace: Trace, metric: Callable[[Any], Any], batch_size: int) -> None:
+        self.trace, self.metric, self.batch_size = trace, metric, batch_size
         self.read = _output_read(trace, metric)
         self.sites: dict[str, Any] = {}
 
-    def score(self, name: str, site: str, edit: Any) -> float:
-        fork = self.trace.fork(name)
-        if self.read is not None:
-            bound = self.sites.get(site)
-            if bound is None:
-                bound = self.sites[site] = self.trace.bind(site, strings_as_modules=True)
-            try:
-                return _score(self.metric.reads.score, replay_read(fork, Step(bound, edit, REPLAY), self.read))
-            except GuardChangedError:
-                fork = self.trace.fork(name)  # a changed guard: fork.do below re-executes (and warns)
-        return _score(self.metric, fork.do(site, edit).output)
+    def score_all(self, cells: Iterable[tuple[str, str, Any]]) -> Iterator[float]:
+        """The score of each ``(fork name, site, edit)`` cell, in order."""
+        for chunk in _chunks(cells, self.batch_size):
+            yield from self._score_chunk(chunk)
+
+    def _score_chunk(self, cells: list[tuple[str, str, Any]]) -> list[float]:
+        if self.read is None:
+            forks = self.trace.forks([(site, edit) for _, site, edit in cells], names=[c[0] for c in cells])
+            return [_score(self.metric, f.output) for f in forks]
+        steps = [Step(self._bound(site), edit, REPLAY) for _, site, edit in cells]
+        got = replay_reads([self.trace.fork(name) for name, _, _ in cells], steps, self.read)
+        scores = []
+        for (name, site, edit), value in zip(cells, got):
+            if isinstance(value, GuardChangedError):  # fork.do re-executes the real forward (and warns)
+                scores.append(_score(self.metric, self.trace.fork(name).do(site, edit).output))
+            elif isinstance(value, BaseException):
+                raise value
+            else:
+                scores.append(_score(self.metric.reads.score, value))
+        return scores
+
+    def _bound(self, site: str) -> Any:
+        bound = self.sites.get(site)
+        if bound is None:
+            bound = self.sites[site] = self.trace.bind(site, strings_as_modules=True)
+        return bound
 
 
 def _output_read(trace: Trace, metric: Callable[[Any], Any]) -> OutputRead | None:
@@ -281,7 +300,8 @@ def _check_pair(clean: Trace, corrupted: Trace) -> None:
 
 def activation_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any], *, model: Any = None,
                         site: str = "resid_pre", layers: Sequence[int] | None = None,
-                        positions: Sequence[int] | None = None, progress: bool | None = None) -> PatchingResult:
+                        positions: Sequence[int] | None = None, progress: bool | None = None,
+                        batch_size: int = DEFAULT_BATCH) -> PatchingResult:
     """Patch each (layer, position) — or each (layer, head) — from the clean run into the corrupted one.
 
     Each cell is a fork of ``corrupted`` with one clean value restored and replayed on the
@@ -297,6 +317,9 @@ def activation_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any]
         layers: which blocks (default: all).
         positions: which positions (default: all).
         progress: show a progress bar (None: when stderr is a terminal).
+        batch_size: how many cells replay together (``Trace.forks``: one read of each weight per
+            batch instead of per cell). Each cell of a batch holds its recomputed rows until the
+            batch is scored — at most one trace's values per cell — so this bounds the memory.
 
     Returns:
         a :class:`PatchingResult` with dims ``("layer", "position")`` or ``("layer", "head")``.
@@ -307,6 +330,7 @@ def activation_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any]
     """
     if site not in KINDS:
         raise InvalidArgumentError(f"site= is one of {KINDS}, got {site!r}")
+    _check_batch(batch_size)
     clean, corrupted = _as_trace(model, clean, "clean"), _as_trace(model, corrupted, "corrupted")
     _check_pair(clean, corrupted)
     model = model if model is not None else _model_of(corrupted, clean)
@@ -327,12 +351,30 @@ def activation_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any]
     values = torch.empty(len(rows), len(cols))
     cells = [(i, layer, j, p) for i, layer in enumerate(rows) for j, p in enumerate(cols)]
     donors = {layer: clean[f"blocks.{layer}.{site}"].out for layer in rows}
-    scorer = _Cells(corrupted, metric)
-    for i, layer, j, p in track(cells, desc=f"patching {site}", unit="cell", progress=progress):
-        values[i, j] = scorer.score(f"{corrupted.name}/patch[{layer}.{site}@{p}]", f"blocks.{layer}.{site}",
-                                    restore_rows(donors[layer], p))
+    scorer = _Cells(corrupted, metric, batch_size)
+    todo = ((f"{corrupted.name}/patch[{layer}.{site}@{p}]", f"blocks.{layer}.{site}", restore_rows(donors[layer], p))
+            for _, layer, _, p in track(cells, desc=f"patching {site}", unit="cell", progress=progress))
+    for (i, _, j, _), score in zip(cells, scorer.score_all(todo)):
+        values[i, j] = score
     return PatchingResult(values, ("layer", "position"), {"layer": rows, "position": cols}, name, base_clean,
                           base_corrupted)
+
+
+def _check_batch(batch_size: Any) -> None:
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise InvalidArgumentError(f"batch_size= is a whole number of cells >= 1, got {batch_size!r}",
+                                   remedy="Lower it to use less memory, raise it to share more weight reads.")
+
+
+def _chunks(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
+    chunk: list[Any] = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
 
 
 def _seq_len(trace: Trace) -> int:
@@ -349,7 +391,7 @@ def _seq_len(trace: Trace) -> int:
 def causal_trace(model: Any, ids: torch.Tensor, subject: Sequence[int], *, answer: int | None = None,
                  kinds: Sequence[str] = ("resid_post", "attn", "mlp"), noise: float | None = None,
                  samples: int = 3, seed: int = 1, layers: Sequence[int] | None = None,
-                 progress: bool | None = None) -> dict[str, PatchingResult]:
+                 progress: bool | None = None, batch_size: int = DEFAULT_BATCH) -> dict[str, PatchingResult]:
     """ROME causal tracing: noise the subject tokens' embeddings, restore one clean state at a time.
 
     The corrupted runs add ``noise`` × a standard normal to the token embeddings (``embed``) of
@@ -370,6 +412,7 @@ def causal_trace(model: Any, ids: torch.Tensor, subject: Sequence[int], *, answe
         seed: the seed of the noise.
         layers: which blocks (default: all).
         progress: show a progress bar.
+        batch_size: how many cells of one noised run replay together (as in :func:`activation_patching`).
 
     Returns:
         ``{kind: PatchingResult}`` over ``("layer", "position")``; ``clean`` is the clean
@@ -384,6 +427,7 @@ def causal_trace(model: Any, ids: torch.Tensor, subject: Sequence[int], *, answe
     subject = [int(p) % seq for p in subject]
     if not subject:
         raise InvalidArgumentError("subject= lists at least one position")
+    _check_batch(batch_size)
     bad = [k for k in kinds if k not in KINDS or k == "heads"]
     if bad:
         raise InvalidArgumentError(f"kinds {bad} are not among {KINDS[:-1]}")
@@ -409,19 +453,22 @@ def causal_trace(model: Any, ids: torch.Tensor, subject: Sequence[int], *, answe
     metric = prob(answer)
     base_clean = _score(metric, clean.output)
     base_noised = sum(_score(metric, t.output) for t in noised) / samples
-    scorers = [_Cells(t, metric) for t in noised]
+    scorers = [_Cells(t, metric, batch_size) for t in noised]
     results = {}
     for kind in kinds:
         rows = _layers(model, kind, layers)
         donors = {layer: clean[f"blocks.{layer}.{kind}"].out for layer in rows}
         values = torch.zeros(len(rows), seq)
         cells = [(i, layer, p) for i, layer in enumerate(rows) for p in range(seq)]
-        for i, layer, p in track(cells, desc=f"causal trace {kind}", unit="cell", progress=progress):
-            total = 0.0
+        for chunk in _chunks(track(cells, desc=f"causal trace {kind}", unit="cell", progress=progress), batch_size):
+            totals = [0.0] * len(chunk)
             for scorer in scorers:
-                total += scorer.score(f"{scorer.trace.name}/restore[{layer}.{kind}@{p}]", f"blocks.{layer}.{kind}",
-                                      restore_rows(donors[layer], p))
-            values[i, p] = total / samples
+                todo = [(f"{scorer.trace.name}/restore[{layer}.{kind}@{p}]", f"blocks.{layer}.{kind}",
+                         restore_rows(donors[layer], p)) for _, layer, p in chunk]
+                for k, score in enumerate(scorer.score_all(todo)):
+                    totals[k] += score
+            for (i, _, p), total in zip(chunk, totals):
+                values[i, p] = total / samples
         results[kind] = PatchingResult(values, ("layer", "position"), {"layer": rows, "position": list(range(seq))},
                                        f"p({answer})", base_clean, base_noised,
                                        {"answer": answer, "noise": noise, "subject": subject})

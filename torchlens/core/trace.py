@@ -376,6 +376,49 @@ class Trace(Graph, TraceActions):
         """An isolated branch: edits on it never change this trace or its other forks."""
         return Fork(self, name)
 
+    def forks(self, edits: Any, *, names: Any = None, check: bool = False, replay: str = "auto",
+              batch_size: int | None = None) -> list[Fork]:
+        """One fork per ``(site, edit)`` pair of ``edits``, each edit replayed on its own fork —
+        all forks together, op by op, so an op several forks recompute on a few rows runs once
+        on their stacked rows (one read of its weights instead of one per fork).
+
+        Each fork equals ``self.fork().do(site, edit, check=check, replay=replay)`` (to float
+        rounding, as sliced replay); the forks' ``edits[-1].replay`` logs say what was recomputed.
+        A sweep such as zeroing each block's output at the last position costs about one sliced
+        replay of the whole model instead of one per fork.
+
+        Args:
+            edits: ``(site, edit)`` pairs, as ``fork.do(site, edit)`` takes them.
+            names: a name per fork (default ``"<trace>/fork"``).
+            check: re-execute each fork's recipe and compare (``fork.do(check=True)``).
+            replay: what a changed guard does, as in :meth:`Fork.do` (that fork is then handled alone).
+            batch_size: how many forks replay together (None: all). Each fork holds its own
+                recomputed rows either way; stacking adds at most one batch's rows of one op.
+
+        Returns:
+            the forks, in the order of ``edits``.
+
+        Raises:
+            InvalidArgumentError: an item of ``edits`` that is not a ``(site, edit)`` pair, ``names``
+                of another length, a bad ``replay`` or ``batch_size``.
+            EmptySelectionError: a site matches nothing (no fork is made).
+            GuardChangedError: an edit changes a guard and no fallback was allowed or possible.
+            ReplayNotExactError: the recorded graph cannot reproduce an edit exactly.
+        """
+        pairs = list(edits)
+        for pair in pairs:
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise InvalidArgumentError(
+                    f"forks() takes (site, edit) pairs, got {type(pair).__name__} {pair!r:.60}",
+                    remedy="Pass e.g. [(tl.module('transformer.h.0'), edit), ...].")
+        if names is not None:
+            names = list(names)
+            if len(names) != len(pairs):
+                raise InvalidArgumentError(f"names= gives {len(names)} names for {len(pairs)} forks")
+        made = [self.fork(None if names is None else names[i]) for i in range(len(pairs))]
+        steps = [Step(f.bind(site, strings_as_modules=True), edit, REPLAY) for f, (site, edit) in zip(made, pairs)]
+        return services().replay_many(made, steps, check=check, replay=replay, batch_size=batch_size)
+
     def do(self, site: Any, edit: Any, *, model=None, inputs=None, check: bool = False) -> Trace:
         raise InvalidArgumentError(
             "do() edits a fork, never the original trace",

@@ -98,7 +98,8 @@ class ReplayLog:
     fallback to whole-op replay with its reason.
 
     ``entries`` holds ``(label, func_name, how, rows, reason)``: ``how`` is ``"rows"`` (only
-    ``rows`` = ``(axis, start, size)`` were recomputed), ``"full"`` (its inputs changed whole)
+    ``rows`` = ``(axis, start, size)`` were recomputed; ``reason`` says when they were computed
+    in one call with other forks' rows, ``Trace.forks``), ``"full"`` (its inputs changed whole)
     or ``"fallback"`` (a rule was missing or could not bound it; ``reason`` says which), or
     ``"read"`` (a final ``linear`` computed only on the row and columns a patching metric
     declared it reads; ``rows`` counts it as one row, ``reason`` says which).

@@ -27,21 +27,51 @@ replay to float rounding (see ``tests/test_slicing.py`` for the tolerance), not 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from ._regions import WHOLE, Plan, Region, RowPatch, Rows, normal, union
 
-__all__ = ["plan_op"]
+__all__ = ["StackedCall", "collect_rows", "plan_op"]
 
 
 _TENSORS = (torch.Tensor, RowPatch)  # a changed argument may be a RowPatch: its new rows over the recorded tensor
 
 
+class StackedCall(NamedTuple):
+    """A row recomputation held back (:func:`collect_rows`): ``func(*args, **kwargs)``, where
+    ``axes[id(a)]`` is the axis each narrowed argument ``a`` was cut along."""
+
+    func: Callable[..., Any]
+    args: tuple
+    kwargs: dict
+    axes: dict[int, int]
+
+
+# While a plan's call is being collected (this thread only), calls are held back, not run.
+_COLLECTING = threading.local()
+
+
+def collect_rows(plan: Plan) -> StackedCall | None:
+    """The call ``plan.call()`` would make, with its arguments, without making it (None: the
+    plan's rule builds its result some other way)."""
+    _COLLECTING.axes = {}
+    try:
+        got = plan.call()
+    finally:
+        _COLLECTING.axes = None
+    return got if isinstance(got, StackedCall) else None
+
+
 def _narrow(t: torch.Tensor | RowPatch, axis: int, start: int) -> torch.Tensor:
-    return t.narrow(axis, start, t.shape[axis] - start)
+    cut = t.narrow(axis, start, t.shape[axis] - start)
+    axes = getattr(_COLLECTING, "axes", None)
+    if axes is not None:
+        axes[id(cut)] = axis
+    return cut
 
 
 def _built(t: torch.Tensor | RowPatch) -> torch.Tensor:
@@ -73,7 +103,11 @@ class _Call:
         return self.kwargs.get(name, default)
 
     def run(self, args: tuple, kwargs: dict | None = None) -> Any:
-        return self.op.func(*args, **(self.kwargs if kwargs is None else kwargs))
+        kwargs = self.kwargs if kwargs is None else kwargs
+        axes = getattr(_COLLECTING, "axes", None)
+        if axes is not None:
+            return StackedCall(self.op.func, args, kwargs, axes)
+        return self.op.func(*args, **kwargs)
 
 
 def plan_op(op: Any, args: tuple, kwargs: dict, region_of: Callable[[Any], Region]) -> Plan:

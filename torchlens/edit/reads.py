@@ -18,10 +18,11 @@ from ..core.records import Op, build_args
 from ..core.steps import Step
 from ..core.tree import Pending
 from ..errors import EmptySelectionError, ReplayNotExactError
+from ._batch import push_together
 from ._regions import WHOLE, RowPatch
 from .replay import Replayer, Target
 
-__all__ = ["OutputRead", "replay_read"]
+__all__ = ["OutputRead", "replay_read", "replay_reads"]
 
 
 class OutputRead(NamedTuple):
@@ -128,7 +129,26 @@ def replay_read(fork: Any, step: Step, read: OutputRead) -> torch.Tensor:
     replayer = Replayer(fork, sliced=True, read=read)
     with torch.set_grad_enabled(fork.grad):
         replayer.push(fork.recipe[-1], [Target(r) for r in records])
+    return _read_of(replayer, read)
+
+
+def replay_reads(forks: list[Any], steps: list[Step], read: OutputRead) -> list[Any]:
+    """:func:`replay_read` of ``steps[i]`` on ``forks[i]`` (fresh forks of one trace), replayed
+    together with their row recomputations stacked (``torchlens.edit._batch``).
+
+    Returns:
+        per fork, the read elements, or the exception its replay raised (that fork is left as
+        it was; a ``GuardChangedError`` means the caller should re-execute it).
+
+    Raises:
+        EmptySelectionError: a site matches nothing in the trace (no fork changed).
+    """
+    got = push_together(forks, steps, read=read)
+    return [r if isinstance(r, BaseException) else _read_of(r, read) for r in got]
+
+
+def _read_of(replayer: Replayer, read: OutputRead) -> torch.Tensor:
     if replayer.read_value is not None:
         return replayer.read_value
-    row = fork.value(read.index).select(read.axis, read.position)  # not reached, or run whole
+    row = replayer.fork.value(read.index).select(read.axis, read.position)  # not reached, or run whole
     return row if read.columns is None else row[..., list(read.columns)]

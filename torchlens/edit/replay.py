@@ -33,8 +33,8 @@ from ._slicing import plan_op
 from .edits import AppliedEdit, EditContext, apply_edit, count_changed, land_edit
 
 __all__ = [
-    "REEXECUTE", "REPLAY_MODES", "ROW_VIEWS", "UNINITIALISED", "Replayer", "Target", "execute", "refuse_reason",
-    "replay_step",
+    "REEXECUTE", "REPLAY_MODES", "ROW_VIEWS", "UNINITIALISED", "Replayer", "Target", "check_against_forward",
+    "execute", "refuse_reason", "replay_step",
 ]
 
 REEXECUTE = "do(site, edit, model=model, inputs=x) re-executes the real forward instead."
@@ -158,7 +158,7 @@ def replay_step(fork, step: Step, *, model=None, inputs=None, check: bool = Fals
         fork.restore_fork(before, fork.unsaved_steps)
         raise
     if check:
-        _check_against_forward(fork)
+        check_against_forward(fork)
     return fork
 
 
@@ -171,7 +171,8 @@ def _reexecute(fork, step: Step, model, args: tuple, kwargs: dict, rerun, how: s
         applied.how = how
 
 
-def _check_against_forward(fork) -> None:
+def check_against_forward(fork) -> None:
+    """Re-execute ``fork``'s recipe on its model; raise ``ReplayNotExactError`` if the output differs."""
     real = fork.run(fork.model)
     got = tensor_leaves(fork.output)
     want = tensor_leaves(real.output)
@@ -202,8 +203,21 @@ class Replayer:
         self.regions: dict[int, Any] = {}  # op index -> changed region of its new value (see _slicing)
         self.previous: dict[int, Any] = {}  # op index -> its value on the fork before this push
         self.log = ReplayLog(sliced)
+        # a RowBatch (torchlens.edit._batch) collecting row recomputations to run stacked with other forks'
+        self.batch: Any = None
 
     def push(self, new_step: Step, new_targets: list[Target]) -> None:
+        start = self.prepare(new_step, new_targets)
+        for j in range(start, len(self.ops) + 1):
+            self.visit(j)
+
+    def prepare(self, new_step: Step, new_targets: list[Target]) -> int:
+        """Plan pushing ``new_step`` (landing on ``new_targets``): the first position to :meth:`visit`.
+
+        Each position from there to ``len(ops)`` (the end, where reads are checked) is then
+        visited in order; :func:`torchlens.edit._batch.replay_many` visits several forks' replayers
+        in step so their row recomputations run stacked.
+        """
         fork = self.fork
         start = min(t.position for t in new_targets)
         plan: dict[int, list[tuple[Step, Target, bool]]] = {}
@@ -213,23 +227,30 @@ class Replayer:
             for t in targets:
                 if t.position >= start:
                     plan.setdefault(t.position, []).append((step, t, is_new))
-        reads = [r for r in fork.data_reads if r.position >= start]
-        read_i = 0
-        n = len(self.ops)
-        for j in range(start, n + 1):
-            if j in plan:
-                self._apply_steps(plan[j])
-            while read_i < len(reads) and reads[read_i].position <= j:
-                self._check_read(reads[read_i])
-                read_i += 1
-            if j == n:
-                break
-            op = self.ops[j]
-            if op.flags & INPUT or not self.changed:
-                continue
-            if not any(r.index in self.changed for r in op.parent_refs):
-                continue
-            self._rerun(op)
+        self._steps_at = plan
+        self._reads = [r for r in fork.data_reads if r.position >= start]
+        self._read_i = 0
+        return start
+
+    def visit(self, j: int) -> None:
+        """Apply the steps landing at position ``j``, check the data reads made before op ``j``,
+        and recompute op ``j`` if the edit reaches it (``j == len(ops)``: the end)."""
+        if j in self._steps_at:
+            self._apply_steps(self._steps_at[j])
+        reads = self._reads
+        while self._read_i < len(reads) and reads[self._read_i].position <= j:
+            self._check_read(reads[self._read_i])
+            self._read_i += 1
+        if j == len(self.ops):
+            return
+        op = self.ops[j]
+        if op.flags & INPUT or not self.changed:
+            return
+        changed = self.changed
+        for r in op.parent_refs:
+            if r.index in changed:
+                self._rerun(op)
+                return
 
     def _check_read(self, read: DataRead) -> None:
         """A data read the edit reaches: recompute it; unchanged, the recorded path still holds."""
@@ -268,7 +289,8 @@ class Replayer:
             plan, args, kwargs, pending = self._plan(op)
             if plan.kind == "skip":
                 return
-            if plan.kind == "rows" and self._rerun_rows(op, plan):
+            if plan.kind == "rows" and (self.batch is not None and self.batch.defer(self, op, plan)
+                                        or self._rerun_rows(op, plan)):
                 return
             if pending and op.func_name in ROW_VIEWS and self._rerun_view(op, plan, args, kwargs):
                 return
@@ -361,26 +383,43 @@ class Replayer:
 
     def _rerun_rows(self, op: Op, plan: Plan) -> bool:
         """Recompute only ``plan``'s rows of ``op``, kept beside its current value (False: do it whole)."""
-        j = op.index
-        try:
-            old = self.fork.value(j)
-        except ValueNotSavedError:
-            return False
-        axis, start = plan.region
-        if not isinstance(old, torch.Tensor):
+        old = self.row_base(op)
+        if old is None:
             return False
         try:
             rows = plan.call()
         except Exception:  # noqa: BLE001 - the whole-op path re-raises with the op and its line
             return False
+        return self.finish_rows(op, plan, old, rows)
+
+    def row_base(self, op: Op) -> torch.Tensor | None:
+        """The tensor new rows of ``op`` are kept beside (None: not a saved tensor; recompute whole)."""
+        try:
+            old = self.fork.value(op.index)
+        except ValueNotSavedError:
+            return None
+        return old if isinstance(old, torch.Tensor) else None
+
+    def finish_rows(self, op: Op, plan: Plan, old: torch.Tensor, rows: Any, note: str = "") -> bool:
+        """Keep ``rows``, the recomputed rows ``plan.region`` of ``op``, beside ``old`` (False: they
+        are not exactly those rows; the caller recomputes the op whole). ``note`` goes in the log."""
+        axis, start = plan.region
         if not isinstance(rows, torch.Tensor) or rows.dtype != old.dtype or rows.dim() != old.dim() \
                 or rows.shape[axis] != old.shape[axis] - start \
                 or any(a != b for d, (a, b) in enumerate(zip(rows.shape, old.shape)) if d != axis):
             return False
         # kept unbuilt: the next row rule reads ``rows`` alone, a whole read builds it once
-        self._store(j, RowPatch(old, axis, start, rows), plan.region)
-        self.log.entries.append((op.label, op.func_name, "rows", (axis, start, old.shape[axis]), ""))
+        self._store(op.index, RowPatch(old, axis, start, rows), plan.region)
+        self.log.entries.append((op.label, op.func_name, "rows", (axis, start, old.shape[axis]), note))
         return True
+
+    def rerun_alone(self, op: Op) -> None:
+        """Recompute ``op`` for this fork by itself (a stacked recomputation could not take it)."""
+        batch, self.batch = self.batch, None
+        try:
+            self._rerun(op)
+        finally:
+            self.batch = batch
 
     def _store(self, j: int, new: Any, region: Any) -> None:
         fork = self.fork

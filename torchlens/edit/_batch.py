@@ -1,0 +1,267 @@
+"""Replaying several forks of one trace together, their row recomputations stacked.
+
+A sweep of edits (zero block ``i`` at the last position, for every ``i``; restore one clean
+row per patching cell) replays each fork from its edit on, and a sliced replay recomputes
+only a few rows per op. On a CPU a few rows of a ``linear`` cost what reading its weight
+costs, whatever the row count: twelve forks each recomputing one row read every weight of
+the blocks they reach twelve times. :func:`push_together` walks the forks' replayers in step,
+op by op; every fork whose op is recomputed on some rows by a row rule (``linear``,
+``addmm``, norms, elementwise ops ...; see :mod:`torchlens.edit._slicing`) hands over the call
+instead of making it (:class:`RowBatch`), and the calls of one op are run as one, their rows
+concatenated along the axis the rule cut them on, then split back per fork.
+
+Stacking changes BLAS blocking, not what is computed: results equal each fork replayed alone
+to float rounding (the tolerance of sliced replay). Attention is not stacked (each fork's
+queries read its own keys and values); an op whose calls do not line up (different
+functions, arguments that differ other than along the cut axis) runs once per fork.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from ..core.records import Op
+from ..core.steps import Step
+from ..errors import EmptySelectionError, GuardChangedError, InvalidArgumentError
+from ._regions import Plan
+from ._slicing import StackedCall, collect_rows
+from .replay import REPLAY_MODES, Replayer, Target, check_against_forward, replay_step
+
+__all__ = ["RowBatch", "push_together", "replay_many"]
+
+# Each fork's queries attend to its own keys, values and mask: stacking their rows would mix forks.
+UNSTACKED = frozenset({"scaled_dot_product_attention"})
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+_NO = object()  # a slot whose values cannot be stacked
+
+
+class _Entry(NamedTuple):
+    replayer: Replayer
+    op: Op
+    plan: Plan
+    old: torch.Tensor
+    call: StackedCall
+
+
+class RowBatch:
+    """The row recomputations of one op, handed over by several forks' replayers
+    (:meth:`defer`) and run stacked (:meth:`flush`)."""
+
+    def __init__(self) -> None:
+        self.entries: list[_Entry] = []
+        self.stacked = 0  # calls that ran as part of a stacked call (for the record and the tests)
+
+    def defer(self, replayer: Replayer, op: Op, plan: Plan) -> bool:
+        """Take ``replayer``'s recomputation of ``plan``'s rows of ``op`` (False: it runs it now)."""
+        if op.func_name in UNSTACKED:
+            return False
+        old = replayer.row_base(op)
+        if old is None:
+            return False
+        try:
+            call = collect_rows(plan)
+        except Exception:  # noqa: BLE001 - the replayer's own path raises it with the op and its line
+            return False
+        if call is None:
+            return False
+        self.entries.append(_Entry(replayer, op, plan, old, call))
+        return True
+
+    def drop(self, replayer: Replayer) -> None:
+        """Forget what ``replayer`` handed over (its fork failed and was restored)."""
+        self.entries = [e for e in self.entries if e.replayer is not replayer]
+
+    def flush(self, failed: Callable[[Replayer, BaseException], None]) -> None:
+        """Run the held calls (stacked where they line up) and give each replayer its rows;
+        an error while finishing one fork's op goes to ``failed(replayer, error)``."""
+        entries, self.entries = self.entries, []
+        if not entries:
+            return
+        results = _run_stacked(entries) if len(entries) > 1 else None
+        note = ""
+        if results is None:
+            results = [_run_one(e.call) for e in entries]
+        else:
+            self.stacked += len(entries)
+            note = f"stacked with {len(entries) - 1} other fork(s)"
+        for entry, rows in zip(entries, results):
+            try:
+                if rows is None or not entry.replayer.finish_rows(entry.op, entry.plan, entry.old, rows, note):
+                    entry.replayer.rerun_alone(entry.op)
+            except Exception as exc:  # noqa: BLE001 - handed to the caller, which restores that fork
+                failed(entry.replayer, exc)
+
+
+def _run_one(call: StackedCall) -> Any:
+    try:
+        return call.func(*call.args, **call.kwargs)
+    except Exception:  # noqa: BLE001 - the replayer re-runs the op whole and raises with its line
+        return None
+
+
+def _run_stacked(entries: list[_Entry]) -> list[Any] | None:
+    """One call for every entry, its output split back per entry (None: they do not line up)."""
+    calls = [e.call for e in entries]
+    first = calls[0]
+    axis = entries[0].plan.region.axis
+    if any(c.func is not first.func or len(c.args) != len(first.args) or c.kwargs.keys() != first.kwargs.keys()
+           for c in calls) or any(e.op is not entries[0].op or e.plan.region.axis != axis for e in entries):
+        return None
+    args = []
+    for values in zip(*(c.args for c in calls)):
+        v = _stack_slot(values, calls)
+        if v is _NO:
+            return None
+        args.append(v)
+    kwargs = {}
+    for key in first.kwargs:
+        v = _stack_slot([c.kwargs[key] for c in calls], calls)
+        if v is _NO:
+            return None
+        kwargs[key] = v
+    sizes = [e.old.shape[axis] - e.plan.region.start for e in entries]
+    try:
+        out = first.func(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - each fork then runs its own call
+        return None
+    if not isinstance(out, torch.Tensor) or out.dim() <= axis or out.shape[axis] != sum(sizes):
+        return None
+    return list(out.split(sizes, dim=axis))
+
+
+def _stack_slot(values: Sequence[Any], calls: list[StackedCall]) -> Any:
+    """One argument for the stacked call from each fork's: the same object, equal plain values,
+    or tensors cut along the same axis and equal elsewhere (concatenated along it)."""
+    v0 = values[0]
+    if all(v is v0 for v in values):
+        return v0
+    if all(isinstance(v, torch.Tensor) for v in values):
+        axes = {c.axes.get(id(v)) for v, c in zip(values, calls)}
+        if len(axes) != 1 or None in axes:
+            return _NO
+        a = axes.pop()
+        for v in values:
+            if v.dim() != v0.dim() or v.dtype != v0.dtype or v.device != v0.device \
+                    or any(x != y for d, (x, y) in enumerate(zip(v.shape, v0.shape)) if d != a):
+                return _NO
+        return torch.cat(list(values), a)
+    if all(_plain(v) for v in values) and all(v == v0 for v in values):
+        return v0
+    return _NO
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    return isinstance(value, _PLAIN)
+
+
+def push_together(forks: Sequence[Any], steps: Sequence[Step], *, read: Any = None) -> list[Any]:
+    """Push ``steps[i]`` (a bound replay step) down ``forks[i]``, every fork of the same trace,
+    op by op in step, row recomputations stacked (:class:`RowBatch`).
+
+    A fork whose replay raises is restored to what it was and its error returned in its place;
+    the others go on.
+
+    Args:
+        forks: fresh forks of one trace (or forks sharing its records).
+        steps: one bound replay step per fork.
+        read: an ``OutputRead`` (``torchlens.edit.reads``) every fork computes only part of.
+
+    Returns:
+        per fork, its :class:`~torchlens.edit.replay.Replayer` (the fork now holds the edit),
+        or the exception its replay raised (the fork is as it was).
+
+    Raises:
+        EmptySelectionError: a step's site matches nothing (raised before any fork changes).
+    """
+    targets = []
+    for fork, step in zip(forks, steps):
+        fork.require_op_graph("replaying an edit")
+        records = step.site.match(fork)
+        if not records:
+            raise EmptySelectionError(f"{step.site.describe()} matches nothing in this trace",
+                                      site=step.site.describe())
+        targets.append([Target(r) for r in records])
+    batch = RowBatch()
+    outcome: list[Any] = [None] * len(forks)
+    active: dict[int, tuple[Replayer, int]] = {}
+    before = {}
+    by_replayer: dict[int, int] = {}
+
+    def failed(replayer: Replayer, exc: BaseException) -> None:
+        i = by_replayer[id(replayer)]
+        if i not in active:
+            return
+        del active[i]
+        batch.drop(replayer)
+        fork = forks[i]
+        fork.restore_fork(before[i], fork.unsaved_steps)
+        outcome[i] = exc
+
+    for i, (fork, step) in enumerate(zip(forks, steps)):
+        before[i] = fork.fork_state()
+        fork.add_step(step)
+        replayer = Replayer(fork, sliced=True, read=read)
+        replayer.batch = batch
+        by_replayer[id(replayer)] = i
+        outcome[i] = replayer
+        try:
+            active[i] = (replayer, replayer.prepare(fork.recipe[-1], targets[i]))
+        except Exception as exc:  # noqa: BLE001 - that fork alone fails
+            active[i] = (replayer, 0)
+            failed(replayer, exc)
+    if not active:
+        return outcome
+    n = max(len(r.ops) for r, _ in active.values())
+    try:
+        with torch.set_grad_enabled(any(f.grad for f in forks)):
+            for j in range(min(start for _, start in active.values()), n + 1):
+                for replayer, start in list(active.values()):
+                    if start <= j:
+                        try:
+                            replayer.visit(j)
+                        except Exception as exc:  # noqa: BLE001 - that fork alone fails
+                            failed(replayer, exc)
+                batch.flush(failed)
+    except BaseException as exc:  # interrupted: no fork is left half replayed
+        for replayer, _ in list(active.values()):
+            failed(replayer, exc)
+        raise
+    return outcome
+
+
+def replay_many(forks: Sequence[Any], steps: Sequence[Step], *, rerun: Any, replay: str = "auto",
+                check: bool = False, batch_size: int | None = None) -> list[Any]:
+    """Replay ``steps[i]`` on ``forks[i]`` (fresh forks of one trace), ``batch_size`` forks at a
+    time in step (:func:`push_together`). A fork whose edit changes a guard is then handled
+    alone, as ``fork.do(..., replay=replay)`` would (``rerun`` re-executes for a fallback).
+
+    Returns:
+        the forks, each holding its edit.
+
+    Raises:
+        InvalidArgumentError: an unknown ``replay`` or a ``batch_size`` below 1.
+        GuardChangedError: a guard changed and no fallback was allowed or possible.
+        ReplayNotExactError: the recorded graph cannot reproduce an edit exactly.
+        EmptySelectionError: a site matches nothing in the trace.
+    """
+    if replay not in REPLAY_MODES:
+        raise InvalidArgumentError(f"replay= is one of {REPLAY_MODES}, got {replay!r}")
+    if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool)
+                                   or batch_size < 1):
+        raise InvalidArgumentError(f"batch_size= is a whole number of forks >= 1 (or None: all), got {batch_size!r}")
+    size = batch_size or max(1, len(forks))
+    for k in range(0, len(forks), size):
+        chunk, chunk_steps = forks[k:k + size], steps[k:k + size]
+        for fork, step, got in zip(chunk, chunk_steps, push_together(chunk, chunk_steps)):
+            if isinstance(got, GuardChangedError):
+                replay_step(fork, step, rerun=rerun, replay=replay, check=check)  # alone: falls back or raises
+            elif isinstance(got, BaseException):
+                raise got
+            elif check:
+                check_against_forward(fork)
+    return list(forks)
