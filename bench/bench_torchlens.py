@@ -97,6 +97,15 @@ def torchlens_cases() -> None:
              "one tl.trace + 12 forks replayed; 12 plain forwards would be 12.0",
              n=3 if "--quick" in sys.argv else 5)
 
+    def c8_forks():
+        t = tl.trace(model, ids)
+        return [f.output.logits[0, -1, 0] for f in t.forks([(tl.module(b), zero_last) for b in blocks])]
+
+    ok = all(torch.allclose(a, b, atol=1e-5) for a, b in zip(c8_forks(), want))
+    run_case(tool, "c8_gpt2_ablate_sweep_forks", c8_forks, base, ok,
+             "c8 with trace.forks: the 12 forks replayed together, their rows stacked per op",
+             n=3 if "--quick" in sys.argv else 5)
+
     def c9():
         return full.fork().do(tl.module("transformer.h.8"), double_last).output.logits
 
