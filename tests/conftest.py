@@ -428,6 +428,24 @@ def hook_reads(model: nn.Module, args: tuple = (), kwargs: dict | None = None, *
     return seen, out
 
 
+def scale_row_hook(p: int, k: float = 3.0) -> Callable[[Any], Any]:
+    """A forward-hook edit scaling the hidden state (first tensor of the output) at position ``p`` by ``k``."""
+
+    def edit(out):
+        first = out[0] if isinstance(out, tuple) else out
+        first = first.clone()
+        first[:, p] *= k
+        return (first, *out[1:]) if isinstance(out, tuple) else first
+
+    return edit
+
+
+def scale_row_edit(p: int, k: float = 3.0) -> Callable[..., Any]:
+    """The same edit as :func:`scale_row_hook`, spelled as a TorchLens edit ``(act, *, ctx)``."""
+    hook = scale_row_hook(p, k)
+    return lambda act, *, ctx: hook(act)
+
+
 def edited_forward(model: nn.Module, address: str, edit: Callable[[Any], Any], args: tuple = (),
                    kwargs: dict | None = None, pass_index: int | None = None) -> Any:
     """The model output when a plain forward hook replaces ``address``'s output by ``edit(output)``."""

@@ -12,28 +12,13 @@ import warnings
 
 import pytest
 import torch
-from conftest import BranchyNet, edited_forward
+from conftest import BranchyNet, edited_forward, scale_row_edit, scale_row_hook
 
 import torchlens as tl
 from torchlens.analysis.patching import activation_patching, logit_diff
 from torchlens.errors import GuardChangedError, InvalidArgumentError, ReplayFellBack, SiteNotFoundError
 
 ATOL = 1e-5
-
-
-def _hook_at(p: int, k: float):
-    def edit(out):
-        first = out[0] if isinstance(out, tuple) else out
-        first = first.clone()
-        first[:, p] *= k
-        return (first, *out[1:]) if isinstance(out, tuple) else first
-
-    return edit
-
-
-def _tl_at(p: int, k: float):
-    hook = _hook_at(p, k)
-    return lambda act, *, ctx: hook(act)
 
 
 def _blocks(case) -> list[str]:
@@ -48,12 +33,12 @@ def test_every_fork_equals_its_edit_alone_and_a_hooked_forward(case_name, reques
     seq = case.args[0].shape[1]
     # a sweep over blocks and positions: forks start at different ops and different rows
     cells = [(b, p, 0.5 + i) for i, b in enumerate(_blocks(case)) for p in (0, seq // 2, seq - 1)]
-    forks = trace.forks([(b, _tl_at(p, k)) for b, p, k in cells])
+    forks = trace.forks([(b, scale_row_edit(p, k)) for b, p, k in cells])
     assert len(forks) == len(cells)
     stacked = 0
     for fork, (b, p, k) in zip(forks, cells):
-        want = edited_forward(case.model, b, _hook_at(p, k), case.args).logits
-        alone = trace.fork().do(b, _tl_at(p, k)).output.logits
+        want = edited_forward(case.model, b, scale_row_hook(p, k), case.args).logits
+        alone = trace.fork().do(b, scale_row_edit(p, k)).output.logits
         assert torch.allclose(fork.output.logits, want, atol=ATOL), (b, p)
         assert torch.allclose(fork.output.logits, alone, atol=ATOL), (b, p)
         log = fork.edits[-1].replay
@@ -68,20 +53,20 @@ def test_last_position_sweep_stacks_one_row_per_fork_per_op(tiny_gpt2):
     trace = tl.trace(tiny_gpt2.model, *tiny_gpt2.args)
     last = tiny_gpt2.args[0].shape[1] - 1
     blocks = _blocks(tiny_gpt2)
-    forks = trace.forks([(b, _tl_at(last, 0.0)) for b in blocks])
+    forks = trace.forks([(b, scale_row_edit(last, 0.0)) for b in blocks])
     first = forks[0].edits[-1].replay.entries
     # the fork edited at block 0 recomputes the last row of the LM head together with every other fork
     head = [e for e in first if e[1] == "linear" and e[3] == (1, last, last + 1)]
     assert head and head[-1][4] == f"stacked with {len(blocks) - 1} other fork(s)"
     for fork, b in zip(forks, blocks):
-        want = edited_forward(tiny_gpt2.model, b, _hook_at(last, 0.0), tiny_gpt2.args).logits
+        want = edited_forward(tiny_gpt2.model, b, scale_row_hook(last, 0.0), tiny_gpt2.args).logits
         assert torch.allclose(fork.output.logits, want, atol=ATOL)
         assert torch.equal(fork.output.logits[:, :last], trace.output.logits[:, :last])  # earlier rows reused
 
 
 def test_batch_size_and_names(tiny_gpt2):
     trace = tl.trace(tiny_gpt2.model, *tiny_gpt2.args)
-    edits = [(b, _tl_at(1, 2.0)) for b in _blocks(tiny_gpt2)]
+    edits = [(b, scale_row_edit(1, 2.0)) for b in _blocks(tiny_gpt2)]
     one = trace.forks(edits, batch_size=1, names=[f"cell{i}" for i in range(len(edits))])
     every = trace.forks(edits)
     assert [f.name for f in one] == [f"cell{i}" for i in range(len(edits))]

@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import edited_forward
+from conftest import edited_forward, scale_row_edit, scale_row_hook
 
 import torchlens as tl
 from torchlens.core.steps import REPLAY, Step
@@ -23,23 +23,6 @@ from torchlens.edit.replay import replay_step
 from torchlens.errors import GuardChangedError, ReplayNotExactError
 
 ATOL = 1e-5
-
-
-def _at_position(p: int, k: float = 3.0):
-    """A hook edit scaling the hidden state (first tensor of the output) at position ``p``."""
-
-    def edit(out):
-        first = out[0] if isinstance(out, tuple) else out
-        first = first.clone()
-        first[:, p] *= k
-        return (first, *out[1:]) if isinstance(out, tuple) else first
-
-    return edit
-
-
-def _tl_edit(p: int, k: float = 3.0):
-    hook = _at_position(p, k)
-    return lambda act, *, ctx: hook(act)
 
 
 def _full_replay(trace, site: str, edit):
@@ -54,9 +37,9 @@ def test_sliced_equals_full_replay_and_reexecution_at_every_position(case_name, 
     trace = tl.trace(case.model, *case.args)
     seq = case.args[0].shape[1]
     for p in range(seq):
-        sliced = trace.fork().do(case.block, _tl_edit(p))
-        full = _full_replay(trace, case.block, _tl_edit(p))
-        want = edited_forward(case.model, case.block, _at_position(p), case.args).logits
+        sliced = trace.fork().do(case.block, scale_row_edit(p))
+        full = _full_replay(trace, case.block, scale_row_edit(p))
+        want = edited_forward(case.model, case.block, scale_row_hook(p), case.args).logits
         assert torch.allclose(sliced.output.logits, want, atol=ATOL), p
         assert torch.allclose(full.output.logits, want, atol=ATOL), p
         log = sliced.edits[-1].replay
@@ -72,7 +55,7 @@ def test_sliced_equals_full_replay_and_reexecution_at_every_position(case_name, 
 def test_edit_at_last_position_recomputes_one_row_per_op(tiny_gpt2):
     trace = tl.trace(tiny_gpt2.model, *tiny_gpt2.args)
     last = tiny_gpt2.args[0].shape[1] - 1
-    fork = trace.fork().do("transformer.h.0", _tl_edit(last))
+    fork = trace.fork().do("transformer.h.0", scale_row_edit(last))
     rows = [e for e in fork.edits[-1].replay.entries if e[2] == "rows"]
     assert rows and all(e[3][1] == last for e in rows)
     assert {e[1] for e in rows} >= {"addmm", "scaled_dot_product_attention", "layer_norm", "linear"}
@@ -80,17 +63,17 @@ def test_edit_at_last_position_recomputes_one_row_per_op(tiny_gpt2):
 
 def test_op_level_edit_and_check(tiny_llama):
     trace = tl.trace(tiny_llama.model, *tiny_llama.args)
-    fork = trace.fork().do(tl.func("silu"), _tl_edit(4), check=True)  # check=True compares with re-execution
+    fork = trace.fork().do(tl.func("silu"), scale_row_edit(4), check=True)  # check=True compares with re-execution
     log = fork.edits[-1].replay
     assert log.n_sliced > 0 and not log.fallbacks
-    full = _full_replay(trace, tl.func("silu"), _tl_edit(4))
+    full = _full_replay(trace, tl.func("silu"), scale_row_edit(4))
     assert torch.allclose(fork.output.logits, full.output.logits, atol=ATOL)
 
 
 def test_noncausal_attention_falls_back_and_says_so(minilm):
     trace = tl.trace(minilm.model, **minilm.kwargs)
-    fork = trace.fork().do(minilm.block, _tl_edit(3))
-    want = edited_forward(minilm.model, minilm.block, _at_position(3), (), minilm.kwargs)
+    fork = trace.fork().do(minilm.block, scale_row_edit(3))
+    want = edited_forward(minilm.model, minilm.block, scale_row_hook(3), (), minilm.kwargs)
     assert torch.allclose(fork.output.last_hidden_state, want.last_hidden_state, atol=ATOL)
     reasons = [r for _, name, r in fork.edits[-1].replay.fallbacks if name == "scaled_dot_product_attention"]
     assert reasons and all("not causal" in r for r in reasons)
@@ -155,8 +138,8 @@ def test_attention_visibility_rule():
 def test_recomputed_rows_stay_unbuilt_until_read_and_equal_full_replay(tiny_gpt2):
     trace = tl.trace(tiny_gpt2.model, *tiny_gpt2.args)
     last = tiny_gpt2.args[0].shape[1] - 1
-    sliced = trace.fork().do("transformer.h.0", _tl_edit(last))
-    full = _full_replay(trace, "transformer.h.0", _tl_edit(last))
+    sliced = trace.fork().do("transformer.h.0", scale_row_edit(last))
+    full = _full_replay(trace, "transformer.h.0", scale_row_edit(last))
     rows = [e[0] for e in sliced.edits[-1].replay.entries if e[2] == "rows"]
     indices = [trace.op_index(label) for label in rows]
     # the logits (read by nothing during replay) and the row-wise chains are not copied yet
@@ -166,17 +149,17 @@ def test_recomputed_rows_stay_unbuilt_until_read_and_equal_full_replay(tiny_gpt2
         got, want = sliced.value(i), full.value(i)
         assert isinstance(got, torch.Tensor) and torch.allclose(got, want, atol=ATOL), trace.ops[i].label
     assert not any(isinstance(v, RowPatch) for v in sliced.fork_state().values.values())
-    want = edited_forward(tiny_gpt2.model, "transformer.h.0", _at_position(last), tiny_gpt2.args).logits
+    want = edited_forward(tiny_gpt2.model, "transformer.h.0", scale_row_hook(last), tiny_gpt2.args).logits
     assert torch.allclose(sliced.output.logits, want, atol=ATOL)
 
 
 def test_a_second_edit_on_the_same_fork_reads_the_first_ones_rows(tiny_gpt2):
     trace = tl.trace(tiny_gpt2.model, *tiny_gpt2.args)
-    fork = trace.fork().do("transformer.h.0", _tl_edit(5)).do("transformer.h.1", _tl_edit(3, 0.5))
+    fork = trace.fork().do("transformer.h.0", scale_row_edit(5)).do("transformer.h.1", scale_row_edit(3, 0.5))
 
     model = tiny_gpt2.model
-    handles = [model.transformer.h[0].register_forward_hook(lambda m, i, o: _at_position(5)(o)),
-               model.transformer.h[1].register_forward_hook(lambda m, i, o: _at_position(3, 0.5)(o))]
+    handles = [model.transformer.h[0].register_forward_hook(lambda m, i, o: scale_row_hook(5)(o)),
+               model.transformer.h[1].register_forward_hook(lambda m, i, o: scale_row_hook(3, 0.5)(o))]
     try:
         with torch.no_grad():
             want = model(*tiny_gpt2.args).logits
@@ -199,10 +182,10 @@ def test_partial_read_equals_full_replay_and_reexecution(case_name, request):
     cols = (3, 11)
     for p in range(seq):
         fork = trace.fork()
-        step = Step(fork.bind(case.block, strings_as_modules=True), _tl_edit(p), REPLAY)
+        step = Step(fork.bind(case.block, strings_as_modules=True), scale_row_edit(p), REPLAY)
         got = replay_read(fork, step, OutputRead(_logits_op(trace), 1, seq - 1, cols))
-        full = _full_replay(trace, case.block, _tl_edit(p)).output.logits[:, -1, list(cols)]
-        want = edited_forward(case.model, case.block, _at_position(p), case.args).logits[:, -1, list(cols)]
+        full = _full_replay(trace, case.block, scale_row_edit(p)).output.logits[:, -1, list(cols)]
+        want = edited_forward(case.model, case.block, scale_row_hook(p), case.args).logits[:, -1, list(cols)]
         assert got.shape == want.shape and torch.allclose(got, want, atol=ATOL), p
         assert torch.allclose(got, full, atol=ATOL), p
         log = fork.edits[-1].replay
@@ -216,26 +199,26 @@ def test_partial_read_falls_back_and_says_so_where_the_op_is_read_by_others(tiny
     lm_head = trace.ops[_logits_op(trace)]
     norm = next(i for i in reversed(range(lm_head.index)) if trace.ops[i].func_name == "layer_norm")
     fork = trace.fork()
-    step = Step(fork.bind("transformer.h.0", strings_as_modules=True), _tl_edit(2), REPLAY)
+    step = Step(fork.bind("transformer.h.0", strings_as_modules=True), scale_row_edit(2), REPLAY)
     got = replay_read(fork, step, OutputRead(norm, 1, 4, None))
-    want = _full_replay(trace, "transformer.h.0", _tl_edit(2)).value(norm)[:, 4]
+    want = _full_replay(trace, "transformer.h.0", scale_row_edit(2)).value(norm)[:, 4]
     assert torch.allclose(got, want, atol=ATOL)
     fallbacks = fork.edits[-1].replay.fallbacks
     assert any(label == trace.ops[norm].label and "partial read" in why for label, _, why in fallbacks)
     assert torch.allclose(fork.output.logits,  # the op ran whole, so the fork stays readable
-                          edited_forward(tiny_gpt2.model, "transformer.h.0", _at_position(2), tiny_gpt2.args).logits,
+                          edited_forward(tiny_gpt2.model, "transformer.h.0", scale_row_hook(2), tiny_gpt2.args).logits,
                           atol=ATOL)
 
 
 def test_a_fork_with_unbuilt_rows_saves_and_loads_its_values(tiny_gpt2, tmp_path):
     trace = tl.trace(tiny_gpt2.model, *tiny_gpt2.args)
-    fork = trace.fork("last").do("transformer.h.0", _tl_edit(5))
+    fork = trace.fork("last").do("transformer.h.0", scale_row_edit(5))
     mid = next(trace.op_index(e[0]) for e in fork.edits[-1].replay.entries if e[2] == "rows")
     assert isinstance(fork.value(mid, pending_ok=True), RowPatch)
     loaded = tl.load_trace(fork.save(tmp_path / "f"))
     assert torch.equal(loaded.value(mid), fork.value(mid))
     assert torch.equal(loaded.output.logits, fork.output.logits)
-    want = edited_forward(tiny_gpt2.model, "transformer.h.0", _at_position(5), tiny_gpt2.args).logits
+    want = edited_forward(tiny_gpt2.model, "transformer.h.0", scale_row_hook(5), tiny_gpt2.args).logits
     assert torch.allclose(loaded.output.logits, want, atol=ATOL)
 
 
@@ -243,7 +226,7 @@ def test_memory_held_by_a_fork_counts_its_unbuilt_rows_without_building_them(tin
     from torchlens.analysis.summary import memory_held
 
     trace = tl.trace(tiny_gpt2.model, *tiny_gpt2.args)
-    fork = trace.fork().do("transformer.h.0", _tl_edit(5))
+    fork = trace.fork().do("transformer.h.0", scale_row_edit(5))
     held = fork.held_values()
     patches = [v for v in held if isinstance(v, list)]  # each RowPatch as [base, rows]
     assert patches and not any(isinstance(v, RowPatch) for v in held)
