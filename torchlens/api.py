@@ -29,7 +29,7 @@ from .errors import (
     UnsupportedModelError,
 )
 from .plugins import choose_engine, engines
-from .store._trace_store import TraceStore
+from .store._trace_store import TraceStore, check_recompute
 
 __all__ = ["check_model", "extract", "rerun", "stops_on_modules", "trace", "trace_until"]
 
@@ -196,6 +196,7 @@ def trace(
     grad: bool = False,
     strict: bool = False,
     store: Any = None,
+    store_recompute: bool = True,
     offload_values: Any = None,
     max_bytes: int | str | None = "auto",
     **kwargs: Any,
@@ -221,6 +222,10 @@ def trace(
             warning ``tl.EditHadNoEffect``, during this capture and on every fork of the trace.
         store: a directory: every kept value is written there (safetensors shards) as the
             forward produces it and read back lazily; memory holds the graph, not the values.
+        store_recompute: with ``store=``, a value an exactly reproducible elementwise op
+            (``add``, ``mul``, ``div``, ``where``, ``clone`` ...: docs/big-models.md) made from
+            other stored values is recomputed on read instead of written, once the capture has
+            checked that the recompute gives it bit for bit. False writes every value.
         offload_values: a device (``"cpu"``) to keep recorded values on while the model runs
             on an accelerator; they are moved back to the op's device when replay needs them.
         max_bytes: the most bytes an in-memory capture may add to the process's resident
@@ -240,8 +245,8 @@ def trace(
         SiteNotFoundError: a site names no module or op of the model.
         EditNotAppliedError: an edit's site never fired during the forward.
         EditHadNoEffectError: with ``strict=True``, an edit changed nothing.
-        InvalidArgumentError: ``save=`` or ``intervene=`` has the wrong type, or a dict input's
-            keys are not parameters of the model's forward.
+        InvalidArgumentError: ``save=``, ``intervene=`` or ``store_recompute=`` has the wrong
+            type, or a dict input's keys are not parameters of the model's forward.
         LegacyArgumentError: a keyword spelled as in the older TorchLens package
             (``layers_to_save=`` ...) that the model's forward does not take.
         FingerprintMismatchError: a loaded recipe was saved for a different model.
@@ -257,7 +262,7 @@ def trace(
     failure = None
     if limit is not None and max_bytes != "auto":
         failure = _check_estimate(model, call_args, call_kwargs, save, backend, limit)
-    sink = _sink(store, offload_values)
+    sink = _sink(store, offload_values, store_recompute)
     try:
         return _trace(model, call_args, call_kwargs, save=save, intervene=intervene, backend=backend, grad=grad,
                       strict=strict, sink=sink, max_bytes=limit)
@@ -285,15 +290,16 @@ def _check_estimate(model: nn.Module, args: tuple, kwargs: dict, save: Any, back
     return None
 
 
-def _sink(store: Any, offload_values: Any) -> Any:
+def _sink(store: Any, offload_values: Any, store_recompute: Any = True) -> Any:
     """Where values go as the forward produces them: a disk store, a device, or nowhere (None)."""
+    check_recompute(store_recompute)
     if store is not None and offload_values is not None:
         raise InvalidArgumentError("store= and offload_values= both say where values go; pass one",
                                    remedy="store=path keeps them on disk; offload_values='cpu' in CPU memory.")
     if store is not None:
         if not isinstance(store, (str, os.PathLike)):
             raise InvalidArgumentError(f"store= takes a directory path, got {type(store).__name__}")
-        return TraceStore(store)
+        return TraceStore(store, recompute=store_recompute)
     if offload_values is not None:
         try:
             return ValueOffload(offload_values)
@@ -351,15 +357,19 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict, *, save: Any = None, int
         saved = bind(model, saved)
     request = CaptureRequest(model, args, kwargs, record_ops=True, intervene=whens, save=saved, grad=grad,
                              strict=strict, sink=sink, max_bytes=max_bytes)
-    module_request = replace(request, record_ops=False, sites=saved, save=None, sink=None)
     if backend is None:
-        if whens and saved is not None and module_request.module_only():
-            # An edit plus a module read needs no op graph: module hooks serve it at hook cost.
-            request = module_request
+        # (the module-only request is built only where it may serve: a dataclass replace per capture was
+        # a few percent of a tiny model's every-op capture)
+        if whens and saved is not None:
+            module_request = replace(request, record_ops=False, sites=saved, save=None, sink=None)
+            if module_request.module_only():
+                # An edit plus a module read needs no op graph: module hooks serve it at hook cost.
+                request = module_request
     else:
         named = engines().get(backend)
         if named is not None and not getattr(named, "records_ops", True):
-            request = module_request  # an engine that records module outputs only (a capability it declares)
+            # an engine that records module outputs only (a capability it declares)
+            request = replace(request, record_ops=False, sites=saved, save=None, sink=None)
     return _capture(request, backend)
 
 

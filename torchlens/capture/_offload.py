@@ -67,7 +67,7 @@ class ValueOffload:
     def __init__(self, device: str | torch.device) -> None:
         self.device = torch.device(device)
 
-    def put(self, key: str, value: Any) -> OffloadedValue:
+    def put(self, key: str, value: Any, op: Any = None) -> OffloadedValue:  # op: unused, every value is moved
         leaves, spec = flatten(value)
         kept: list[Any] = []
         devices: list[torch.device | None] = []

@@ -1,10 +1,12 @@
-"""The function-mode engine's recorder: one ``Op`` per torch call, module context from hooks.
+"""The function-mode engine's recorder: one ``Op`` per torch call, module context from ``ModuleHooks``.
 
 A ``TorchFunctionMode`` is thread-local and patches nothing, so two threads can record
 two models at once. The per-call path is kept short: classification is cached per
-function, raw arguments are kept as they are and only resolved into ``args_spec`` when
-someone asks (replay, parents, ``save=``), and outputs are copied only when an in-place
-op is about to overwrite a recorded value (copy on write).
+function, the common op (one tensor out, nothing watching ops one by one) is recorded
+inline with its line left as an instruction offset until read, raw arguments are kept as
+they are and only resolved into ``args_spec`` when someone asks (replay, parents,
+``save=``), and outputs are copied only when an in-place op is about to overwrite a
+recorded value (copy on write, ``_cow``). Where an op came from is ``_provenance``'s.
 
 With ``save=`` or ``store=`` the capture is *transient*: arguments are linked to their
 producers at once, values the selector does not keep are held weakly (freed when the forward
@@ -16,8 +18,6 @@ issues (accelerate moving activations between devices) are flagged ``DISPATCH`` 
 from __future__ import annotations
 
 import functools
-import importlib.util
-import os
 import sys
 import weakref
 from typing import Any
@@ -25,12 +25,18 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-try:
-    import resource
-except ImportError:  # Windows has no resource module: max_bytes= then reads no peak
-    resource = None
-
-from ..core.records import ALIAS_MUTATION, DISPATCH, EDIT, GUARD, INPLACE, OPEN, RANDOM, Deferred, ModuleCall, Op
+from ..core.records import (
+    ALIAS_MUTATION,
+    DISPATCH,
+    EDIT,
+    GUARD,
+    INPLACE,
+    LAZY_LINES,
+    RANDOM,
+    ModuleCall,
+    Op,
+    line_at,
+)
 from ..core.selectors import Selector
 from ..core.steps import Step
 from ..core.trace import Trace
@@ -38,79 +44,19 @@ from ..core.tree import clone_value, flatten, unflatten
 from ..edit.edits import AppliedEdit, EditContext, apply_edit, count_changed, land_edit
 from ..errors import CaptureMemoryError, StopCapture
 from ._classify import info_for
+from ._cow import CopyOnWrite
+from ._memory import CHECK_MASK, resident_bytes
+from ._provenance import DISPATCHER_DIRS, INTERNAL, is_dispatcher, source_of
 
 __all__ = ["EditApplier", "Recorder"]
 
 Tensor = torch.Tensor
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_PKG_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep
-# TorchLens's own machinery, skipped when looking for the model line that issued an op.
-_OWN = tuple(_PKG_DIR + p for p in ("capture" + os.sep, "core" + os.sep, "edit" + os.sep, "api.py", "_services.py"))
-_INTERNAL: dict[Any, bool] = {}
-
-
-def _package_dirs(*names: str) -> tuple[str, ...]:
-    """Where these packages are installed (found without importing them)."""
-    found = []
-    for name in names:
-        try:
-            spec = importlib.util.find_spec(name)
-        except (ImportError, ValueError):
-            spec = None
-        for loc in (spec.submodule_search_locations or ()) if spec is not None else ():
-            found.append(os.path.join(loc, ""))
-    return tuple(found)
-
-
-# Packages that move a model's weights and activations between devices around its forward
-# (accelerate's dispatch and offload hooks): the ops they issue are not the model's.
-_DISPATCHER_DIRS = _package_dirs("accelerate")
-_DISPATCHER: dict[Any, bool] = {}
-# In-place ops that change which memory a tensor describes, not the data in it: only the
-# records holding that very tensor object change.
-_RESHAPES_IN_PLACE = frozenset(
-    {"t_", "transpose_", "squeeze_", "unsqueeze_", "as_strided_", "swapdims_", "swapaxes_", "detach_", "set_"}
-)
-# In-place ops that may move the whole storage elsewhere: every record on it changes address.
-_REALLOCATES = frozenset({"resize_", "resize_as_"})
-
-
-def _is_dispatcher(code) -> bool:
-    """Whether the frame that called a torch function is a dispatcher's own code."""
-    found = _DISPATCHER.get(code)
-    if found is None:
-        found = _DISPATCHER[code] = code.co_filename.startswith(_DISPATCHER_DIRS)
-    return found
-
-
-def _is_internal(code) -> bool:
-    internal = _INTERNAL.get(code)
-    if internal is None:
-        fn = code.co_filename
-        # A dispatcher's forward wrapper stands between the model's line and the module it calls.
-        internal = fn.startswith(_TORCH_DIR) or fn.startswith(_OWN) or fn.startswith("<frozen") or \
-            bool(_DISPATCHER_DIRS) and fn.startswith(_DISPATCHER_DIRS)
-        _INTERNAL[code] = internal
-    return internal
-
-
-def _source(f) -> tuple[Any, int]:
-    """The code object and line of the first frame from ``f`` outwards that is the model's own."""
-    internal = _INTERNAL
-    while f is not None:
-        code = f.f_code
-        found = internal.get(code)
-        if found is None:
-            found = _is_internal(code)
-        if not found:
-            return code, f.f_lineno
-        f = f.f_back
-    return None, 0
-
-
 # Functions whose calls need none of the per-call checks (in place, random, guard): the op
 # path looks them up here first.
 _PLAIN: dict[Any, Any] = {}
+# What calls return that is never recorded (``x.size()``, ``x.dtype``, ``x.dim()`` ...); a read of
+# tensor data into Python (``item``, ``__bool__``) is told apart by its function, not its result.
+_PLAIN_VALUES = frozenset({torch.Size, int, float, bool, torch.dtype, torch.device, str, type(None)})
 
 
 def _is_plain(info) -> bool:
@@ -135,18 +81,22 @@ class EditApplier:
         return tuple(flatten(edited)[0])
 
 
-class Recorder(TorchFunctionMode):
+class Recorder(TorchFunctionMode, CopyOnWrite):
     """Records every torch function / tensor method call made while it is active."""
 
     def __init__(self, trace: Trace, op_steps: list[Step] | None = None, until: Any = None, *,
                  save: Selector | None = None, grad: bool = False, sink: Any = None,
-                 max_bytes: int | None = None) -> None:
+                 max_bytes: int | None = None, module_steps: dict[str, list[tuple[int | None, Step]]] | None = None,
+                 stops: dict[str, int | None] | None = None) -> None:
         super().__init__()
-        # The process may grow by max_bytes during the capture; checked every _CHECK_EVERY ops
+        # Capture-time edits of module outputs by address, (pass or None, step) each, and the
+        # modules whose return stops the forward (``until=``), by address and pass (None: any).
+        self.module_steps = module_steps or {}
+        self.stops = stops or {}
+        # The process may grow by max_bytes during the capture; checked every CHECK_EVERY ops
         # (a read of the resident size, ~10 us), so the check costs nothing per op.
         self.max_bytes = max_bytes
-        self.rss0 = _resident_bytes() if max_bytes is not None else None
-        self.until_check = _CHECK_EVERY
+        self.rss0 = resident_bytes() if max_bytes is not None else None
         # With store=, each kept value is copied to ``sink`` (a disk store) as it is produced.
         self.sink = sink
         self.transient = save is not None or sink is not None
@@ -159,11 +109,15 @@ class Recorder(TorchFunctionMode):
         self.ops = trace.ops
         self.counters: dict[str, int] = {}
         self.stack: list[ModuleCall] = []
+        self.top: Any = _NO_CALL  # stack[-1], or the context of ops outside every module
         self.paused = False
         self.op_steps = op_steps or []
         self.until = until
         self.storage: dict[int, list[int]] | None = None
         self.stale: dict[int, int] = {}
+        self.graph_add = trace.add_recorded_tensor_op
+        self.lean = False
+        self._update_lean()
 
     # -- labels and provenance -------------------------------------------------------------
     def label(self, stem: str) -> str:
@@ -173,7 +127,9 @@ class Recorder(TorchFunctionMode):
 
     @staticmethod
     def source() -> tuple[Any, int]:
-        return _source(sys._getframe(3))  # skip source(), _record(), __torch_function__
+        """The model's code and line that made the current call (skips source(), _data_read(), __torch_function__)."""
+        code, line, lasti = source_of(sys._getframe(3))
+        return code, line if lasti < 0 else line_at(code, lasti)
 
     # -- the hot path --------------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -186,12 +142,44 @@ class Recorder(TorchFunctionMode):
         except TypeError:  # an unhashable callable: classified on each call by info_for
             info = None
         if info is not None and "out" not in kwargs:
-            flags, inplace, target = 0, False, None  # the common op: none of the checks apply
+            out = func(*args, **kwargs)  # the common op: none of the checks apply
+            kind = type(out)
+            if kind is Tensor and self.lean:
+                # The common record, inlined: one tensor out, not a dispatcher's, no feature that
+                # looks at each op as it is made.
+                caller = sys._getframe(1)
+                code = caller.f_code
+                internal = INTERNAL.get(id(code))
+                if internal is False:  # called from the model's own line
+                    if LAZY_LINES:
+                        line, lasti = None, caller.f_lasti
+                    else:
+                        line, lasti = caller.f_lineno, -1
+                elif internal and not (DISPATCHER_DIRS and is_dispatcher(code)):  # torch's own code
+                    code, line, lasti = source_of(caller)
+                else:
+                    internal = None  # a frame not seen yet, or a dispatcher's: the general record
+                if internal is not None:
+                    call = self.top
+                    if list in map(type, args):  # a list may be appended to later by the model
+                        args = tuple(list(a) if type(a) is list else a for a in args)
+                    stem = info.stem
+                    counters = self.counters
+                    n = counters.get(stem, 0) + 1
+                    counters[stem] = n
+                    index = len(self.ops)
+                    self.graph_add(_new_op(index, f"{stem}_{n}", func, info.name, out, call.address, call.pass_index,
+                                           code, line, lasti, args, kwargs, self.trace_ref))
+                    if not index & CHECK_MASK and self.rss0 is not None:
+                        self._check_memory()
+                    return out
+            elif kind in _PLAIN_VALUES and not info.data_read:  # a size, a dtype ...: nothing to record
+                return out
+            flags, inplace, target = 0, False, None
         else:
             info = info_for(func)
             flags, inplace, target = self._checks(func, info, args, kwargs)
-
-        out = func(*args, **kwargs)
+            out = func(*args, **kwargs)
 
         if inplace and out is None:
             out = target
@@ -204,6 +192,12 @@ class Recorder(TorchFunctionMode):
         if info.data_read:
             self._data_read(func, info.name, args, kwargs, out)
         return out
+
+    def _update_lean(self) -> None:
+        """Whether an op may take the inlined record: nothing watches ops one by one (a bounded or
+        disk-backed capture, gradients, copy on write after an in-place op, edits, ``until=``)."""
+        self.lean = not (self.transient or self.grad or self.storage is not None or self.op_steps
+                         or self.until is not None)
 
     def _checks(self, func, info, args: tuple, kwargs: dict) -> tuple[int, bool, Any]:
         """The flags of a call about to run (in place, random, guard) and the tensor it writes in place.
@@ -246,16 +240,18 @@ class Recorder(TorchFunctionMode):
         return flags, inplace, target
 
     def _record(self, func, info, out, args, kwargs, flags, multi) -> Any:
+        """Record one op in general (the inlined common case aside): tuple outputs, flags, a
+        dispatcher's moves, ops from TorchLens's or torch's own frames, per-op features."""
         trace = self.trace
         ops = self.ops
         index = len(ops)
         caller = sys._getframe(2)  # skip _record(), __torch_function__
         code = caller.f_code
-        if _INTERNAL.get(code) is False:  # called from the model's own line (never a dispatcher's): no walk
-            lineno = caller.f_lineno
+        if INTERNAL.get(id(code)) is False:  # called from the model's own line (never a dispatcher's): no walk
+            line, lasti = (None, caller.f_lasti) if LAZY_LINES else (caller.f_lineno, -1)
         else:
-            code, lineno = _source(caller)
-            if _DISPATCHER_DIRS and _is_dispatcher(caller.f_code):
+            code, line, lasti = source_of(caller)
+            if DISPATCHER_DIRS and is_dispatcher(caller.f_code):
                 # A dispatcher's move of an activation is kept (the model reads its output: an edit
                 # must propagate through it) under its own stem; its weight on/offloads are not ops.
                 if not any(trace.producer_ref(t, index) is not None for t in _tensor_args(args, kwargs)):
@@ -275,8 +271,8 @@ class Recorder(TorchFunctionMode):
         label = f"{stem}_{n}"
         # A list the model is handed may be changed in place later: the record keeps its own.
         value = list(out) if multi and type(out) is list else out
-        op = Op(index, label, func, info.name, value, module, module_pass, code, lineno, args, kwargs, flags)
-        op._trace_ref = self.trace_ref
+        op = Op(index, label, func, info.name, value, module, module_pass, code, line, args, kwargs, flags,
+                self.trace_ref, lasti)
         if not self.transient:
             trace.add_recorded_op(op, multi)
         else:
@@ -284,10 +280,8 @@ class Recorder(TorchFunctionMode):
             trace.add_transient_op(op, multi, keep)
             if keep and self.sink is not None and not flags & GUARD:  # guard values stay: replay compares them
                 trace.spill(index, self.sink)
-        if self.rss0 is not None:
-            self.until_check -= 1
-            if not self.until_check:
-                self._check_memory()
+        if not index & CHECK_MASK and self.rss0 is not None:
+            self._check_memory()
         if self.grad:
             self._hook_grad(op)
         if self.storage is not None:
@@ -300,8 +294,7 @@ class Recorder(TorchFunctionMode):
 
     def _check_memory(self) -> None:
         """Stop the capture before memory runs out: the process grew by more than ``max_bytes``."""
-        self.until_check = _CHECK_EVERY
-        grown = _resident_bytes() - self.rss0
+        grown = resident_bytes() - self.rss0
         if grown > self.max_bytes:
             raise CaptureMemoryError(
                 f"the capture grew this process by {grown / 2**20:.0f} MiB after {len(self.ops)} ops, more than "
@@ -345,102 +338,10 @@ class Recorder(TorchFunctionMode):
                 if found is not None:
                     leaves[i] = found
                     ref = ref or found
-        if _DISPATCHER_DIRS and _is_dispatcher(sys._getframe(2).f_code):
+        if DISPATCHER_DIRS and is_dispatcher(sys._getframe(2).f_code):
             return  # a dispatcher looking at a tensor (its device, its pointer), not the model branching
         code, lineno = self.source()
         self.trace.record_data_read(position, ref, code, lineno, name, func=func, args_spec=(leaves, spec), seen=seen)
-
-    # -- copy on write for in-place ops -----------------------------------------------------------
-    def _storage_key(self, t: Tensor) -> int | None:
-        try:
-            # Views share their base's storage, whatever their offset. A tensor with no memory
-            # yet (torch.empty(0), later filled through out=) is keyed by the object itself.
-            return t.untyped_storage().data_ptr() or -id(t)
-        except (RuntimeError, NotImplementedError):
-            return None
-
-    def _live_out(self, op: Op) -> Any:
-        """The tensors op ``op`` produced, as the model still holds them (a bounded or disk-backed
-        capture keeps only weak references, or its own copy on disk)."""
-        out = op._out
-        if self.transient and (out is None or isinstance(out, Deferred)):
-            return self.trace.live_value(op.index)
-        return out
-
-    def _index_storage(self, op: Op) -> None:
-        out = self._live_out(op)
-        leaves = out if isinstance(out, (tuple, list)) else (out,)
-        for t in leaves:
-            if isinstance(t, Tensor):
-                key = self._storage_key(t)
-                if key:
-                    self.storage.setdefault(key, []).append(op.index)
-
-    def _before_inplace(self, target: Tensor, name: str, out_arg: bool = False) -> bool:
-        """Snapshot every recorded tensor the in-place op ``name`` on ``target`` is about to change.
-
-        Works leaf by leaf: one element of a tuple output (``topk``, ``split``...) is copied
-        when it is the target or overlaps the memory the op writes; the other elements keep
-        sharing memory with the model and stay indexed.
-
-        Args:
-            target: the tensor the op mutates (``args[0]`` or an ``out=`` tensor).
-            name: the op's name, which says whether it writes data or only moves metadata.
-            out_arg: ``target`` is an ``out=`` argument, which the op may resize (and so move).
-
-        Returns:
-            True when the overwritten memory is viewed by other recorded tensors, whose
-            later readers would see data the recorded graph does not describe.
-        """
-        if self.storage is None:
-            self.storage = {}
-            for op in self.ops:
-                self._index_storage(op)
-        key = self._storage_key(target)
-        bucket = self.storage.pop(key, None) if key else None
-        if not bucket:
-            return False
-        # ``span``: the memory the op writes (None: no data written, only ``target`` changes
-        # shape or storage). ``moves``: the op may give the storage new memory, which changes
-        # where every tensor on it points: all of them are copied (their values stay).
-        span = None if name in _RESHAPES_IN_PLACE or name in _REALLOCATES else _span(target)
-        moves = out_arg or name in _REALLOCATES
-        aliased = False
-        keep: list[int] = []
-        ops = self.ops
-        position = len(ops)
-        for index in dict.fromkeys(bucket):
-            op = ops[index]
-            out = self._live_out(op)
-            if out is None:
-                continue  # freed: nothing left to overwrite
-            detached = out is not op._out  # the record holds its own copy (on disk) or nothing: never copy it
-            multi = not isinstance(out, Tensor)
-            leaves = list(out) if multi else [out]
-            copied = shared = others = False
-            for i, t in enumerate(leaves):
-                if not isinstance(t, Tensor) or (multi and self._storage_key(t) != key):
-                    continue
-                written = t is not target and span is not None and _overlap(_span(t), span)
-                if t is target or written or moves:
-                    if not detached:
-                        leaves[i] = t.clone()
-                        copied = True
-                    others = others or written
-                else:
-                    shared = True
-            if shared:  # still views the model's memory: a later write must find it again
-                keep.append(index)
-            if others:
-                aliased = True
-                self.stale.setdefault(index, position)
-            if not copied:
-                continue
-            op._out = type(out)(leaves) if multi else leaves[0]
-            op.snapshotted = True
-        if keep:
-            self.storage[key] = keep
-        return aliased
 
     # -- capture-time edits --------------------------------------------------------------------
     def _edit_op(self, when: Step, value: Any, module: str, module_pass: int, label: str, record) -> Any:
@@ -483,99 +384,114 @@ class Recorder(TorchFunctionMode):
 
     # -- module hook callbacks -----------------------------------------------------------------
     def enter_module(self, info, args, kwargs) -> None:
-        call = ModuleCall(info.address, info.pass_index, type(info.module).__name__, args, kwargs, len(self.ops))
-        call.op_end = OPEN
-        self.trace.add_call(call)
+        call = _new_call(info.address, info.pass_index, type(info.module).__name__, args, kwargs, len(self.ops),
+                         self.trace_ref)
+        self.trace.add_call(call, self.trace_ref)
         self.stack.append(call)
+        self.top = call
 
-    def exit_module(self, info, args, kwargs, output, steps: list[tuple[int | None, Step]] | None, stop: bool):
-        call = self.stack.pop() if self.stack else None
+    def exit_module(self, info, args, kwargs, output):
+        """Close the module call ``info``: apply its capture-time edits, note which ops produced what
+        it returns, keep that output, and stop the forward when ``until=`` names this call.
+
+        Returns:
+            The edited output, or None (the output stays as the module returned it).
+        """
+        stack = self.stack
+        call = stack.pop() if stack else None
+        self.top = stack[-1] if stack else _NO_CALL  # the call enclosing the ops that follow
         if call is None or call.address != info.address:  # hooks out of step: find it
             call = next(c for c in reversed(self.trace.calls) if c.address == info.address)
         replaced = None
+        steps = self.module_steps.get(call.address) if self.module_steps else None
         if steps:
             for pass_index, when in steps:
                 if pass_index is None or pass_index == call.pass_index:
                     output = self._edit_op(when, output, call.address, call.pass_index, call.address, call)
                     replaced = output
+        trace = self.trace
         n = call.op_end = len(self.ops)
         if type(output) is Tensor:  # the common module output, without the generic walk
-            refs = [self.trace.producer_ref(output, n)]
+            leaves = None
+            refs = [trace.producer_ref(output, n)]
         else:
-            refs, call.out_spec = self.trace.refs_for_value(output, n)
+            leaves, call.out_spec = _flatten_output(output)
+            refs = [trace.producer_ref(leaf, n) if isinstance(leaf, Tensor) else None for leaf in leaves]
         if self.stale:
             # Memory of that op was overwritten through another view before the module returned:
             # no recorded op produced what it returns, so the call keeps its own copy instead.
             refs = [None if r is not None and r.index in self.stale else r for r in refs]
         call.out_refs = refs
-        if self.save is None or self.save.matches_call(call):
-            call._out = output if call.out_spec is None and refs[0] is not None else \
-                self._kept_output(output, refs, call.out_spec)
+        save = self.save
+        if save is None or save.matches_call(call):
+            # The outermost call returns what the forward returns, which the trace keeps as it is
+            # (``trace.output``): its container is not rebuilt (a ModelOutput costs tens of us).
+            call._out = output if leaves is None and refs[0] is not None else \
+                self._kept_output(output, refs, call.out_spec, leaves, rebuild=bool(stack))
             if self.sink is not None:  # on disk, its tensors are read through the ops that produced them
                 leaves, spec = flatten(call._out)
                 # placeholders must not be None: a ModelOutput drops None fields, losing leaves
                 call._out = unflatten([0 if r is not None else x for x, r in zip(leaves, refs)], spec)
-            for ref in refs if self.save is not None else ():
+            for ref in refs if save is not None else ():
                 if ref is not None and not self.ops[ref.index].saved:
                     self._keep(ref.index)
         if self.transient:
             call.args, call.kwargs = (), {}  # the module's inputs are ops' values: freed with them
-        if stop:
-            raise StopCapture(call.key)
+        if self.stops:
+            stop_pass = self.stops.get(call.address, -1)
+            if stop_pass != -1 and (stop_pass is None or stop_pass == call.pass_index):
+                raise StopCapture(call.key)
         return replaced
 
     @staticmethod
-    def _kept_output(output: Any, refs: list, spec: Any) -> Any:
+    def _kept_output(output: Any, refs: list, spec: Any, leaves: list | None = None, rebuild: bool = True) -> Any:
         """The module output as the call record keeps it, safe from later changes by the model.
 
         Tensors some recorded op produced are guarded by copy on write already; a tensor no
         op produced (a buffer, a tensor made outside the capture) is copied now, and a
         container the model could refill (list, dict, ``ModelOutput``) is rebuilt.
+        ``leaves``: ``flatten(output)[0]`` when the caller has it already; ``rebuild``: False keeps
+        the container itself when no tensor in it needed a copy.
         """
         if spec is None and refs[0] is not None:
             return output
-        leaves, _ = flatten(output)
+        leaves = list(leaves) if leaves is not None else flatten(output)[0]
         copied = False
         for i, ref in enumerate(refs):
             if ref is None and isinstance(leaves[i], Tensor):
                 with torch._C.DisableTorchFunction():  # our copy, not an op of the model
                     leaves[i] = leaves[i].clone()
                 copied = True
-        if copied or type(output) is not tuple:
+        if copied or (rebuild and type(output) is not tuple):
             return unflatten(leaves, spec)
         return output
 
 
-_CHECK_EVERY = 64  # ops between two reads of the resident size (max_bytes=)
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+# Bound classmethods: called as plain Python calls (no class-call path, see ``Op.recorded``).
+_new_op = Op.recorded
+_new_call = ModuleCall.recorded
+class _NoCall:
+    """The module context of an op no module call encloses."""
+
+    address = ""
+    pass_index = 1
 
 
-_STATM: list[int | None] = [None, None]  # (pid, fd) kept open: a pread is ~1 us, an open() several
+_NO_CALL = _NoCall()
+# Specs of flat tuples of tensors and None, by which elements are None: shared, like the
+# argument specs of ``core.graph`` (a module returning ``(out, None)`` is common: attention).
+_TUPLE_SPECS: dict[tuple[bool, ...], Any] = {}
 
 
-def _statm() -> int | None:
-    pid = os.getpid()
-    if _STATM[0] != pid:  # first use, or a forked child: /proc/self was resolved for the parent
-        try:
-            _STATM[1] = os.open("/proc/self/statm", os.O_RDONLY)
-        except OSError:
-            _STATM[1] = None
-        _STATM[0] = pid
-    return _STATM[1]
-
-
-def _resident_bytes() -> int:
-    """The process's resident memory now (Linux), or its peak so far where that is all there is."""
-    try:
-        fd = _statm()
-        if fd is None:
-            raise OSError("no /proc/self/statm")
-        return int(os.pread(fd, 128, 0).split()[1]) * _PAGE
-    except OSError:
-        if resource is None:
-            return 0
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return peak if sys.platform == "darwin" else peak * 1024
+def _flatten_output(value: Any) -> tuple[list[Any], Any]:
+    """``flatten(value)`` for a module output; a flat tuple of tensors and None skips the pytree walk."""
+    if type(value) is tuple and len(value) < 16 and all(x is None or type(x) is Tensor for x in value):
+        pattern = tuple(x is None for x in value)
+        spec = _TUPLE_SPECS.get(pattern)
+        if spec is None:
+            spec = _TUPLE_SPECS[pattern] = flatten(value)[1]
+        return list(value), spec  # None is a leaf, as in pytree
+    return flatten(value)
 
 
 def _keep_grad(store, index: int, elem: int | None, grad: Tensor) -> None:
@@ -584,17 +500,3 @@ def _keep_grad(store, index: int, elem: int | None, grad: Tensor) -> None:
 
 def _tensor_args(args: tuple, kwargs: dict) -> list[Tensor]:
     return [t for t in flatten((args, kwargs))[0] if isinstance(t, Tensor)]
-
-
-def _span(t: Tensor) -> tuple[int, int]:
-    """The bytes ``[start, end)`` of its storage that ``t`` can touch (empty for no elements)."""
-    if t.numel() == 0:
-        return (0, 0)
-    size = t.element_size()
-    start = t.storage_offset() * size
-    reach = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    return (start, start + reach * size)
-
-
-def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
-    return a[0] < b[1] and b[0] < a[1] and a[0] < a[1] and b[0] < b[1]

@@ -140,9 +140,13 @@ def _unchanged(value: object, copy: object, versions: list[int | None]) -> bool:
     return True
 
 
-def _may_offload(module: torch.nn.Module) -> bool:
-    """Whether ``module`` carries an accelerate hook (``_hf_hook``), which may offload its weights."""
-    return "_hf_hook" in module.__dict__ or hasattr(type(module), "_hf_hook")
+def _any_offload(modules: list[torch.nn.Module]) -> bool:
+    """Whether some module carries an accelerate hook (``_hf_hook``), which may offload its weights."""
+    for module in modules:
+        if "_hf_hook" in module.__dict__:
+            return True
+    # a failed class attribute lookup is slow: once per module type, not per module
+    return any(hasattr(kind, "_hf_hook") for kind in set(map(type, modules)))
 
 
 def _record_inputs(trace: Trace, args: tuple, kwargs: dict) -> None:
@@ -175,17 +179,10 @@ class FunctionModeEngine:
         stops = _until_addresses(request)
         op_until = request.until if request.until is not None and not stops else None
         recorder = Recorder(trace, op_steps, op_until, save=request.save, grad=request.grad, sink=request.sink,
-                            max_bytes=request.max_bytes)
+                            max_bytes=request.max_bytes, module_steps=module_steps, stops=stops)
         _record_inputs(trace, request.args, request.kwargs)
         hooks = ModuleHooks(model)
-        exit_module = recorder.exit_module
-
-        def exit_(info, args, kwargs, output):  # one callback for every module: no closure per module
-            stop_pass = stops.get(info.address, -1)
-            stop = stop_pass != -1 and (stop_pass is None or stop_pass == info.pass_index)
-            return exit_module(info, args, kwargs, output, module_steps.get(info.address), stop)
-
-        hooks.on_every_module(recorder.enter_module, exit_)
+        hooks.on_every_module(recorder.enter_module, recorder.exit_module)
         output = None
         complete = True
         with torch.set_grad_enabled(request.grad), hooks, recorder:
@@ -196,7 +193,7 @@ class FunctionModeEngine:
         for call in trace.calls:  # calls a stopped (until=) forward never finished
             if call.op_end == OPEN:
                 call.op_end = len(trace.ops)
-        if any(_may_offload(m) for m in hooks.modules()):  # the full search reads every module's attributes
+        if _any_offload(hooks.modules()):  # the full search reads every module's attributes
             defer_offloaded_weights(trace, model)  # offloaded weights: references, not a second copy
         if request.sink is not None:
             request.sink.close()

@@ -3,7 +3,10 @@
 Every engine and both shims observe modules through this one class, so "the model is
 left exactly as it was" is guaranteed in one place: hooks are attached on ``__enter__``
 and removed in ``__exit__`` whatever the forward did, and they ignore calls made from
-other threads (a model shared between threads sees only its own capture).
+other threads (a model shared between threads sees only its own capture). Callbacks on
+every module (an every-op capture's) reach a module without hooks of its own through a
+wrapper in its instance ``forward`` slot, which runs where a hook attached last would run
+and spares torch's hooked call path; ``__exit__`` gives each slot back what it held.
 """
 
 from __future__ import annotations
@@ -17,26 +20,25 @@ from torch.utils.hooks import RemovableHandle
 
 from ..core.names import nearest
 from ..errors import SiteNotFoundError
+from ._attach import (
+    ACTIVE_WRAPPERS,
+    CALLERS,
+    NO_FORWARD,
+    SLOT_LOCK,
+    CallInfo,
+    PostHook,
+    PreHook,
+    attach,
+    global_hooks,
+    named_modules,
+    own_registration,
+    run_post,
+    run_pre,
+    wrap_forward,
+    wrappable,
+)
 
 __all__ = ["CallInfo", "ForwardSlots", "ModuleHooks", "PostHook", "PreHook", "resolve_module"]
-
-PreHook = Callable[["CallInfo", tuple, dict], Any]
-PostHook = Callable[["CallInfo", tuple, dict, Any], Any]
-
-
-class CallInfo:
-    """One call of one module: enough for a callback to know where it is."""
-
-    __slots__ = ("address", "module", "pass_index")
-
-    def __init__(self, address: str, module: nn.Module, pass_index: int) -> None:
-        self.address = address
-        self.module = module
-        self.pass_index = pass_index
-
-    def __repr__(self) -> str:
-        return f"CallInfo({self.address!r}, pass={self.pass_index})"
-
 
 def resolve_module(model: nn.Module, address: str) -> nn.Module:
     """The submodule at ``address`` ('' is the model itself), or a SiteNotFoundError."""
@@ -66,15 +68,20 @@ class ModuleHooks:
         self._pre: dict[str, list[PreHook]] = {}
         self._post: dict[str, list[PostHook]] = {}
         self._handles: list[Any] = []
+        self._direct: list[tuple] = []  # (pre dict, pre kwargs flags, id, post dict, post flags, id) per module
+        self._slots: list[tuple[nn.Module, Any, Any]] = []  # (module, what its forward slot held, our wrapper)
         self._counts: dict[str, int] = {}
         self._open: dict[str, list[CallInfo]] = {}
         self._owner: int | None = None
         self._named: dict[str, nn.Module] | None = None
+        # Callbacks on every module (``on_every_module``): kept once, not copied into a list per
+        # address, so a capture attaches two shared hooks per module and builds no closures.
+        self._every: list[tuple[PreHook, PostHook]] = []
 
     def module(self, address: str) -> nn.Module:
         """The submodule at ``address``; one ``named_modules`` walk serves every lookup."""
         if self._named is None:
-            self._named = dict(self.model.named_modules())
+            self._named = named_modules(self.model)
         found = self._named.get(address)
         return found if found is not None else resolve_module(self.model, address)
 
@@ -93,13 +100,24 @@ class ModuleHooks:
         if self._owner is not None:  # the attached hooks have their callbacks fixed
             raise RuntimeError("register callbacks before entering the hooks context")
         self.module(address)
-        self._pre.setdefault(address, []).append(fn)
+        self._own_lists(address)[0].append(fn)
 
     def on_output(self, address: str, fn: PostHook) -> None:
         if self._owner is not None:  # the attached hooks have their callbacks fixed
             raise RuntimeError("register callbacks before entering the hooks context")
         self.module(address)
-        self._post.setdefault(address, []).append(fn)
+        self._own_lists(address)[1].append(fn)
+
+    def _own_lists(self, address: str) -> tuple[list[PreHook], list[PostHook]]:
+        """``address``'s own callback lists, started with the every-module callbacks registered
+        so far (callbacks for one module run in registration order)."""
+        if address not in self._pre:
+            # An alias of a shared module is not one of ``names()``: every-module callbacks run
+            # for the module under its first name only.
+            every = self._every if address in self._named else ()
+            self._pre[address] = [pre for pre, _ in every]
+            self._post[address] = [post for _, post in every]
+        return self._pre[address], self._post[address]
 
     def on_every_module(self, pre: PreHook, post: PostHook) -> None:
         """``pre`` and ``post`` on every module of the model (shared modules once).
@@ -113,9 +131,12 @@ class ModuleHooks:
         """
         if self._owner is not None:
             raise RuntimeError("register callbacks before entering the hooks context")
-        for address in self.names():
-            self._pre.setdefault(address, []).append(pre)
-            self._post.setdefault(address, []).append(post)
+        self.module("")
+        self._every.append((pre, post))
+        for address in self._pre:  # modules with callbacks of their own (aliases excepted)
+            if address in self._named:
+                self._pre[address].append(pre)
+                self._post[address].append(post)
 
     def passes(self, address: str) -> int:
         """How many calls of ``address`` have started since the hooks were attached."""
@@ -130,18 +151,38 @@ class ModuleHooks:
         self._owner = threading.get_ident()
         pre, post, handles = self._pre, self._post, self._handles
         try:
-            for address in dict.fromkeys([*pre, *post]):
+            for address in pre:
                 module = self.module(address)
-                if address in pre:
-                    handles.append(_attach(module, self._make_pre(address, module), pre=True))
-                if address in post:
-                    handles.append(_attach(module, self._make_post(address, module, address in pre), pre=False))
+                if pre[address]:
+                    handles.append(attach(module, self._make_pre(address, module), pre=True))
+                if post[address]:
+                    handles.append(attach(module, self._make_post(address, module, bool(pre[address])), pre=False))
+            if self._every:
+                self._attach_every()
         except BaseException:
             self.__exit__(None, None, None)
             raise
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._slots:
+            with SLOT_LOCK:
+                for module, previous, wrapper in reversed(self._slots):  # each slot back to what it held
+                    own = module.__dict__
+                    ACTIVE_WRAPPERS.discard(id(wrapper))
+                    if own.get("forward") is not wrapper:
+                        continue  # replaced since (by the model's own code): theirs stays
+                    if previous is NO_FORWARD:
+                        del own["forward"]
+                    else:
+                        own["forward"] = previous
+            self._slots.clear()
+        for pre_hooks, pre_flags, pre_id, post_hooks, post_flags, post_id in self._direct:
+            pre_hooks.pop(pre_id, None)
+            pre_flags.pop(pre_id, None)
+            post_hooks.pop(post_id, None)
+            post_flags.pop(post_id, None)
+        self._direct.clear()
         for handle in self._handles:
             if type(handle) is tuple:
                 hooks, flags, hook_id = handle
@@ -153,6 +194,81 @@ class ModuleHooks:
         self._owner = None
 
     # -- the hooks themselves ----------------------------------------------------
+    def _attach_every(self) -> None:
+        """The every-module callbacks on every module without callbacks of its own: a wrapper in
+        its forward slot where that keeps the order of hooks, else two hooks shared by all modules
+        (the module a hook is called for says which address it is: one dict read per call, not
+        two closures per module and capture, which were most of an every-op capture's fixed cost)."""
+        every = self._every
+        pre_fn, post_fn = every[0] if len(every) == 1 else (None, None)
+        counts = self._counts
+        owner = self._owner
+        get_ident = threading.get_ident
+        where: dict[int, tuple[str, list[CallInfo]]] = {}
+        own = self._pre
+
+        def pre_hook(mod, args, *rest):
+            # ``*rest``: as in the hooks of ``_make_pre``.
+            if get_ident() != owner or not rest:
+                return None
+            address, open_passes = where[id(mod)]
+            n = counts.get(address, 0) + 1
+            counts[address] = n
+            info = CallInfo(address, mod, n)
+            open_passes.append(info)  # the post hook of this call gets the same record
+            if pre_fn is not None:
+                return pre_fn(info, args, rest[0])
+            return run_pre([p for p, _ in every], info, args, rest[0])
+
+        def post_hook(mod, args, *rest):
+            if get_ident() != owner or len(rest) != 2:
+                return None
+            address, open_passes = where[id(mod)]
+            info = open_passes.pop() if open_passes else CallInfo(address, mod, counts.get(address, 0))
+            if post_fn is not None:
+                return post_fn(info, args, rest[0], rest[1])
+            return run_post([p for _, p in every], info, args, rest[0], rest[1])
+
+        opens = self._open
+        slots = self._slots
+        # Without a hook of its own, a module is wrapped in its instance ``forward`` slot instead:
+        # torch then keeps its hook-free call path (hooks cost several us per module call) and
+        # the wrapper runs exactly where our hooks would: around forward, after no other hook.
+        wrap = pre_fn is not None and post_fn is not None and CALLERS and not global_hooks()
+        if wrap:
+            SLOT_LOCK.acquire()  # two captures of one model in two threads: one wraps, the other hooks
+        try:
+            for address, module in self._named.items():
+                if address in own:
+                    continue
+                if wrap and wrappable(module):
+                    slots.append(wrap_forward(module, address, pre_fn, post_fn, counts, owner))
+                    continue
+                where[id(module)] = (address, opens.setdefault(address, []))
+                self._hook_every(module, pre_hook, post_hook)
+        finally:
+            if wrap:
+                SLOT_LOCK.release()
+
+    def _hook_every(self, module: nn.Module, pre_hook: Callable[..., Any], post_hook: Callable[..., Any]) -> None:
+        """Attach the shared every-module hooks to ``module``."""
+        if own_registration(type(module)):
+            self._handles.append(attach(module, pre_hook, pre=True))
+            self._handles.append(attach(module, post_hook, pre=False))
+            return
+        # torch's own entries, as ``attach`` makes them (kwargs flag first), inlined: this runs
+        # for every module of the model on every capture.
+        pre_id = RemovableHandle.next_id
+        post_id = RemovableHandle.next_id = pre_id + 1
+        RemovableHandle.next_id = post_id + 1
+        pre_hooks, pre_flags = module._forward_pre_hooks, module._forward_pre_hooks_with_kwargs
+        post_hooks, post_flags = module._forward_hooks, module._forward_hooks_with_kwargs
+        pre_flags[pre_id] = True
+        pre_hooks[pre_id] = pre_hook
+        post_flags[post_id] = True
+        post_hooks[post_id] = post_hook
+        self._direct.append((pre_hooks, pre_flags, pre_id, post_hooks, post_flags, post_id))
+
     def _make_pre(self, address: str, module: nn.Module):
         callbacks = self._pre[address]
         counts = self._counts
@@ -173,13 +289,7 @@ class ModuleHooks:
             open_passes.append(info)  # the post hook of this call gets the same record
             if single is not None:  # one callback (every capture's case): its result as is
                 return single(info, args, kwargs)
-            replaced = None
-            for fn in callbacks:
-                result = fn(info, args, kwargs)
-                if result is not None:
-                    args, kwargs = result
-                    replaced = result
-            return replaced
+            return run_pre(callbacks, info, args, kwargs)
 
         return pre_hook
 
@@ -204,44 +314,9 @@ class ModuleHooks:
                 info = CallInfo(address, module, n)
             if single is not None:
                 return single(info, args, kwargs, output)
-            replaced = None
-            for fn in callbacks:
-                result = fn(info, args, kwargs, output)
-                if result is not None:
-                    output = result
-                    replaced = result
-            return replaced
+            return run_post(callbacks, info, args, kwargs, output)
 
         return post_hook
-
-
-def _attach(module: nn.Module, hook: Callable[..., Any], *, pre: bool) -> Any:
-    """Add ``hook`` (with kwargs) to ``module``'s forward pre- or post-hooks; return what removes it.
-
-    Every module of a model gets two hooks per capture, so ``RemovableHandle`` (two weak
-    references per hook) was most of an every-op capture's setup: for modules that use
-    ``nn.Module``'s own registration, the entries it would make are made directly (same id
-    counter, same order), the kwargs flag first, so a forward in another thread never finds
-    the hook without it. A module type that registers hooks its own way goes through its API.
-    """
-    if pre:
-        if type(module).register_forward_pre_hook is not _REGISTER_PRE:
-            return module.register_forward_pre_hook(hook, with_kwargs=True)
-        hooks, flags = module._forward_pre_hooks, module._forward_pre_hooks_with_kwargs
-    else:
-        if type(module).register_forward_hook is not _REGISTER_POST:
-            return module.register_forward_hook(hook, with_kwargs=True)
-        hooks, flags = module._forward_hooks, module._forward_hooks_with_kwargs
-    hook_id = RemovableHandle.next_id
-    RemovableHandle.next_id += 1
-    flags[hook_id] = True
-    hooks[hook_id] = hook
-    return hooks, flags, hook_id
-
-
-_REGISTER_PRE = nn.Module.register_forward_pre_hook
-_REGISTER_POST = nn.Module.register_forward_hook
-_NO_FORWARD = object()
 
 
 class ForwardSlots:
@@ -260,16 +335,16 @@ class ForwardSlots:
     def install(self, module: nn.Module, wrapper: Callable[..., Any]) -> Callable[..., Any]:
         """Put ``wrapper`` in ``module``'s forward slot; return the forward it stands in for."""
         own = module.__dict__
-        previous = own.get("forward", _NO_FORWARD)
+        previous = own.get("forward", NO_FORWARD)
         self._saved.append((module, previous))
-        forward = module.forward if previous is _NO_FORWARD else previous
+        forward = module.forward if previous is NO_FORWARD else previous
         own["forward"] = wrapper
         return forward
 
     def restore(self) -> None:
         for module, previous in reversed(self._saved):
             own = module.__dict__
-            if previous is _NO_FORWARD:
+            if previous is NO_FORWARD:
                 own.pop("forward", None)
             else:
                 own["forward"] = previous

@@ -117,7 +117,10 @@ class Graph:
         self._op_graph = op_graph
         self._labels: dict[str, int] = {}
         self._calls_by_address: dict[str, list[ModuleCall]] = {}
-        self._producers: dict[int, tuple[int, int | None] | list[tuple[int, int | None]]] = {}
+        # id(tensor) -> the op index that produced it (an int: the commonest entry, one op, one tensor
+        # out, and no allocation a collector must track), (index, elem) for an element of a
+        # multi-output op, or a list of (index, elem) pairs in op order for a tensor several ops returned.
+        self._producers: dict[int, int | tuple[int, int | None] | list[tuple[int, int | None]]] = {}
         self._output_raw: Any = None
         self._output_refs: list[Ref | None] = []
         self._output_deferred = False  # output tensors are read through their ops (kept on disk)
@@ -164,6 +167,19 @@ class Graph:
         for i, t in enumerate(out):
             if t is not None:
                 self.register_tensor(t, index, i)
+
+    def add_recorded_tensor_op(self, op: Op) -> None:
+        """``add_recorded_op`` for the commonest op, one tensor out (the recorder calls it per op)."""
+        index = op.index
+        self._labels[op.label] = index
+        self.ops.append(op)
+        key = id(op._out)
+        producers = self._producers
+        entry = producers.get(key)
+        if entry is None:
+            producers[key] = index
+        else:
+            self._add_producer(key, entry, index, None)
 
     def add_transient_op(self, op: Op, multi: bool, keep: bool) -> None:
         """A bounded capture's hot path: append ``op``, link its arguments now, and unless ``keep``
@@ -224,9 +240,10 @@ class Graph:
 
     def spill(self, index: int, sink: Any) -> None:
         """Move op ``index``'s value into ``sink`` (a disk store: ``put(key, value)`` returns a
-        ``Deferred`` that reads it back); the op keeps that handle, not the tensor."""
+        ``Deferred`` that reads it back); the op keeps that handle, not the tensor. The sink also
+        gets the op itself (its function and linked arguments), to keep a recipe instead of bytes."""
         op = self.ops[index]
-        op.defer_value(sink.put(op.label, op._out))
+        op.defer_value(sink.put(op.label, op._out, op))
 
     def keep_value(self, index: int) -> None:
         """A bounded capture keeps op ``index``'s output after all (a module the selector saves returned it)."""
@@ -288,9 +305,13 @@ class Graph:
                         total += storage.nbytes()
         return total
 
-    def add_call(self, call: ModuleCall) -> None:
-        """Append one module call record."""
-        call.trace = self
+    def add_call(self, call: ModuleCall, trace_ref: Any = None) -> None:
+        """Append one module call record (``trace_ref``: a ``weakref.ref`` to this trace, when the
+        caller holds one already: a capture makes one for all its records)."""
+        if trace_ref is not None:
+            call._trace_ref = trace_ref
+        else:
+            call.trace = self
         self.calls.append(call)
         same = self._calls_by_address.setdefault(call.address, [])
         same.append(call)
@@ -303,12 +324,19 @@ class Graph:
 
     def register_tensor(self, tensor: torch.Tensor, index: int, elem: int | None) -> None:
         """Note that op ``index`` (element ``elem`` of a multi-output op) produced ``tensor``."""
-        # One (index, elem) pair for a tensor one op produced (nearly all of them), a list of pairs
-        # in op order for one several ops returned (in-place ops): a list per tensor doubled its bytes.
+        # One entry for a tensor one op produced (nearly all of them), a list of pairs in op order for
+        # one several ops returned (in-place ops): a list per tensor doubled its bytes.
         key = id(tensor)
         entry = self._producers.get(key)
         if entry is None:
-            self._producers[key] = (index, elem)
+            self._producers[key] = index if elem is None else (index, elem)
+        else:
+            self._add_producer(key, entry, index, elem)
+
+    def _add_producer(self, key: int, entry: Any, index: int, elem: int | None) -> None:
+        """A tensor some op produced already is returned by op ``index`` too (an in-place op)."""
+        if type(entry) is int:
+            self._producers[key] = [(entry, None), (index, elem)]
         elif type(entry) is tuple:
             self._producers[key] = [entry, (index, elem)]
         else:
@@ -319,7 +347,11 @@ class Graph:
         entry = self._producers.get(id(tensor))
         if entry is None:
             return None
-        if type(entry) is tuple:
+        if type(entry) is int:
+            if entry >= before:
+                return None
+            ref = Ref(entry, None)
+        elif type(entry) is tuple:
             if entry[0] >= before:
                 return None
             ref = Ref(*entry)
@@ -388,6 +420,10 @@ class Graph:
     def _defer_output(self) -> None:
         """Drop the model output's tensors whose ops keep their values deferred (``store=``: on
         disk): ``output`` reads them back through those ops, so the trace does not hold them."""
+        ops, stale = self.ops, self._stale
+        if not any(ref is not None and ref.index not in stale and isinstance(ops[ref.index]._out, Deferred)
+                   for ref in self._output_refs):
+            return  # nothing on disk (every in-memory capture): no walk of the output
         leaves, spec = flatten(self._output_raw)
         deferred = False
         for i, ref in enumerate(self._output_refs):

@@ -4,6 +4,8 @@ module call. They are plain data owned by the base trace; forks never copy them.
 
 from __future__ import annotations
 
+import bisect
+import sys
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -30,8 +32,8 @@ GUARD = 64  # its index-valued outputs choose what runs next (topk indices, nonz
 DISPATCH = 128
 
 __all__ = [
-    "ALIAS_MUTATION", "DISPATCH", "EDIT", "GUARD", "INPLACE", "INPUT", "NOT_REPLAYABLE", "OPEN", "RANDOM", "Deferred",
-    "ModuleCall", "Op", "Ref", "build_args",
+    "ALIAS_MUTATION", "DISPATCH", "EDIT", "GUARD", "INPLACE", "INPUT", "LAZY_LINES", "NOT_REPLAYABLE", "OPEN", "RANDOM",
+    "Deferred", "ModuleCall", "Op", "Ref", "build_args", "line_at",
 ]
 
 OPEN = 1 << 62  # ModuleCall.op_end while the call is still running
@@ -81,6 +83,9 @@ class Deferred:
         raise NotImplementedError
 
 
+_new = object.__new__
+
+
 class Op(_TraceLink):
     """One executed tensor operation (or a forward input, or a capture-time edit)."""
 
@@ -94,7 +99,8 @@ class Op(_TraceLink):
         "module",
         "module_pass",
         "_code",
-        "_lineno",
+        "_line",
+        "_lasti",
         "args",
         "kwargs",
         "flags",
@@ -106,7 +112,8 @@ class Op(_TraceLink):
         "_meta",
     )
 
-    def __init__(self, index, label, func, func_name, out, module, module_pass, code, lineno, args, kwargs, flags):
+    def __init__(self, index, label, func, func_name, out, module, module_pass, code, lineno, args, kwargs, flags,
+                 trace_ref=None, lasti=-1):
         self.index = index
         self.label = label
         self.func = func
@@ -116,16 +123,48 @@ class Op(_TraceLink):
         self.module = module
         self.module_pass = module_pass
         self._code = code
-        self._lineno = lineno
+        # The line, or (None) the byte offset ``lasti`` of the calling instruction in ``code``: the
+        # recorder passes the offset, as reading ``frame.f_lineno`` scans the line table on each op.
+        self._line = lineno
+        self._lasti = lasti
         self.args = args
         self.kwargs = kwargs
         self.flags = flags
-        self._trace_ref = None
+        self._trace_ref = trace_ref  # a weakref.ref to the trace (the recorder passes its one ref to every op)
         self.args_spec = None
         self.parent_refs: list[Ref] | None = None
         self.children_idx: list[int] | None = None
         self.snapshotted = False
         self._meta = None  # (shape, dtype) kept when the value itself is dropped
+
+    @classmethod
+    def recorded(cls, index, label, func, func_name, out, module, module_pass, code, line, lasti, args, kwargs,
+                 trace_ref) -> Op:
+        """A new op record as a capture makes it (flags 0, value saved), with the fields ``__init__``
+        sets. Built without ``__init__``: on Python 3.11 a class call with a Python ``__init__`` costs
+        as much as the rest of recording an op; a capture makes one per executed op."""
+        op = _new(cls)
+        op.index = index
+        op.label = label
+        op.func = func
+        op.func_name = func_name
+        op._out = out
+        op.saved = True
+        op.module = module
+        op.module_pass = module_pass
+        op._code = code
+        op._line = line
+        op._lasti = lasti
+        op.args = args
+        op.kwargs = kwargs
+        op.flags = 0
+        op._trace_ref = trace_ref
+        op.args_spec = None
+        op.parent_refs = None
+        op.children_idx = None
+        op.snapshotted = False
+        op._meta = None
+        return op
 
     # -- values ------------------------------------------------------------------
     @property
@@ -182,6 +221,19 @@ class Op(_TraceLink):
         return leaves[0].dtype if leaves else None
 
     # -- provenance ----------------------------------------------------------------
+    @property
+    def _lineno(self) -> int | None:
+        """The model line that issued the op (worked out from the instruction offset on first read)."""
+        line = self._line
+        if line is None and self._lasti >= 0:
+            line = self._line = line_at(self._code, self._lasti)
+        return line
+
+    @_lineno.setter
+    def _lineno(self, value: int | None) -> None:
+        self._line = value
+        self._lasti = -1
+
     @property
     def source(self) -> str:
         """``file:line`` of the model code that issued the op."""
@@ -245,6 +297,26 @@ class ModuleCall(_TraceLink):
         self._trace_ref = None
         self.n_passes = 1
 
+    @classmethod
+    def recorded(cls, address: str, pass_index: int, module_type: str, args, kwargs, op_start: int,
+                 trace_ref: Any) -> ModuleCall:
+        """A call record as a capture opens it (``op_end`` OPEN until the call returns), with the
+        fields ``__init__`` sets; built without ``__init__``, like ``Op.recorded``."""
+        call = _new(cls)
+        call.address = address
+        call.pass_index = pass_index
+        call.module_type = module_type
+        call.args = args
+        call.kwargs = kwargs
+        call._out = None
+        call.out_refs = []
+        call.out_spec = None
+        call.op_start = op_start
+        call.op_end = OPEN
+        call._trace_ref = trace_ref
+        call.n_passes = 1
+        return call
+
     @property
     def key(self) -> str:
         """``address:N`` — unique for every call."""
@@ -265,6 +337,38 @@ class ModuleCall(_TraceLink):
 
     def _repr_html_(self) -> str:
         return services().html(self)
+
+
+# code id -> (code, instruction start offsets, their lines): the code object is held, so its id
+# stays its own. Keyed by id because hashing a code object hashes its constants, each time.
+_LINE_TABLES: dict[int, tuple[Any, list[int], list[int | None]]] = {}
+
+
+def line_at(code: Any, lasti: int) -> int | None:
+    """The line of the instruction at byte offset ``lasti`` of ``code``: ``frame.f_lineno`` of a
+    frame whose ``f_lasti`` was ``lasti``, worked out when first asked instead of on every op."""
+    table = _LINE_TABLES.get(id(code))
+    if table is None:
+        starts, lines = [], []
+        for start, _end, line in code.co_lines():
+            starts.append(start)
+            lines.append(line)
+        table = _LINE_TABLES[id(code)] = (code, starts, lines)
+    k = bisect.bisect_right(table[1], lasti) - 1
+    return table[2][k] if k >= 0 else None
+
+
+def _lines_from_offsets() -> bool:
+    """Whether ``line_at(f_code, f_lasti)`` gives ``f_lineno`` on this interpreter (checked once)."""
+    frame = sys._getframe()
+    try:
+        return line_at(frame.f_code, frame.f_lasti) == frame.f_lineno
+    except (AttributeError, TypeError, ValueError):  # an interpreter without co_lines / f_lasti
+        return False
+
+
+# Whether a recorder may keep instruction offsets and leave the lines for later (else it reads f_lineno).
+LAZY_LINES = _lines_from_offsets()
 
 
 def build_args(op: Op, resolve: Callable[[Ref], Any]) -> tuple[tuple, dict]:

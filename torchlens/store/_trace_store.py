@@ -8,6 +8,10 @@ freed that way (tens of MiB per shard, in our measurements). The shard's header 
 room reserved at its start when the shard is full (``safetensors`` allows a header padded with
 spaces). Ops keep a :class:`StoredValue`, which reads the tensor back, memory-mapped by
 ``safe_open``, each time it is asked for: the trace holds the graph, not the activations.
+
+Fewer bytes, losslessly: a value an exactly reproducible op made from other values of the store
+(``x * 0.5``, a residual ``a + b``: see ``_recompute``) is recomputed on read instead of written,
+once the store has checked, while the forward runs, that the recompute gives it bit for bit.
 """
 
 from __future__ import annotations
@@ -22,13 +26,14 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from ..core.records import Deferred
+from ..core.records import Deferred, Ref
 from ..core.tree import flatten, unflatten
 from ..errors import InvalidArgumentError, TraceStoreWriteError
+from ._recompute import MAX_RECOMPUTE_OPS, Recipe, bits_equal, candidate_args, run_recipe
 from ._safetensors import ST_DTYPES, ST_NAMES
 from ._shards import shard_name
 
-__all__ = ["DEFAULT_BUDGET", "StoredValue", "TraceStore"]
+__all__ = ["DEFAULT_BUDGET", "StoredValue", "TraceStore", "check_recompute"]
 
 DEFAULT_BUDGET = 256 * 2**20  # bytes of values per shard (a bigger value gets a shard of its own)
 INDEX = "trace-store.json"
@@ -55,6 +60,15 @@ def _malloc_trim() -> Any:
 # plain forward, varying run to run. A disk-backed trace exists to bound memory, so each time it
 # finishes a shard it hands the freed pages back to the system (a few ms per 256 MB written).
 _TRIM = _malloc_trim()
+
+
+def check_recompute(recompute: Any) -> None:
+    """Raise ``InvalidArgumentError`` unless ``recompute`` (``store_recompute=``) is a bool."""
+    if not isinstance(recompute, bool):
+        raise InvalidArgumentError(
+            f"store_recompute= takes True or False, got {recompute!r}",
+            remedy="Pass store_recompute=False to write every value to disk, or leave it out (True: values "
+                   "reproducible bit for bit from other stored values are recomputed on read).")
 
 
 class StoredValue(Deferred):
@@ -87,12 +101,15 @@ class TraceStore:
     Args:
         path: a directory (created; it must be empty or not exist).
         budget: bytes of values per shard; the shard is finished (its header written) once it holds that many.
+        recompute: recompute exactly reproducible values on read instead of writing them (see the
+            module docstring); False writes every value.
 
     Raises:
-        InvalidArgumentError: ``path`` exists and is not an empty directory.
+        InvalidArgumentError: ``path`` exists and is not an empty directory, or ``recompute`` is not a bool.
     """
 
-    def __init__(self, path: str | pathlib.Path, budget: int = DEFAULT_BUDGET) -> None:
+    def __init__(self, path: str | pathlib.Path, budget: int = DEFAULT_BUDGET, *, recompute: bool = True) -> None:
+        check_recompute(recompute)
         self.path = pathlib.Path(path)
         if self.path.exists() and (not self.path.is_dir() or any(self.path.iterdir())):
             raise InvalidArgumentError(
@@ -107,6 +124,15 @@ class TraceStore:
         # name -> (the stored tensor it views, size, stride, storage offset)
         self._views: dict[str, tuple[str, list[int], list[int], int]] = {}
         self._bases: dict[int, tuple[str, int, Any]] = {}  # storage -> (name, version, weak tensor) stored whole
+        self.recompute = recompute
+        self._recipes: dict[str, Recipe] = {}  # name -> how to recompute it (nothing written)
+        self._cost: dict[str, int] = {}  # name -> ops a read of it recomputes (absent: 0)
+        # op index -> (weak tensor, its version, whether a read gives it back with the same strides,
+        # its name): the values a later op's recipe may name, while the forward runs.
+        self._made: dict[int, tuple[Any, int, bool, str]] = {}
+        self.n_recomputed = 0
+        self._since_trim = 0  # bytes written or checked by a recompute since memory was last handed back
+        self.bytes_recomputed = 0  # bytes recomputed on read instead of written
         # The open shard: its file, its header entries so far, their JSON size, and its data size.
         self._file: Any = None
         self._header: dict[str, Any] = {}
@@ -116,10 +142,14 @@ class TraceStore:
         self.n_shards = 0
         self.bytes_written = 0
 
-    def put(self, key: str, value: Any) -> StoredValue:
-        """Write ``value``'s tensors into the store under ``key``; return the handle that reads them back."""
+    def put(self, key: str, value: Any, op: Any = None) -> StoredValue:
+        """Write ``value``'s tensors into the store under ``key``; return the handle that reads them back.
+
+        ``op`` (the recorded op that produced ``value``, its arguments linked) lets the store keep
+        a recipe instead of the bytes when the value is exactly reproducible from stored ones.
+        """
         if type(value) is torch.Tensor and _storable(value):
-            self._put_tensor(key, value)  # the common case, without flattening
+            self._put_tensor(key, value, op)  # the common case, without flattening
             return StoredValue(self, [key], None, None)
         leaves, spec = flatten(value)
         names: list[str | None] = []
@@ -137,7 +167,7 @@ class TraceStore:
                 others.append(leaf)
         return StoredValue(self, names, spec, others)
 
-    def _put_tensor(self, name: str, t: torch.Tensor) -> None:
+    def _put_tensor(self, name: str, t: torch.Tensor, op: Any = None) -> None:
         try:
             key = t.untyped_storage().data_ptr()
             version = t._version
@@ -149,19 +179,85 @@ class TraceStore:
             if stored_version == version and alive() is not None:
                 # A view of a tensor stored whole and unchanged since: store where it looks, not its bytes.
                 self._views[name] = (stored, list(t.shape), list(t.stride()), t.storage_offset())
+                if stored in self._cost:
+                    self._cost[name] = self._cost[stored]
+                self._note(op, t, version, True, name)
                 return
-        # Written now, from the model's own memory when it is a contiguous CPU tensor: later
-        # in-place changes cannot reach what is on disk, and no copy is ever buffered.
-        data = t.detach()
-        if data.device.type != "cpu":
-            data = data.cpu()
-        data = data.resolve_conj().resolve_neg().contiguous()
-        self._shapes[name] = list(data.shape)
-        self._write(name, data.reshape(-1) if data.dim() == 0 else data)
+        remade = self._recipe(name, t, op) if op is not None and self.recompute and version is not None else None
+        if remade is None:
+            # Written now, from the model's own memory when it is a contiguous CPU tensor: later
+            # in-place changes cannot reach what is on disk, and no copy is ever buffered.
+            data = t.detach()
+            if data.device.type != "cpu":
+                data = data.cpu()
+            data = data.resolve_conj().resolve_neg().contiguous()
+            self._shapes[name] = list(data.shape)
+            self._write(name, data.reshape(-1) if data.dim() == 0 else data)
+            same_strides = t.is_contiguous()  # read back contiguous
+        else:
+            same_strides = remade.stride() == t.stride()
         if key and version is not None and t.is_contiguous() and t.storage_offset() == 0 \
-                and t.numel() * t.element_size() == t.untyped_storage().nbytes():
+                and t.numel() * t.element_size() == t.untyped_storage().nbytes() and (remade is None or same_strides):
             # ``t`` covers its whole storage: later views of it are stored as views.
             self._bases[key] = (name, version, weakref.ref(t))
+        self._note(op, t, version, same_strides, name)
+
+    def _note(self, op: Any, t: torch.Tensor, version: int | None, same_strides: bool, name: str) -> None:
+        """Remember the value op ``op`` produced, for the recipes of later ops that read it."""
+        if op is not None and version is not None and self.recompute:
+            self._made[op.index] = (weakref.ref(t), version, same_strides, name)
+
+    def _recipe(self, name: str, t: torch.Tensor, op: Any) -> torch.Tensor | None:
+        """Keep a recipe for ``t`` instead of its bytes when ``op`` recomputes it bit for bit from
+        values of this store as a read gives them back; return the recomputed tensor (None: write it).
+
+        Each argument must be the very tensor the store noted for its op, unchanged since (same
+        version) and given back with the same strides (so the recompute here is the one a read
+        runs), and the read may recompute at most ``MAX_RECOMPUTE_OPS`` ops in all.
+        """
+        if t.device.type != "cpu":
+            return None  # a read recomputes on CPU: the check must run on the same device
+        found = candidate_args(op)
+        if found is None:
+            return None
+        fn_name, func, args, kwargs = found
+        live: list[Any] = []
+        spec: list[Any] = []
+        cost = 1
+        for a in args:
+            if type(a) is not Ref:
+                live.append(a)
+                spec.append(a)
+                continue
+            made = self._made.get(a.index)
+            if made is None:
+                return None  # not a value of this store (an input it does not hold, a guard ...)
+            weak, version, same_strides, arg_name = made
+            x = weak()
+            if x is None or not same_strides or x._version != version:
+                return None
+            cost += self._cost.get(arg_name, 0)
+            live.append(x)
+            spec.append((arg_name,))
+        if cost > MAX_RECOMPUTE_OPS or (func is torch.Tensor.to and live[0].dtype != t.dtype):
+            return None
+        try:
+            remade = run_recipe(func, live, kwargs)
+        except (RuntimeError, TypeError, ValueError):  # the forward's own call succeeded; if this one
+            return None  # does not (a changed global state), the bytes are written as before
+        if not bits_equal(remade, t):
+            return None
+        self._recipes[name] = Recipe(fn_name, func, spec, kwargs)
+        self._cost[name] = cost
+        self.n_recomputed += 1
+        size = t.numel() * t.element_size()
+        self.bytes_recomputed += size
+        # A recomputed value is not written, so shards fill more slowly, but its check allocated as
+        # much as the value (freed at once): memory is handed back per budget of both together.
+        self._since_trim += size
+        if self._since_trim > self.budget:
+            self._trim()
+        return remade
 
     def _write(self, name: str, t: torch.Tensor) -> None:
         size = t.numel() * t.element_size()
@@ -177,6 +273,7 @@ class TraceStore:
                 self._entry(f"__pad__/{self._pads}", "U8", [pad], pad)
                 self._file.write(bytes(pad))
             self._entry(name, ST_NAMES[t.dtype], list(t.shape), size)
+            self._since_trim += size
             if size:
                 self._file.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
         except OSError as exc:
@@ -217,6 +314,11 @@ class TraceStore:
         self.n_shards += 1
         self._file = None
         self._header = {}
+        self._trim()
+
+    def _trim(self) -> None:
+        """Hand the memory the forward (and the recompute checks) freed back to the system."""
+        self._since_trim = 0
         if _TRIM is not None:
             _TRIM(0)
 
@@ -235,15 +337,23 @@ class TraceStore:
         if self._file is not None:
             self._finish_shard()
         self._bases.clear()
+        self._made.clear()
         index = {"shards": [shard_name(i) for i in range(self.n_shards)], "tensors": self._where,
-                 "shapes": self._shapes, "views": self._views}
+                 "shapes": self._shapes, "views": self._views,
+                 "recomputed": {name: r.to_json() for name, r in self._recipes.items()},
+                 "recomputed_bytes": self.bytes_recomputed}
         try:
             (self.path / INDEX).write_text(json.dumps(index))
         except OSError as exc:
             raise self._error(exc) from exc
 
     def get(self, name: str) -> torch.Tensor:
-        """The stored tensor ``name`` (memory-mapped from a finished shard, read from the open one)."""
+        """The stored tensor ``name`` (memory-mapped from a finished shard, read from the open one,
+        or recomputed from stored ones by its recipe)."""
+        recipe = self._recipes.get(name)
+        if recipe is not None:
+            args = [self.get(a[0]) if type(a) is tuple else a for a in recipe.args]
+            return run_recipe(recipe.func, args, recipe.kwargs)
         view = self._views.get(name)
         if view is not None:
             stored, size, stride, offset = view

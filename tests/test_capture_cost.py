@@ -1,0 +1,273 @@
+"""The short paths of an every-op capture record exactly what the general paths record.
+
+An every-op capture takes shortcuts for its commonest cases: an op with one tensor out is
+recorded inline, calls returning sizes or dtypes are passed through, every module shares two
+hooks, and a module returning a flat tuple skips the pytree walk. Each shortcut is checked
+here against the general path (a capture with ``grad=True`` records every op the general
+way), against plain ``register_forward_hook`` reads, and for leaving the model as it was.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from conftest import BranchyNet, RaisingNet, ReshapeNet, assert_equal_tree, assert_model_clean, hook_reads, hook_state
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+import torchlens as tl
+from torchlens.api import trace_until
+from torchlens.capture.hooks import ModuleHooks
+
+
+def _records(trace) -> list[tuple]:
+    return [(op.label, op.func_name, op.module, op.module_pass, op.source, op.flags, op.shape) for op in trace.ops]
+
+
+@pytest.mark.parametrize("name", ["tiny_gpt2", "tiny_llama"])
+def test_inline_records_equal_the_general_path(name, request):
+    case = request.getfixturevalue(name)
+    lean = tl.trace(case.model, *case.args, **case.kwargs)
+    general = tl.trace(case.model, *case.args, **case.kwargs, grad=True)  # every op through the general record
+    assert _records(lean) == _records(general)
+    assert [c.key for c in lean.calls] == [c.key for c in general.calls]
+    for a, b in zip(lean.ops, general.ops):
+        assert_equal_tree(a.out, b.out.detach() if isinstance(b.out, torch.Tensor) else b.out, what=a.label)
+    # the sources name model lines, also for ops torch's own functions issued (embedding in F.embedding)
+    emb = next(op for op in lean.ops if op.func_name == "embedding")
+    assert "/torch/" not in emb.source and emb.source.split(":")[-1].isdigit()
+
+
+def test_every_module_output_equals_a_plain_hook_read(tiny_gpt2):
+    trace = tl.trace(tiny_gpt2.model, *tiny_gpt2.args)
+    reads, out = hook_reads(tiny_gpt2.model, tiny_gpt2.args)
+    assert sorted(c.address for c in trace.calls) == sorted(reads)
+    for call in trace.calls:
+        assert_equal_tree(trace.module_output(call), reads[call.address][call.pass_index - 1], what=call.key)
+    assert_equal_tree(trace.output, out)
+
+
+def test_a_module_returning_a_flat_tuple_keeps_the_pytree_spec(tiny_gpt2):
+    trace = tl.trace(tiny_gpt2.model, *tiny_gpt2.args)
+    reads, _ = hook_reads(tiny_gpt2.model, tiny_gpt2.args)
+    attn = next(c for c in trace.calls if c.address == "transformer.h.0.attn")
+    want = reads["transformer.h.0.attn"][0]
+    assert type(want) is tuple and want[1] is None  # (output, None): the shortcut's case
+    assert attn.out_spec == pytree.tree_flatten(want)[1]
+    got = trace.module_output(attn)
+    assert type(got) is tuple and got[1] is None
+    assert torch.equal(got[0], want[0])
+
+
+def test_data_reads_after_the_shortcuts_are_still_guards():
+    torch.manual_seed(0)
+    model, x = BranchyNet().eval(), torch.randn(2, 4)
+    lean = tl.trace(model, x)
+    general = tl.trace(model, x, grad=True)
+    assert [r.name for r in lean.data_reads] == ["bool"]  # ``if h.sum() > 0``
+    assert [(r.position, r.name, r.lineno, r.seen) for r in lean.data_reads] == \
+        [(r.position, r.name, r.lineno, r.seen) for r in general.data_reads]
+    with torch.no_grad():
+        h = model.fc1(x)
+    assert lean.data_reads[0].seen == bool(h.sum() > 0)
+
+
+def test_sizes_read_in_python_pass_through_and_the_values_stay_exact():
+    torch.manual_seed(0)
+    model, x = ReshapeNet().eval(), torch.randn(3, 4)
+    trace = tl.trace(model, x)
+    with torch.no_grad():
+        want = model(x)
+    assert torch.equal(trace.output, want)
+    assert not trace.data_reads  # a size is not tensor data
+    assert _records(trace) == _records(tl.trace(model, x, grad=True))
+
+
+def test_shared_hooks_keep_registration_order_with_per_module_callbacks(small_mlp, mlp_input):
+    seen: list[tuple[str, str]] = []
+    hooks = ModuleHooks(small_mlp)
+    hooks.on_output("fc1", lambda info, a, k, o: seen.append(("first", info.address)))
+    hooks.on_every_module(lambda info, a, k: None, lambda info, a, k, o: seen.append(("every", info.address)))
+    hooks.on_output("fc2", lambda info, a, k, o: seen.append(("last", info.address)) or o * 2)
+    before = hook_state(small_mlp)
+    with torch.no_grad(), hooks:
+        out = small_mlp(mlp_input)
+    assert_model_clean(small_mlp, before)
+    assert seen == [("first", "fc1"), ("every", "fc1"), ("every", "act"), ("every", "fc2"), ("last", "fc2"),
+                    ("every", "")]
+    with torch.no_grad():
+        assert torch.equal(out, small_mlp(mlp_input) * 2)  # the replacement of the last callback is used
+    assert [hooks.passes(a) for a in ("", "fc1", "act", "fc2")] == [1, 1, 1, 1]
+
+
+def test_shared_hooks_give_each_pass_its_own_record(shared_twice):
+    starts: list[tuple[str, int]] = []
+    ends: list[tuple[str, int]] = []
+    hooks = ModuleHooks(shared_twice.model)
+    hooks.on_every_module(lambda info, a, k: starts.append((info.address, info.pass_index)),
+                          lambda info, a, k, o: ends.append((info.address, info.pass_index)))
+    with torch.no_grad(), hooks:
+        shared_twice.model(*shared_twice.args)
+    assert [s for s in starts if s[0] == "block"] == [("block", 1), ("block", 2)]
+    assert sorted(starts) == sorted(ends)
+    trace = tl.trace(shared_twice.model, *shared_twice.args)
+    reads, _ = hook_reads(shared_twice.model, shared_twice.args)
+    for i, want in enumerate(reads["block"]):
+        assert torch.equal(trace[f"block:{i + 1}"].out, want)
+
+
+def test_the_model_is_left_as_it_was_when_the_forward_raises_or_stops():
+    model, x = RaisingNet().eval(), torch.randn(3, 4)
+    before = hook_state(model)
+    with pytest.raises(KeyError, match="batches of 3"):
+        tl.trace(model, x)
+    assert_model_clean(model, before)
+    partial = trace_until(model, (torch.randn(2, 4),), {}, tl.module("fc1"))
+    assert_model_clean(model, before)
+    with torch.no_grad():
+        want = model.fc1(partial.args[0])
+    assert torch.equal(partial["fc1"].out, want)
+
+
+def test_a_recorded_op_record_equals_one_built_by_its_constructor():
+    from torchlens.core.records import Op
+
+    args, kwargs, out = (torch.ones(2),), {}, torch.zeros(2)
+    code = test_a_recorded_op_record_equals_one_built_by_its_constructor.__code__
+    made = Op(3, "add_1", torch.add, "add", out, "fc1", 2, code, None, args, kwargs, 0, None, 0)
+    fast = Op.recorded(3, "add_1", torch.add, "add", out, "fc1", 2, code, None, 0, args, kwargs, None)
+    for slot in Op.__slots__:  # every field set, to the same value (a new slot must be set by both)
+        assert getattr(fast, slot) is getattr(made, slot) or getattr(fast, slot) == getattr(made, slot), slot
+    assert fast.source == made.source == f"{code.co_filename}:{code.co_firstlineno}"
+    from torchlens.core.records import OPEN, ModuleCall
+
+    made_call = ModuleCall("fc1", 2, "Linear", args, kwargs, 5)
+    made_call.op_end = OPEN
+    fast_call = ModuleCall.recorded("fc1", 2, "Linear", args, kwargs, 5, None)
+    for slot in ModuleCall.__slots__:
+        assert getattr(fast_call, slot) == getattr(made_call, slot), slot
+
+
+class _CallsForwardDirectly(torch.nn.Module):
+    """Calls a submodule's ``forward`` itself: no module call, as far as torch's hooks can tell."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.inner.forward(x))
+
+
+def test_forward_slot_wrappers_see_what_hooks_see_and_are_removed(small_mlp, mlp_input):
+    import inspect
+
+    seen = {}
+
+    def spy(info, args, kwargs):
+        # during the capture a module's forward is our wrapper, yet reads as the model's own
+        seen[info.address] = (inspect.signature(small_mlp.get_submodule(info.address).forward),
+                              "forward" in small_mlp.get_submodule(info.address).__dict__)
+
+    hooks = ModuleHooks(small_mlp)
+    hooks.on_every_module(spy, lambda info, a, k, o: None)
+    before = hook_state(small_mlp)
+    with torch.no_grad(), hooks:
+        small_mlp(mlp_input)
+    assert_model_clean(small_mlp, before)
+    assert seen["fc1"] == (inspect.signature(small_mlp.fc1.forward), True)  # wrapped, not hooked
+    assert not small_mlp.fc1._forward_hooks and "forward" not in small_mlp.fc1.__dict__
+
+    model = _CallsForwardDirectly().eval()
+    x = torch.randn(2, 4)
+    trace = tl.trace(model, x)
+    assert [c.address for c in trace.calls] == ["", "head"]  # inner.forward(x) is no module call, as with hooks
+    with torch.no_grad():
+        assert torch.equal(trace.output, model(x))
+        assert torch.equal(trace["head"].out, model(x))
+
+
+def test_global_module_hooks_keep_every_module_hooked_in_order(small_mlp, mlp_input):
+    from torch.nn.modules.module import register_module_forward_hook
+
+    order: list[str] = []
+
+    def doubles_fc1(module, inputs, output):  # global hooks run before a module's own: the capture sees this
+        order.append(type(module).__name__)
+        return output * 2 if module is small_mlp.fc1 else None
+
+    handle = register_module_forward_hook(doubles_fc1)
+    try:
+        before = hook_state(small_mlp)
+        trace = tl.trace(small_mlp, mlp_input)
+        assert hook_state(small_mlp) == before  # (the global hook is the test's own)
+    finally:
+        handle.remove()
+    assert order == ["Linear", "ReLU", "Linear", "SmallMLP"]
+    handle = register_module_forward_hook(doubles_fc1)
+    try:
+        reads, out = hook_reads(small_mlp, (mlp_input,))
+    finally:
+        handle.remove()
+    with torch.no_grad():
+        assert torch.equal(reads["fc1"][0], small_mlp.fc1(mlp_input) * 2)
+    for address in ("fc1", "act", "fc2"):
+        assert torch.equal(trace[address].out, reads[address][0])
+    assert torch.equal(trace.output, out)
+
+
+def test_a_wrapped_module_that_raises_leaves_no_wrapper(tiny_gpt2):
+    model = tiny_gpt2.model
+    before = hook_state(model)
+    with pytest.raises(IndexError):
+        tl.trace(model, torch.tensor([[1, 2, 99]]))  # token 99 is outside the 64-token vocabulary
+    assert_model_clean(model, before)
+    trace = tl.trace(model, *tiny_gpt2.args)
+    reads, _ = hook_reads(model, tiny_gpt2.args)
+    assert torch.equal(trace["transformer.h.1"].out, reads["transformer.h.1"][0])
+
+
+class _SpreadLines(torch.nn.Module):
+    """Ops on lines of their own, one expression over two lines, one op issued inside torch (F.relu)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = x + 1
+        z = (y *
+             2)
+        return torch.nn.functional.relu(self.fc(z))
+
+
+class _LineReference(TorchFunctionMode):
+    """The model line of every op returning a tensor, read from ``f_lineno`` of this file's frame."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[int] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):
+            frame = sys._getframe(1)
+            while frame.f_code.co_filename != __file__:
+                frame = frame.f_back
+            self.lines.append(frame.f_lineno)
+        return out
+
+
+def test_op_sources_are_the_lines_frames_report():
+    model, x = _SpreadLines().eval(), torch.randn(2, 4)
+    ref = _LineReference()
+    with torch.no_grad(), ref:
+        model(x)
+    trace = tl.trace(model, x)
+    ops = [op for op in trace.ops if not op.is_input]
+    assert [int(op.source.rsplit(":", 1)[1]) for op in ops] == ref.lines
+    assert all(op.source.startswith(__file__) for op in ops)
+    assert len(set(ref.lines)) == 3  # add, mul (the two-line expression), linear and relu on the return line

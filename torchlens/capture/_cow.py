@@ -1,0 +1,145 @@
+"""Copy on write for in-place ops: recorded values stay as the forward produced them.
+
+The recorder keeps outputs without copying them. Before an in-place op overwrites memory
+that recorded tensors use, the records on that storage are copied (``before_inplace``); a
+storage index, built at the first in-place op, finds them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..core.records import Deferred, Op
+
+__all__ = ["CopyOnWrite"]
+
+Tensor = torch.Tensor
+
+# In-place ops that change which memory a tensor describes, not the data in it: only the
+# records holding that very tensor object change.
+_RESHAPES_IN_PLACE = frozenset(
+    {"t_", "transpose_", "squeeze_", "unsqueeze_", "as_strided_", "swapdims_", "swapaxes_", "detach_", "set_"}
+)
+# In-place ops that may move the whole storage elsewhere: every record on it changes address.
+_REALLOCATES = frozenset({"resize_", "resize_as_"})
+
+
+class CopyOnWrite:
+    """The recorder's copy-on-write part (a mixin). It reads ``trace``, ``ops``, ``transient`` and
+    writes ``storage`` (storage key -> indices of the ops whose outputs use it) and ``stale``; the
+    class it is mixed into defines ``_update_lean`` (ops stop taking the inlined record once
+    there is a storage index to keep)."""
+
+    trace: Any
+    ops: list[Op]
+    transient: bool
+    storage: dict[int, list[int]] | None
+    stale: dict[int, int]
+
+    def _storage_key(self, t: Tensor) -> int | None:
+        try:
+            # Views share their base's storage, whatever their offset. A tensor with no memory
+            # yet (torch.empty(0), later filled through out=) is keyed by the object itself.
+            return t.untyped_storage().data_ptr() or -id(t)
+        except (RuntimeError, NotImplementedError):
+            return None
+
+    def _live_out(self, op: Op) -> Any:
+        """The tensors op ``op`` produced, as the model still holds them (a bounded or disk-backed
+        capture keeps only weak references, or its own copy on disk)."""
+        out = op._out
+        if self.transient and (out is None or isinstance(out, Deferred)):
+            return self.trace.live_value(op.index)
+        return out
+
+    def _index_storage(self, op: Op) -> None:
+        out = self._live_out(op)
+        leaves = out if isinstance(out, (tuple, list)) else (out,)
+        for t in leaves:
+            if isinstance(t, Tensor):
+                key = self._storage_key(t)
+                if key:
+                    self.storage.setdefault(key, []).append(op.index)
+
+    def _before_inplace(self, target: Tensor, name: str, out_arg: bool = False) -> bool:
+        """Snapshot every recorded tensor the in-place op ``name`` on ``target`` is about to change.
+
+        Works leaf by leaf: one element of a tuple output (``topk``, ``split``...) is copied
+        when it is the target or overlaps the memory the op writes; the other elements keep
+        sharing memory with the model and stay indexed.
+
+        Args:
+            target: the tensor the op mutates (``args[0]`` or an ``out=`` tensor).
+            name: the op's name, which says whether it writes data or only moves metadata.
+            out_arg: ``target`` is an ``out=`` argument, which the op may resize (and so move).
+
+        Returns:
+            True when the overwritten memory is viewed by other recorded tensors, whose
+            later readers would see data the recorded graph does not describe.
+        """
+        if self.storage is None:
+            self.storage = {}
+            self._update_lean()
+            for op in self.ops:
+                self._index_storage(op)
+        key = self._storage_key(target)
+        bucket = self.storage.pop(key, None) if key else None
+        if not bucket:
+            return False
+        # ``span``: the memory the op writes (None: no data written, only ``target`` changes
+        # shape or storage). ``moves``: the op may give the storage new memory, which changes
+        # where every tensor on it points: all of them are copied (their values stay).
+        span = None if name in _RESHAPES_IN_PLACE or name in _REALLOCATES else _span(target)
+        moves = out_arg or name in _REALLOCATES
+        aliased = False
+        keep: list[int] = []
+        ops = self.ops
+        position = len(ops)
+        for index in dict.fromkeys(bucket):
+            op = ops[index]
+            out = self._live_out(op)
+            if out is None:
+                continue  # freed: nothing left to overwrite
+            detached = out is not op._out  # the record holds its own copy (on disk) or nothing: never copy it
+            multi = not isinstance(out, Tensor)
+            leaves = list(out) if multi else [out]
+            copied = shared = others = False
+            for i, t in enumerate(leaves):
+                if not isinstance(t, Tensor) or (multi and self._storage_key(t) != key):
+                    continue
+                written = t is not target and span is not None and _overlap(_span(t), span)
+                if t is target or written or moves:
+                    if not detached:
+                        leaves[i] = t.clone()
+                        copied = True
+                    others = others or written
+                else:
+                    shared = True
+            if shared:  # still views the model's memory: a later write must find it again
+                keep.append(index)
+            if others:
+                aliased = True
+                self.stale.setdefault(index, position)
+            if not copied:
+                continue
+            op._out = type(out)(leaves) if multi else leaves[0]
+            op.snapshotted = True
+        if keep:
+            self.storage[key] = keep
+        return aliased
+
+
+def _span(t: Tensor) -> tuple[int, int]:
+    """The bytes ``[start, end)`` of its storage that ``t`` can touch (empty for no elements)."""
+    if t.numel() == 0:
+        return (0, 0)
+    size = t.element_size()
+    start = t.storage_offset() * size
+    reach = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return (start, start + reach * size)
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1] and a[0] < a[1] and b[0] < b[1]
