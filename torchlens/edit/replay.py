@@ -203,6 +203,8 @@ class Replayer:
         self.regions: dict[int, Any] = {}  # op index -> changed region of its new value (see _slicing)
         self.previous: dict[int, Any] = {}  # op index -> its value on the fork before this push
         self.log = ReplayLog(sliced)
+        self._stale = fork.stale_positions()  # op index -> position an in-place op overwrote it (usually empty)
+        self._watch: set[int] = set()
         # a RowBatch (torchlens.edit._batch) collecting row recomputations to run stacked with other forks'
         self.batch: Any = None
 
@@ -228,6 +230,10 @@ class Replayer:
                 if t.position >= start:
                     plan.setdefault(t.position, []).append((step, t, is_new))
         self._steps_at = plan
+        # the ops whose value before this push a step may compare against (_before): the rest need no record
+        self._watch = {r.index for entries in plan.values() for _, t, _ in entries
+                       for r in (t.record.out_refs if isinstance(t.record, ModuleCall) else [t.record])
+                       if r is not None}
         self._reads = [r for r in fork.data_reads if r.position >= start]
         self._read_i = 0
         return start
@@ -274,8 +280,8 @@ class Replayer:
             )
         j = op.index
         fork = self.fork
-        for r in op.parent_refs:
-            stale = fork.stale_after(r.index)
+        for r in op.parent_refs if self._stale else ():
+            stale = self._stale.get(r.index)
             if stale is not None and j > stale:
                     raise ReplayNotExactError(
                         f"op {op.label} at {op.source} reads {self.ops[r.index].label} after an in-place op "
@@ -404,9 +410,10 @@ class Replayer:
         """Keep ``rows``, the recomputed rows ``plan.region`` of ``op``, beside ``old`` (False: they
         are not exactly those rows; the caller recomputes the op whole). ``note`` goes in the log."""
         axis, start = plan.region
-        if not isinstance(rows, torch.Tensor) or rows.dtype != old.dtype or rows.dim() != old.dim() \
-                or rows.shape[axis] != old.shape[axis] - start \
-                or any(a != b for d, (a, b) in enumerate(zip(rows.shape, old.shape)) if d != axis):
+        if not isinstance(rows, torch.Tensor) or rows.dtype != old.dtype or rows.dim() != old.dim():
+            return False
+        have, want = rows.shape, old.shape
+        if have[axis] != want[axis] - start or have[:axis] != want[:axis] or have[axis + 1:] != want[axis + 1:]:
             return False
         # kept unbuilt: the next row rule reads ``rows`` alone, a whole read builds it once
         self._store(op.index, RowPatch(old, axis, start, rows), plan.region)
@@ -423,7 +430,7 @@ class Replayer:
 
     def _store(self, j: int, new: Any, region: Any) -> None:
         fork = self.fork
-        if j not in self.previous:
+        if j in self._watch and j not in self.previous:
             try:
                 self.previous[j] = fork.value(j)
             except ValueNotSavedError:
