@@ -221,7 +221,7 @@ def push_together(forks: Sequence[Any], steps: Sequence[Step], *, read: Any = No
         with torch.set_grad_enabled(any(f.grad for f in forks)):
             for j in range(min(start for _, start in active.values()), n + 1):
                 for replayer, start in list(active.values()):
-                    if start <= j:
+                    if start <= j <= len(replayer.ops):  # (forks of one trace share its ops)
                         try:
                             replayer.visit(j)
                         except Exception as exc:  # noqa: BLE001 - that fork alone fails
