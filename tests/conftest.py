@@ -8,6 +8,7 @@ reads or a plain forward, never from TorchLens itself.
 
 from __future__ import annotations
 
+import copy
 import os
 import pathlib
 from collections.abc import Callable
@@ -426,6 +427,14 @@ def hook_reads(model: nn.Module, args: tuple = (), kwargs: dict | None = None, *
         for h in handles:
             h.remove()
     return seen, out
+
+
+def eager_copy(model: nn.Module) -> nn.Module:
+    """A copy of a transformers model that computes attention with eager ops (matmul, softmax, matmul)."""
+    twin = copy.deepcopy(model)
+    twin.set_attn_implementation("eager")
+    assert twin.config._attn_implementation == "eager"
+    return twin
 
 
 def scale_row_hook(p: int, k: float = 3.0) -> Callable[[Any], Any]:

@@ -14,6 +14,7 @@ import pathlib
 import pytest
 import torch
 import transformers
+from conftest import eager_copy
 
 import torchlens as tl
 from torchlens.analysis import facets as facets_mod
@@ -27,13 +28,6 @@ from torchlens.errors import (
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 SDPA = "scaled_dot_product_attention"
 ATOL = 1e-5
-
-
-def eager_copy(model):
-    twin = copy.deepcopy(model)
-    twin.set_attn_implementation("eager")
-    assert twin.config._attn_implementation == "eager"
-    return twin
 
 
 def eager_attentions(model, *args, **kwargs):

@@ -12,7 +12,8 @@ import warnings
 
 import pytest
 import torch
-from conftest import edited_forward, scale_row_edit, scale_row_hook
+from conftest import eager_copy, edited_forward, scale_row_edit, scale_row_hook
+from conftest import leaves as tl_leaves
 
 import torchlens as tl
 from torchlens.core.steps import REPLAY, Step
@@ -50,6 +51,33 @@ def test_sliced_equals_full_replay_and_reexecution_at_every_position(case_name, 
         # the recorded rows before p are reused, bit for bit
         assert torch.equal(sliced.output.logits[:, :p], trace.output.logits[:, :p])
         assert full.edits[-1].replay.n_sliced == 0
+
+
+@pytest.mark.parametrize("case_name", ["tiny_gpt2", "tiny_llama"])
+def test_eager_attention_is_sliced_and_exact_at_every_position(case_name, request):
+    """Eager attention (matmul, mask, softmax, matmul): the scores change in a corner, the causal
+    mask leaves only rows >= p changed, and the weighted sum keeps rows: nothing falls back."""
+    case = request.getfixturevalue(case_name)
+    model = eager_copy(case.model)
+    trace = tl.trace(model, *case.args)
+    assert trace.find_sites(tl.func("softmax"))  # the eager path really ran
+    seq = case.args[0].shape[1]
+    for p in range(1, seq):
+        sliced = trace.fork().do(case.block, scale_row_edit(p))
+        full = _full_replay(trace, case.block, scale_row_edit(p))
+        want = edited_forward(model, case.block, scale_row_hook(p), case.args).logits
+        assert torch.allclose(sliced.output.logits, want, atol=ATOL), p
+        assert torch.allclose(full.output.logits, want, atol=ATOL), p
+        log = sliced.edits[-1].replay
+        assert not log.fallbacks, log.fallbacks
+        rows = {e[1] for e in log.entries if e[2] == "rows"}
+        assert {"softmax", "matmul"} <= rows, rows  # the weights and their product by v: rows >= p only
+        assert torch.equal(sliced.output.logits[:, :p], trace.output.logits[:, :p])
+        # every recomputed value equals the full replay's (the scores' corner included)
+        for e in log.entries:
+            i = trace.op_index(e[0])
+            for a, b in zip(tl_leaves(sliced.value(i)), tl_leaves(full.value(i))):
+                assert torch.allclose(a, b, atol=ATOL, equal_nan=True), e
 
 
 def test_edit_at_last_position_recomputes_one_row_per_op(tiny_gpt2):

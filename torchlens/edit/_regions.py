@@ -16,7 +16,8 @@ import torch
 from ..core.tree import Pending
 
 __all__ = [
-    "WHOLE", "Plan", "Region", "ReplayLog", "RowPatch", "Rows", "diff_region", "normal", "region_lookup", "union",
+    "WHOLE", "Corner", "Plan", "Region", "ReplayLog", "RowPatch", "Rows", "diff_region", "normal", "refine_corner",
+    "region_lookup", "union",
 ]
 
 
@@ -25,6 +26,40 @@ class Rows(NamedTuple):
 
     axis: int
     start: int
+
+
+class Corner:
+    """Over the last two axes (rows, columns): rows ``>= row`` and columns ``>= col`` may have
+    changed — the attention scores ``q @ k.T`` when queries and keys changed from some position
+    on. A causal mask then overwrites the upper-right block (rows ``< row``, columns ``>= col``),
+    after which only the rows changed (:func:`refine_corner`)."""
+
+    __slots__ = ("row", "col")
+
+    def __init__(self, row: int, col: int) -> None:
+        self.row, self.col = row, col
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Corner) and (self.row, self.col) == (other.row, other.col)
+
+    def __hash__(self) -> int:
+        return hash((Corner, self.row, self.col))
+
+    def __repr__(self) -> str:
+        return f"Corner(row={self.row}, col={self.col})"
+
+
+def refine_corner(old: Any, new: Any, corner: Corner) -> Any:
+    """``Rows(rows axis, corner.row)`` when ``new`` equals ``old`` bit for bit on the block the corner
+    adds to those rows (rows ``< row``, columns ``>= col``: a causal mask wrote it), else the corner."""
+    if not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor)) or old.shape != new.shape \
+            or old.dtype != new.dtype or old.dim() < 2:
+        return corner
+    a, b = old[..., : corner.row, corner.col:], new[..., : corner.row, corner.col:]
+    same = (a == b) | (a.isnan() & b.isnan()) if a.is_floating_point() else a == b
+    if bool(same.all()) and bool((torch.signbit(a) == torch.signbit(b)).all() if a.is_floating_point() else True):
+        return normal(Rows(old.dim() - 2, corner.row))
+    return corner
 
 
 class RowPatch(Pending):
@@ -148,6 +183,8 @@ def union(a: Region, b: Region) -> Region:
         return b
     if b is None:
         return a
+    if isinstance(a, Corner) or isinstance(b, Corner):
+        return a if a == b else WHOLE
     if a is WHOLE or b is WHOLE or isinstance(a, tuple) and not isinstance(a, Rows) \
             or isinstance(b, tuple) and not isinstance(b, Rows):
         return WHOLE

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ._regions import WHOLE, Plan, Region, RowPatch, Rows, normal, union
+from ._regions import WHOLE, Corner, Plan, Region, RowPatch, Rows, normal, union
 
 __all__ = ["StackedCall", "collect_rows", "plan_op"]
 
@@ -85,8 +85,9 @@ ELEMENTWISE = frozenset({
     "add", "radd", "sub", "rsub", "mul", "rmul", "div", "truediv", "rtruediv", "true_divide", "pow", "rpow", "neg",
     "abs", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "gelu", "silu", "mish", "softplus", "sin", "cos",
     "erf", "clamp", "clip", "reciprocal", "square", "dropout", "to", "float", "half", "bfloat16", "double",
-    "type_as", "contiguous", "clone", "detach", "minimum", "maximum", "masked_fill", "and", "or", "logical_not",
-    "eq", "ne", "lt", "gt", "le", "ge", "floor", "ceil", "round", "sign", "leaky_relu", "elu", "hardtanh",
+    "type_as", "type", "where", "contiguous", "clone", "detach", "minimum", "maximum", "masked_fill", "and", "or",
+    "logical_not", "eq", "ne", "lt", "gt", "le", "ge", "floor", "ceil", "round", "sign", "leaky_relu", "elu",
+    "hardtanh",
 })
 VIEWS = frozenset({"view", "reshape", "flatten", "unsqueeze", "squeeze", "view_as", "reshape_as", "unflatten"})
 
@@ -126,9 +127,11 @@ def plan_op(op: Any, args: tuple, kwargs: dict, region_of: Callable[[Any], Regio
     changed = [(t, r) for t, r in tensors if r is not None]
     if not changed:
         return Plan("skip", None)
+    name = op.func_name
+    if any(isinstance(r, Corner) for _, r in changed):
+        return _corner(name, changed, op.shape)
     if any(r is WHOLE or not isinstance(r, Rows) for _, r in changed):
         return Plan("full", WHOLE)
-    name = op.func_name
     call = _Call(op, args, kwargs)
     out_shape = op.shape
     if not isinstance(out_shape, tuple) or (out_shape and isinstance(out_shape[0], tuple)):
@@ -282,7 +285,11 @@ def _addmm(call: _Call, changed, out_shape: tuple) -> Plan:
 
 def _matmul(call: _Call, changed, out_shape: tuple) -> Plan:
     a, b = call.arg(0, "input"), call.arg(1, "other")
-    if len(changed) != 1 or a.dim() < 2 or b.dim() < 2:
+    if a.dim() < 2 or b.dim() < 2 or len(out_shape) < 2:
+        return Plan("full", WHOLE, reason=f"{call.op.func_name}: a vector factor")
+    if len(changed) == 2:
+        return _both_changed(call, dict((id(t), r) for t, r in changed), a, b, out_shape)
+    if len(changed) != 1:
         return Plan("full", WHOLE, reason=f"{call.op.func_name}: both factors changed")
     t, r = changed[0]
     n = len(out_shape)
@@ -296,6 +303,48 @@ def _matmul(call: _Call, changed, out_shape: tuple) -> Plan:
         return _rows_plan(call, Rows(n - 1, r.start), out_shape,
                           lambda: call.run((a, _narrow(b, r.axis, r.start), *call.args[2:])))
     return Plan("full", WHOLE, reason=f"{call.op.func_name}: changed along the contracted axis")
+
+
+def _both_changed(call: _Call, regions: dict[int, Rows], a: Any, b: Any, out_shape: tuple) -> Plan:
+    """``a @ b`` with both factors changed from some row on, as in eager attention.
+
+    Scores ``q @ k.T`` (changed query rows ``>= p``, key columns ``>= p``) change in a
+    :class:`Corner`; they are recomputed whole. Weights ``probs @ v`` (changed rows of both)
+    change only in rows ``>= p`` when the unchanged rows of ``probs`` are exactly zero on the
+    changed rows of ``v`` (a causal softmax) and those rows are finite (``0 * inf`` is NaN).
+    """
+    name = call.op.func_name
+    ra, rb = regions.get(id(a)), regions.get(id(b))
+    if ra is None or rb is None or ra.axis != a.dim() - 2:
+        return Plan("full", WHOLE, reason=f"{name}: both factors changed")
+    if rb.axis == b.dim() - 1:
+        return Plan("full", Corner(ra.start, rb.start), reason="")
+    if rb.axis != b.dim() - 2:
+        return Plan("full", WHOLE, reason=f"{name}: both factors changed")
+    kept = a.base if isinstance(a, RowPatch) and a.axis == ra.axis and a.start >= ra.start else a
+    if isinstance(kept, RowPatch):
+        kept = kept.resolve()
+    block = kept[..., : ra.start, rb.start:]
+    if not bool((block == 0).all()) or not bool(torch.isfinite(_narrow(b, rb.axis, rb.start)).all()):
+        return Plan("full", WHOLE, reason=f"{name}: both factors changed and earlier rows read the changed ones")
+    return _rows_plan(call, Rows(len(out_shape) - 2, ra.start), out_shape,
+                      lambda: call.run((_narrow(a, ra.axis, ra.start), _built(b), *call.args[2:])))
+
+
+def _corner(name: str, changed, out_shape: Any) -> Plan:
+    """Elementwise ops keep a :class:`Corner` (recomputed whole; replay then checks whether a
+    causal mask made the corner's extra block unchanged, ``_regions.refine_corner``)."""
+    corners = {(r.row, r.col) for _, r in changed if isinstance(r, Corner)}
+    if name not in ELEMENTWISE or len(corners) != 1 or not isinstance(out_shape, tuple) or len(out_shape) < 2:
+        return Plan("full", WHOLE, reason=f"{name}: changed in a corner of rows and columns")
+    row, col = corners.pop()
+    for t, r in changed:
+        if isinstance(r, Corner):
+            if t.dim() != len(out_shape) or tuple(t.shape[-2:]) != tuple(out_shape[-2:]):
+                return Plan("full", WHOLE, reason=f"{name}: a corner broadcast")
+        elif not (isinstance(r, Rows) and r.axis - t.dim() == -2 and r.start >= row):
+            return Plan("full", WHOLE, reason=f"{name}: changed in a corner and elsewhere")
+    return Plan("full", Corner(row, col))
 
 
 def _embedding(call: _Call, changed, out_shape: tuple) -> Plan:

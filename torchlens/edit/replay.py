@@ -28,7 +28,7 @@ from ..errors import (
     ValueNotSavedError,
 )
 from ._guards import index_leaves, recompute_read, same_value, short
-from ._regions import WHOLE, Plan, ReplayLog, RowPatch, Rows, diff_region, region_lookup, union
+from ._regions import WHOLE, Corner, Plan, ReplayLog, RowPatch, Rows, diff_region, refine_corner, region_lookup, union
 from ._slicing import plan_op
 from .edits import AppliedEdit, EditContext, apply_edit, count_changed, land_edit
 
@@ -337,8 +337,11 @@ class Replayer:
                     f"{short(fresh[0] if fresh else None)}",
                     op_label=op.label, source=op.source, guard=op.func_name, recorded=old, new=fresh,
                 )
-        self._store(j, new, WHOLE if plan is None else plan.region)
-        how = "fallback" if plan is not None and plan.reason else "full" if plan is None or plan.region is WHOLE \
+        region = WHOLE if plan is None else plan.region
+        if isinstance(region, Corner):  # did a causal mask leave the corner's extra block as it was?
+            region = refine_corner(self._before(j), new, region)
+        self._store(j, new, region)
+        how = "fallback" if plan is not None and plan.reason else "full" if plan is None or region is WHOLE \
             else "mapped"
         self.log.entries.append((op.label, op.func_name, how, _rows_of(plan, new), plan.reason if plan else ""))
 
