@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import BranchyNet, edited_forward, scale_row_edit, scale_row_hook
+from conftest import BranchyNet, eager_copy, edited_forward, scale_row_edit, scale_row_hook
 
 import torchlens as tl
 from torchlens.analysis.patching import activation_patching, logit_diff
@@ -47,6 +47,17 @@ def test_every_fork_equals_its_edit_alone_and_a_hooked_forward(case_name, reques
     assert stacked > 0  # rows of several forks really ran as one call
     # the original trace is untouched
     assert torch.equal(trace.output.logits, edited_forward(case.model, _blocks(case)[0], lambda o: o, case.args).logits)
+
+
+def test_eager_attention_forks_equal_their_edits_alone(tiny_gpt2):
+    model = eager_copy(tiny_gpt2.model)
+    trace = tl.trace(model, *tiny_gpt2.args)
+    cells = [(b, p) for b in _blocks(tiny_gpt2) for p in (2, 4, 5)]
+    forks = trace.forks([(b, scale_row_edit(p, 2.0)) for b, p in cells])
+    for fork, (b, p) in zip(forks, cells):
+        want = edited_forward(model, b, scale_row_hook(p, 2.0), tiny_gpt2.args).logits
+        assert torch.allclose(fork.output.logits, want, atol=ATOL), (b, p)
+        assert not fork.edits[-1].replay.fallbacks
 
 
 def test_last_position_sweep_stacks_one_row_per_fork_per_op(tiny_gpt2):
