@@ -75,6 +75,27 @@ def test_last_position_sweep_stacks_one_row_per_fork_per_op(tiny_gpt2):
         assert torch.equal(fork.output.logits[:, :last], trace.output.logits[:, :last])  # earlier rows reused
 
 
+def test_a_fork_of_several_edits_equals_them_chained_and_two_hooks(tiny_gpt2):
+    model, args = tiny_gpt2.model, tiny_gpt2.args
+    trace = tl.trace(model, *args)
+    two = [("transformer.h.0", scale_row_edit(2, 2.0)), ("transformer.h.1", scale_row_edit(4, 0.5))]
+    one, both, again = trace.forks([("transformer.h.1", scale_row_edit(4, 0.5)), two, two[:1]])
+    chained = trace.fork().do(*two[0]).do(*two[1])
+    handles = [model.transformer.h[0].register_forward_hook(lambda m, i, o: scale_row_hook(2, 2.0)(o)),
+               model.transformer.h[1].register_forward_hook(lambda m, i, o: scale_row_hook(4, 0.5)(o))]
+    try:
+        with torch.no_grad():
+            want = model(*args).logits
+    finally:
+        for h in handles:
+            h.remove()
+    assert len(both.edits) == 2 and len(one.edits) == 1 and len(again.edits) == 1
+    assert torch.allclose(both.output.logits, want, atol=ATOL)
+    assert torch.allclose(both.output.logits, chained.output.logits, atol=ATOL)
+    assert torch.allclose(one.output.logits,
+                          edited_forward(model, "transformer.h.1", scale_row_hook(4, 0.5), args).logits, atol=ATOL)
+
+
 def test_batch_size_and_names(tiny_gpt2):
     trace = tl.trace(tiny_gpt2.model, *tiny_gpt2.args)
     edits = [(b, scale_row_edit(1, 2.0)) for b in _blocks(tiny_gpt2)]
@@ -104,6 +125,8 @@ def test_guard_change_in_one_fork_falls_back_alone():
 
 @pytest.mark.parametrize("bad, kwargs", [
     (["transformer.h.0"], {}),  # not a pair
+    ([[]], {}),  # an empty list of pairs
+    ([[("transformer.h.0", tl.scale(2.0)), "transformer.h.1"]], {}),  # a list with a non-pair
     ([("transformer.h.0", tl.scale(2.0), 1)], {}),  # a triple
     ([("transformer.h.0", tl.scale(2.0))], {"names": ["a", "b"]}),
     ([("transformer.h.0", tl.scale(2.0))], {"batch_size": 0}),

@@ -42,7 +42,7 @@ class Services:
         strict = partial(rerun, strict=getattr(fork, "strict", False))  # a re-executed strict fork stays strict
         return replay_step(fork, step, model=model, inputs=inputs, check=check, rerun=strict, replay=replay)
 
-    def replay_many(self, forks: list[Any], steps: list[Step], *, check: bool, replay: str,
+    def replay_many(self, forks: list[Any], steps: list[list[Step]], *, check: bool, replay: str,
                     batch_size: int | None) -> list[Any]:
         strict = partial(rerun, strict=getattr(forks[0], "strict", False)) if forks else rerun
         return replay_many(forks, steps, rerun=strict, replay=replay, check=check, batch_size=batch_size)

@@ -33,9 +33,9 @@ class TraceServices(Protocol):
         """Apply ``step`` on ``fork`` (replay, or re-execution when model/inputs are given or a
         changed guard makes replay fall back, as ``replay`` allows)."""
 
-    def replay_many(self, forks: list[Fork], steps: list[Step], *, check: bool, replay: str,
+    def replay_many(self, forks: list[Fork], steps: list[list[Step]], *, check: bool, replay: str,
                     batch_size: int | None) -> list[Fork]:
-        """Apply ``steps[i]`` on ``forks[i]`` (fresh forks of one trace), replayed together."""
+        """Apply ``steps[i]`` (in order) on ``forks[i]`` (fresh forks of one trace), replayed together."""
 
     def rerun(self, trace: Trace, model: Any, args: tuple, kwargs: dict, steps: list[Step],
               until: Selector | None) -> Trace:

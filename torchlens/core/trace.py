@@ -378,17 +378,17 @@ class Trace(Graph, TraceActions):
 
     def forks(self, edits: Any, *, names: Any = None, check: bool = False, replay: str = "auto",
               batch_size: int | None = None) -> list[Fork]:
-        """One fork per ``(site, edit)`` pair of ``edits``, each edit replayed on its own fork —
-        all forks together, op by op, so an op several forks recompute on a few rows runs once
-        on their stacked rows (one read of its weights instead of one per fork).
+        """One fork per item of ``edits`` — a ``(site, edit)`` pair, or a list of pairs applied in
+        order — all forks replayed together, op by op, so an op several forks recompute on a few
+        rows runs once on their stacked rows (one read of its weights instead of one per fork).
 
-        Each fork equals ``self.fork().do(site, edit, check=check, replay=replay)`` (to float
+        Each fork equals ``self.fork().do(site, edit, ...)`` chained over its pairs (to float
         rounding, as sliced replay); the forks' ``edits[-1].replay`` logs say what was recomputed.
         A sweep such as zeroing each block's output at the last position costs about one sliced
         replay of the whole model instead of one per fork.
 
         Args:
-            edits: ``(site, edit)`` pairs, as ``fork.do(site, edit)`` takes them.
+            edits: per fork, a ``(site, edit)`` pair as ``fork.do(site, edit)`` takes it, or a list of them.
             names: a name per fork (default ``"<trace>/fork"``).
             check: re-execute each fork's recipe and compare (``fork.do(check=True)``).
             replay: what a changed guard does, as in :meth:`Fork.do` (that fork is then handled alone).
@@ -399,24 +399,20 @@ class Trace(Graph, TraceActions):
             the forks, in the order of ``edits``.
 
         Raises:
-            InvalidArgumentError: an item of ``edits`` that is not a ``(site, edit)`` pair, ``names``
-                of another length, a bad ``replay`` or ``batch_size``.
-            EmptySelectionError: a site matches nothing (no fork is made).
+            InvalidArgumentError: an item of ``edits`` that is neither a ``(site, edit)`` pair nor a
+                non-empty list of them, ``names`` of another length, a bad ``replay`` or ``batch_size``.
+            SiteNotFoundError: a site names nothing in this trace (no fork is made).
             GuardChangedError: an edit changes a guard and no fallback was allowed or possible.
             ReplayNotExactError: the recorded graph cannot reproduce an edit exactly.
         """
-        pairs = list(edits)
-        for pair in pairs:
-            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-                raise InvalidArgumentError(
-                    f"forks() takes (site, edit) pairs, got {type(pair).__name__} {pair!r:.60}",
-                    remedy="Pass e.g. [(tl.module('transformer.h.0'), edit), ...].")
+        items = [_edit_pairs(item) for item in edits]
         if names is not None:
             names = list(names)
-            if len(names) != len(pairs):
-                raise InvalidArgumentError(f"names= gives {len(names)} names for {len(pairs)} forks")
-        made = [self.fork(None if names is None else names[i]) for i in range(len(pairs))]
-        steps = [Step(f.bind(site, strings_as_modules=True), edit, REPLAY) for f, (site, edit) in zip(made, pairs)]
+            if len(names) != len(items):
+                raise InvalidArgumentError(f"names= gives {len(names)} names for {len(items)} forks")
+        made = [self.fork(None if names is None else names[i]) for i in range(len(items))]
+        steps = [[Step(f.bind(site, strings_as_modules=True), edit, REPLAY) for site, edit in pairs]
+                 for f, pairs in zip(made, items)]
         return services().replay_many(made, steps, check=check, replay=replay, batch_size=batch_size)
 
     def do(self, site: Any, edit: Any, *, model=None, inputs=None, check: bool = False) -> Trace:
@@ -434,6 +430,20 @@ class Trace(Graph, TraceActions):
             f"<{type(self).__name__} {self.name!r}: {len(self.ops)} ops, {len(self.calls)} module calls, "
             f"outputs {self.output_layers}>"
         )
+
+
+def _edit_pairs(item: Any) -> list[tuple[Any, Any]]:
+    """One fork's edits for ``Trace.forks``: a ``(site, edit)`` pair or a non-empty list of them."""
+    def is_pair(x: Any) -> bool:
+        return isinstance(x, (tuple, list)) and len(x) == 2 and not isinstance(x[0], (tuple, list))
+
+    if is_pair(item):
+        return [tuple(item)]
+    if isinstance(item, (tuple, list)) and item and all(is_pair(x) for x in item):
+        return [tuple(x) for x in item]
+    raise InvalidArgumentError(
+        f"forks() takes, per fork, a (site, edit) pair or a list of them; got {type(item).__name__} {item!r:.60}",
+        remedy="Pass e.g. [(tl.module('transformer.h.0'), edit), [(site_a, edit_a), (site_b, edit_b)], ...].")
 
 
 class Fork(Trace):

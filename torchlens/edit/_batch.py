@@ -234,14 +234,16 @@ def push_together(forks: Sequence[Any], steps: Sequence[Step], *, read: Any = No
     return outcome
 
 
-def replay_many(forks: Sequence[Any], steps: Sequence[Step], *, rerun: Any, replay: str = "auto",
+def replay_many(forks: Sequence[Any], steps: Sequence[Sequence[Step]], *, rerun: Any, replay: str = "auto",
                 check: bool = False, batch_size: int | None = None) -> list[Any]:
-    """Replay ``steps[i]`` on ``forks[i]`` (fresh forks of one trace), ``batch_size`` forks at a
-    time in step (:func:`push_together`). A fork whose edit changes a guard is then handled
-    alone, as ``fork.do(..., replay=replay)`` would (``rerun`` re-executes for a fallback).
+    """Replay ``steps[i]`` (bound replay steps, in order) on ``forks[i]`` (fresh forks of one
+    trace), ``batch_size`` forks at a time in step (:func:`push_together`: the first step of
+    every fork together, then the second of those that have one ...). A fork whose edit changes
+    a guard is handled alone, as ``fork.do(..., replay=replay)`` would (``rerun`` re-executes
+    for a fallback).
 
     Returns:
-        the forks, each holding its edit.
+        the forks, each holding its edits.
 
     Raises:
         InvalidArgumentError: an unknown ``replay`` or a ``batch_size`` below 1.
@@ -257,11 +259,15 @@ def replay_many(forks: Sequence[Any], steps: Sequence[Step], *, rerun: Any, repl
     size = batch_size or max(1, len(forks))
     for k in range(0, len(forks), size):
         chunk, chunk_steps = forks[k:k + size], steps[k:k + size]
-        for fork, step, got in zip(chunk, chunk_steps, push_together(chunk, chunk_steps)):
-            if isinstance(got, GuardChangedError):
-                replay_step(fork, step, rerun=rerun, replay=replay, check=check)  # alone: falls back or raises
-            elif isinstance(got, BaseException):
-                raise got
-            elif check:
+        for r in range(max((len(s) for s in chunk_steps), default=0)):
+            now = [(fork, s[r]) for fork, s in zip(chunk, chunk_steps) if len(s) > r]
+            pushed = push_together([f for f, _ in now], [s for _, s in now])
+            for (fork, step), got in zip(now, pushed):
+                if isinstance(got, GuardChangedError):
+                    replay_step(fork, step, rerun=rerun, replay=replay)  # alone: falls back or raises
+                elif isinstance(got, BaseException):
+                    raise got
+        if check:
+            for fork in chunk:
                 check_against_forward(fork)
     return list(forks)
