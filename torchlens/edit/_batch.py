@@ -52,7 +52,6 @@ class RowBatch:
 
     def __init__(self) -> None:
         self.entries: list[_Entry] = []
-        self.stacked = 0  # calls that ran as part of a stacked call (for the record and the tests)
 
     def defer(self, replayer: Replayer, op: Op, plan: Plan) -> bool:
         """Take ``replayer``'s recomputation of ``plan``'s rows of ``op`` (False: it runs it now)."""
@@ -85,7 +84,6 @@ class RowBatch:
         if results is None:
             results = [_run_one(e.call) for e in entries]
         else:
-            self.stacked += len(entries)
             note = f"stacked with {len(entries) - 1} other fork(s)"
         for entry, rows in zip(entries, results):
             try:

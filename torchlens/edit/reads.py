@@ -17,10 +17,10 @@ import torch
 from ..core.records import Op, build_args
 from ..core.steps import Step
 from ..core.tree import Pending
-from ..errors import EmptySelectionError, ReplayNotExactError
+from ..errors import ReplayNotExactError
 from ._batch import push_together
 from ._regions import WHOLE, RowPatch
-from .replay import Replayer, Target
+from .replay import Replayer
 
 __all__ = ["OutputRead", "replay_read", "replay_reads"]
 
@@ -121,15 +121,10 @@ def replay_read(fork: Any, step: Step, read: OutputRead) -> torch.Tensor:
         ReplayNotExactError: the recorded graph cannot reproduce the edit exactly.
         EmptySelectionError: the site matches nothing in the trace.
     """
-    fork.require_op_graph("replaying an edit")
-    records = step.site.match(fork)
-    if not records:
-        raise EmptySelectionError(f"{step.site.describe()} matches nothing in this trace", site=step.site.describe())
-    fork.add_step(step)
-    replayer = Replayer(fork, sliced=True, read=read)
-    with torch.set_grad_enabled(fork.grad):
-        replayer.push(fork.recipe[-1], [Target(r) for r in records])
-    return _read_of(replayer, read)
+    got = replay_reads([fork], [step], read)[0]
+    if isinstance(got, BaseException):
+        raise got  # the fork is left as it was
+    return got
 
 
 def replay_reads(forks: list[Any], steps: list[Step], read: OutputRead) -> list[Any]:
