@@ -312,10 +312,13 @@ def tiny_gpt2_path(tiny_gpt2, tmp_path_factory):
 
 
 def run_child(script: pathlib.Path, model_path: pathlib.Path, out: pathlib.Path, point: str):
-    """Run the job in a fresh process (``point``: where it kills itself, or "none" to finish)."""
+    """Run the job in a fresh process (``point``: where it kills itself, or "none" to finish).
+
+    One thread: a multi-threaded BLAS may split a product differently under load (seen on CI),
+    and byte equality across processes needs the forward itself to give the same bits."""
     script.write_text(CHILD)
     return subprocess.run([sys.executable, str(script), str(model_path), str(out), point,
-                           str(torch.get_num_threads()), json.dumps(ROWS)], capture_output=True, text=True,
+                           "1", json.dumps(ROWS)], capture_output=True, text=True,
                           timeout=300, env=dict(os.environ, TORCHLENS_PROGRESS="0"))
 
 
