@@ -18,7 +18,7 @@ from conftest import leaves as tl_leaves
 import torchlens as tl
 from torchlens.core.steps import REPLAY, Step
 from torchlens.edit._regions import WHOLE, RowPatch, Rows, diff_region
-from torchlens.edit._slicing import _hidden_from_earlier, _map_shape
+from torchlens.edit._slicing import PADDED_ROWS, _hidden_from_earlier, _map_shape, rows_linear
 from torchlens.edit.reads import OutputRead, replay_read
 from torchlens.edit.replay import replay_step
 from torchlens.errors import GuardChangedError, ReplayNotExactError
@@ -273,3 +273,39 @@ def test_memory_held_by_a_fork_counts_its_unbuilt_rows_without_building_them(tin
     assert memory_held(fork) == sum(n for _, n in own) + sum(n for _, n in added)
     assert sum(p[1].untyped_storage().nbytes() for p in patches) > 0
     assert sum(isinstance(v, list) for v in fork.held_values()) == len(patches)  # counting built nothing
+
+
+# MKL picks its kernel by row count and size: 6..15 rows of a 768-wide product run another
+# kernel than the full call (smaller products share one from 6 rows on, so they test nothing).
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="rows are padded on MKL builds only")
+def test_padded_linear_rows_equal_the_full_call_bit_for_bit():
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(2, 40, 768, generator=g), torch.randn(768, 768, generator=g),
+               torch.randn(768, generator=g))
+    full = torch.nn.functional.linear(x, w, b)
+    for start in range(33, 38):  # 2 x (40 - start) rows: 14, 12, 10, 8, 6 (padded to 16)
+        rows = x.narrow(1, start, 40 - start)
+        assert 2 * (40 - start) in PADDED_ROWS
+        got = rows_linear(rows, w, b)
+        assert got.shape == (2, 40 - start, 768)
+        assert torch.equal(got, full[:, start:]), start
+    for start in (20, 39):  # 40 and 2 rows: linear itself
+        rows = x.narrow(1, start, 40 - start)
+        assert torch.equal(rows_linear(rows, w, b), torch.nn.functional.linear(rows, w, b))
+    small = x[:, :7].double()
+    assert torch.equal(rows_linear(small, w.double()), torch.nn.functional.linear(small, w.double()))
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="rows are padded on MKL builds only")
+def test_sliced_linear_rows_equal_full_replay_bit_for_bit():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(768, 768), torch.nn.GELU(), torch.nn.Linear(768, 768)).eval()
+    x = torch.randn(1, 24, 768)
+    trace = tl.trace(model, x)
+    sliced = trace.fork().do("0", scale_row_edit(12))  # 12 rows of the second linear change
+    full = _full_replay(trace, "0", scale_row_edit(12))
+    entries = sliced.edits[-1].replay.entries
+    assert [(e[1], e[2], e[3][1]) for e in entries] == [("gelu", "rows", 12), ("linear", "rows", 12)]
+    assert torch.equal(sliced.output, full.output)
+    want = edited_forward(model, "0", scale_row_hook(12), (x,))
+    assert torch.allclose(sliced.output, want, atol=ATOL)
