@@ -20,6 +20,8 @@ from torch import nn
 from torch.nn.modules import module as _nn_module
 from torch.utils.hooks import RemovableHandle
 
+from ._copies import note_slot
+
 __all__ = [
     "ACTIVE_WRAPPERS", "CALLERS", "NO_FORWARD", "SLOT_LOCK", "CallInfo", "PostHook", "PreHook", "attach",
     "global_hooks", "named_modules", "new_tuple", "own_registration", "run_pre", "run_post", "wrap_forward",
@@ -147,6 +149,7 @@ def wrap_forward(module: nn.Module, address: str, pre_fn: PreHook, post_fn: Post
     forward_wrapper.__wrapped__ = forward  # inspect.signature(module.forward) still reads the model's
     own["forward"] = forward_wrapper
     ACTIVE_WRAPPERS.add(id(forward_wrapper))
+    note_slot(forward_wrapper, previous, NO_FORWARD)  # copies made meanwhile get ``previous`` back
     return module, previous, forward_wrapper
 
 

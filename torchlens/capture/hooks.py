@@ -37,6 +37,7 @@ from ._attach import (
     wrap_forward,
     wrappable,
 )
+from ._copies import forget_hooks, forget_slot, hold_types, note_hooks, note_slot, release_types
 
 __all__ = ["CallInfo", "ForwardSlots", "ModuleHooks", "PostHook", "PreHook", "resolve_module"]
 
@@ -77,6 +78,8 @@ class ModuleHooks:
         # Callbacks on every module (``on_every_module``): kept once, not copied into a list per
         # address, so a capture attaches two shared hooks per module and builds no closures.
         self._every: list[tuple[PreHook, PostHook]] = []
+        self._noted: list[Any] = []  # our hook callables, and the module types whose copies leave them out
+        self._held: list[type] = []
 
     def module(self, address: str) -> nn.Module:
         """The submodule at ``address``; one ``named_modules`` walk serves every lookup."""
@@ -151,6 +154,7 @@ class ModuleHooks:
         self._owner = threading.get_ident()
         pre, post, handles = self._pre, self._post, self._handles
         try:
+            self._held = hold_types(self.modules() if self._every else [self.module(a) for a in pre])
             for address in pre:
                 module = self.module(address)
                 if pre[address]:
@@ -170,6 +174,7 @@ class ModuleHooks:
                 for module, previous, wrapper in reversed(self._slots):  # each slot back to what it held
                     own = module.__dict__
                     ACTIVE_WRAPPERS.discard(id(wrapper))
+                    forget_slot(wrapper)
                     if own.get("forward") is not wrapper:
                         continue  # replaced since (by the model's own code): theirs stays
                     if previous is NO_FORWARD:
@@ -191,6 +196,10 @@ class ModuleHooks:
             else:
                 handle.remove()
         self._handles.clear()
+        forget_hooks(*self._noted)
+        self._noted.clear()
+        release_types(self._held)
+        self._held = []
         self._owner = None
 
     # -- the hooks themselves ----------------------------------------------------
@@ -229,6 +238,8 @@ class ModuleHooks:
                 return post_fn(info, args, rest[0], rest[1])
             return run_post([p for _, p in every], info, args, rest[0], rest[1])
 
+        note_hooks(pre_hook, post_hook)
+        self._noted += (pre_hook, post_hook)
         opens = self._open
         slots = self._slots
         # Without a hook of its own, a module is wrapped in its instance ``forward`` slot instead:
@@ -291,6 +302,8 @@ class ModuleHooks:
                 return single(info, args, kwargs)
             return run_pre(callbacks, info, args, kwargs)
 
+        note_hooks(pre_hook)
+        self._noted.append(pre_hook)
         return pre_hook
 
     def _make_post(self, address: str, module: nn.Module, counted_by_pre: bool):
@@ -316,6 +329,8 @@ class ModuleHooks:
                 return single(info, args, kwargs, output)
             return run_post(callbacks, info, args, kwargs, output)
 
+        note_hooks(post_hook)
+        self._noted.append(post_hook)
         return post_hook
 
 
@@ -330,25 +345,31 @@ class ForwardSlots:
     """
 
     def __init__(self) -> None:
-        self._saved: list[tuple[nn.Module, Any]] = []
+        self._saved: list[tuple[nn.Module, Any, Any]] = []
+        self._held: list[type] = []  # module types whose copies leave the wrappers out
 
     def install(self, module: nn.Module, wrapper: Callable[..., Any]) -> Callable[..., Any]:
         """Put ``wrapper`` in ``module``'s forward slot; return the forward it stands in for."""
         own = module.__dict__
         previous = own.get("forward", NO_FORWARD)
-        self._saved.append((module, previous))
+        self._saved.append((module, previous, wrapper))
+        self._held += hold_types([module])
         forward = module.forward if previous is NO_FORWARD else previous
         own["forward"] = wrapper
+        note_slot(wrapper, previous, NO_FORWARD)
         return forward
 
     def restore(self) -> None:
-        for module, previous in reversed(self._saved):
+        for module, previous, wrapper in reversed(self._saved):
             own = module.__dict__
+            forget_slot(wrapper)
             if previous is NO_FORWARD:
                 own.pop("forward", None)
             else:
                 own["forward"] = previous
         self._saved.clear()
+        release_types(self._held)
+        self._held = []
 
     def __enter__(self) -> ForwardSlots:
         return self
