@@ -5,6 +5,7 @@ an in-memory capture estimated not to fit is refused before the forward runs."""
 from __future__ import annotations
 
 import errno
+import json
 import weakref
 
 import pytest
@@ -19,8 +20,9 @@ from torchlens.capture._estimate import estimate_capture, kept_bytes
 from torchlens.core.graph import _flatten_args
 from torchlens.core.tree import flatten
 from torchlens.errors import CaptureMemoryError, InvalidArgumentError, TraceStoreWriteError
-from torchlens.store import _trace_store
+from torchlens.store import _ondisk, _trace_store
 from torchlens.store._trace_store import TraceStore
+from torchlens.store._value_codec import LazyTensor
 
 # -- the model output of a disk-backed trace -------------------------------------------------------
 
@@ -75,6 +77,46 @@ def test_store_output_of_gpt2_is_bit_equal_saved_and_forked(tiny_gpt2, tmp_path)
     want = torch.zeros_like(out.logits) + (0 if bias is None else bias)
     assert torch.equal(fork.output.logits, want)
     assert torch.equal(disk.output.logits, out.logits)  # the base trace is unchanged by the fork
+
+
+def test_saving_a_stored_trace_reads_each_value_back_as_it_writes_it(tiny_gpt2, tmp_path, monkeypatch):
+    """``trace.save`` of a trace on disk holds no value: each is listed, then read back (from its shard
+    or its recompute recipe) when its bytes are written, one at a time. The saved trace loads back
+    with every value bit for bit the in-memory trace's, and replays as it does."""
+    model, (ids,) = tiny_gpt2.model, tiny_gpt2.args
+    full = tl.trace(model, ids)
+    disk = tl.trace(model, ids, store=tmp_path / "t")
+    index = json.loads((tmp_path / "t" / _trace_store.INDEX).read_text())
+    assert index["recomputed"]  # some values come back by recompute, not from a shard
+    listed, live = {}, []
+    real_get, real_write = TraceStore.get, _ondisk.write_safetensors
+
+    def get(store, name):
+        t = real_get(store, name)
+        live.append(weakref.ref(t))
+        return t
+
+    def write(f, tensors):
+        listed.update(tensors)
+        # when the file is written, no value read back while listing is still alive
+        assert sum(r() is not None for r in live) == 0
+        return real_write(f, tensors)
+
+    monkeypatch.setattr(TraceStore, "get", get)
+    monkeypatch.setattr(_ondisk, "write_safetensors", write)
+    disk.save(tmp_path / "saved")
+    lazy = [name for name, t in listed.items() if isinstance(t, LazyTensor)]
+    assert len(lazy) >= len([op for op in full.ops if op.saved]) - len(full.input_layers)
+    kept = {name for name, t in listed.items() if isinstance(t, torch.Tensor) and name.startswith("op/")}
+    assert kept == {f"op/{label}" for label in full.input_layers}  # the inputs are held in memory anyway
+    monkeypatch.undo()
+    loaded = tl.load_trace(tmp_path / "saved")
+    for op in full.ops:
+        assert torch.equal(loaded[op.label].out, op.out) if isinstance(op.out, torch.Tensor) else True, op.label
+    assert torch.equal(loaded.output.logits, full.output.logits)
+    edit = tl.zero_ablate()
+    assert torch.equal(loaded.fork().do("transformer.h.0.mlp", edit).output.logits,
+                       full.fork().do("transformer.h.0.mlp", edit).output.logits)
 
 
 # -- the shard writer -------------------------------------------------------------------------------

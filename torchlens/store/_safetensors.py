@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from typing import Any
 
 import torch
@@ -43,16 +44,21 @@ def storable(t: torch.Tensor) -> torch.Tensor:
     return t.detach().resolve_conj().resolve_neg().cpu().contiguous()
 
 
-def write_safetensors(f: Any, tensors: dict[str, torch.Tensor]) -> tuple[str, int, dict[str, Any]]:
-    """Write ``tensors`` in the safetensors layout; return (sha256, size, declared table)."""
-    ready = {name: storable(t) for name, t in tensors.items()}
-    order = sorted(ready, key=lambda n: (-ready[n].element_size(), n))  # keeps every tensor aligned
+def write_safetensors(f: Any, tensors: dict[str, Any]) -> tuple[str, int, dict[str, Any]]:
+    """Write ``tensors`` in the safetensors layout; return (sha256, size, declared table).
+
+    A value with a ``load()`` (a ``LazyTensor``: its ``dtype`` and ``shape`` known) is read only
+    when its bytes are written, and let go right after: the file may be larger than memory.
+    """
+    ready = {name: t if hasattr(t, "load") else storable(t) for name, t in tensors.items()}
+    # by element size, largest first: keeps every tensor aligned
+    order = sorted(ready, key=lambda n: (-ready[n].dtype.itemsize, n))
     header: dict[str, Any] = {}
     declared: dict[str, Any] = {}
     pos = 0
     for name in order:
         t = ready[name]
-        size = t.numel() * t.element_size()
+        size = math.prod(t.shape) * t.dtype.itemsize
         header[name] = {"dtype": ST_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [pos, pos + size]}
         declared[name] = {"dtype": ST_NAMES[t.dtype], "shape": list(t.shape)}
         pos += size
@@ -65,10 +71,17 @@ def write_safetensors(f: Any, tensors: dict[str, torch.Tensor]) -> tuple[str, in
         digest.update(chunk)
     for name in order:
         t = ready[name]
+        if hasattr(t, "load"):
+            t = storable(t.load())
+            if t.dtype != ready[name].dtype or tuple(t.shape) != tuple(ready[name].shape):
+                raise NotPortableError(f"tensor {name!r} read back as {t.dtype} {tuple(t.shape)}, not the "
+                                       f"{ready[name].dtype} {tuple(ready[name].shape)} it had when it was listed",
+                                       remedy="Save again; the values on disk changed while saving.")
         if t.numel():
             chunk = t.reshape(-1).view(torch.uint8).numpy().tobytes()
             f.write(chunk)
             digest.update(chunk)
+        del t
     return digest.hexdigest(), 8 + len(raw) + pos, dict(sorted(declared.items()))
 
 

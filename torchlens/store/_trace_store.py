@@ -16,11 +16,13 @@ once the store has checked, while the forward runs, that the recompute gives it 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
 import pathlib
 import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -33,7 +35,7 @@ from ._recompute import MAX_RECOMPUTE_OPS, Recipe, bits_equal, candidate_args, r
 from ._safetensors import ST_DTYPES, ST_NAMES
 from ._shards import shard_name
 
-__all__ = ["DEFAULT_BUDGET", "StoredValue", "TraceStore", "check_recompute"]
+__all__ = ["DEFAULT_BUDGET", "StoredValue", "TraceStore", "check_recompute", "read_back"]
 
 DEFAULT_BUDGET = 256 * 2**20  # bytes of values per shard (a bigger value gets a shard of its own)
 INDEX = "trace-store.json"
@@ -350,14 +352,21 @@ class TraceStore:
     def get(self, name: str) -> torch.Tensor:
         """The stored tensor ``name`` (memory-mapped from a finished shard, read from the open one,
         or recomputed from stored ones by its recipe)."""
+        t = self._get(name)
+        seen = _ORIGINS[0]
+        if seen is not None:
+            seen[id(t)] = (weakref.ref(t), self, name)
+        return t
+
+    def _get(self, name: str) -> torch.Tensor:
         recipe = self._recipes.get(name)
         if recipe is not None:
-            args = [self.get(a[0]) if type(a) is tuple else a for a in recipe.args]
+            args = [self._get(a[0]) if type(a) is tuple else a for a in recipe.args]
             return run_recipe(recipe.func, args, recipe.kwargs)
         view = self._views.get(name)
         if view is not None:
             stored, size, stride, offset = view
-            return self.get(stored).as_strided(size, stride, offset)
+            return self._get(stored).as_strided(size, stride, offset)
         index = self._where.get(name)
         if index is None:
             t = self._read_open(name)
@@ -379,3 +388,30 @@ class TraceStore:
         if not data:
             return torch.empty(entry["shape"], dtype=dtype)
         return torch.frombuffer(data, dtype=dtype).reshape(entry["shape"])
+
+
+
+# While :func:`read_back` is open: id(tensor a store handed out) -> (a weak reference to it, the
+# store, its name), so a writer that meets the tensor can read it again later instead of keeping
+# it (``trace.save``). By id, the referent checked: tensors compare elementwise, not as keys.
+_ORIGINS: list[dict[int, tuple[Any, TraceStore, str]] | None] = [None]
+
+
+@contextlib.contextmanager
+def read_back() -> Iterator[Callable[[torch.Tensor], tuple[TraceStore, str] | None]]:
+    """Within ``with``: ``where(tensor)`` is ``(store, name)`` for a tensor a store read back meanwhile,
+    so ``store.get(name)`` gives it again (None for any other tensor)."""
+    outer = _ORIGINS[0]
+    if outer is None:
+        _ORIGINS[0] = {}
+    seen = _ORIGINS[0]
+
+    def where(t: torch.Tensor) -> tuple[TraceStore, str] | None:
+        entry = seen.get(id(t))
+        return entry[1:] if entry is not None and entry[0]() is t else None
+
+    try:
+        yield where
+    finally:
+        if outer is None:
+            _ORIGINS[0] = None

@@ -20,7 +20,7 @@ from ..errors import NotPortableError
 from ._checks import MAX_DEPTH, MAX_DIM, check_int, fail
 from ._safetensors import ST_NAMES, storable
 
-__all__ = ["Decoder", "Opaque", "SavedRecord", "TensorTable", "encode"]
+__all__ = ["Decoder", "LazyTensor", "Opaque", "SavedRecord", "TensorTable", "encode"]
 
 
 class SavedRecord(dict):
@@ -68,12 +68,34 @@ class Opaque:
         return f"<not saved: {self.type_name}>"
 
 
+class LazyTensor:
+    """A tensor to write that is read only when its bytes are written (``load()``), so a table of
+    values kept on disk does not hold them all: ``dtype`` and ``shape`` fill the file's header."""
+
+    __slots__ = ("load", "dtype", "shape")
+
+    def __init__(self, load: Callable[[], torch.Tensor], dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        self.load, self.dtype, self.shape = load, dtype, shape
+
+
 class TensorTable:
     """Tensors to write, deduplicated by identity so shared tensors load back shared."""
 
     def __init__(self) -> None:
-        self.tensors: dict[str, torch.Tensor] = {}
-        self._ids: dict[int, str] = {}
+        self.tensors: dict[str, torch.Tensor | LazyTensor] = {}
+        self._ids: dict[Any, str] = {}
+
+    def put_lazy(self, key: Any, t: torch.Tensor, load: Callable[[], torch.Tensor], stem: str) -> str:
+        """Like :meth:`put` for ``t``, a value read back from disk: the table keeps ``load`` (which
+        reads it again when the file is written) instead of ``t``; ``key`` names it for dedup."""
+        name = self._ids.get(key)
+        if name is not None:
+            return name
+        _storable_check(t)
+        name = stem if stem not in self.tensors else f"{stem}#{len(self.tensors)}"
+        self.tensors[name] = LazyTensor(load, t.dtype, tuple(t.shape))
+        self._ids[key] = name
+        return name
 
     def put(self, t: torch.Tensor, stem: str) -> str:
         name = self._ids.get(id(t))

@@ -44,6 +44,7 @@ from ._ondisk import (
 )
 from ._safetensors import MAX_HEADER_BYTES, ST_DTYPES, ST_NAMES, check_declared, read_safetensors, write_safetensors
 from ._trace_decode import SourceLocation, UnavailableEdit, build_trace, fields
+from ._trace_store import read_back
 from ._value_codec import Decoder, Opaque, SavedRecord, TensorTable, encode
 from .recipes import encode_steps
 
@@ -105,6 +106,13 @@ def save_trace(trace: Any, path: Any, selector: Any = None, overwrite: bool = Fa
     Raises:
         RecipeExistsError: ``path`` exists (and ``overwrite`` is false).
     """
+    # A value read back from a trace's store (``store=``) is listed, not kept, and read again as
+    # it is written: saving a trace kept on disk holds one value at a time, not all of them.
+    with read_back() as stored:
+        return _save(trace, path, selector, overwrite, stored)
+
+
+def _save(trace: Any, path: Any, selector: Any, overwrite: bool, stored: Callable[[torch.Tensor], Any]) -> Path:
     base = _root(trace)
     is_fork = trace is not base
     if base.ops:
@@ -113,8 +121,15 @@ def save_trace(trace: Any, path: Any, selector: Any = None, overwrite: bool = Fa
     table = TensorTable()
     arg_names = _tensor_names(trace.model) or base.saved_tensor_names
 
+    def put(t: torch.Tensor, stem: str) -> dict:
+        origin = stored(t)
+        if origin is not None:
+            store, name = origin
+            return {"tensor": table.put_lazy(origin, t, lambda: store.get(name), stem)}
+        return {"tensor": table.put(t, arg_names.get(id(t), stem))}
+
     def put_as(stem: str) -> Callable[[torch.Tensor], dict]:
-        return lambda t: {"tensor": table.put(t, arg_names.get(id(t), stem))}
+        return lambda t: put(t, stem)
 
     whens = _capture_whens(base)
     step_index = {id(w): k for k, w in enumerate(whens)}
