@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import pickle
 import shutil
@@ -39,6 +40,7 @@ from torchlens.errors import (
 )
 from torchlens.store import _ondisk as ondisk
 from torchlens.store import traces as persist
+from torchlens.store._safetensors import read_safetensors
 
 ROUND_TRIP_ZOO = ["tiny_gpt2", "tiny_llama", "minilm", "cnn", "shared_twice", "inplace_net", "control_flow",
                   "tuple_out", "dict_out"]
@@ -587,3 +589,47 @@ def test_random_bytes_never_crash_the_parser():
         blob = bytes(torch.randint(0, 256, (size,), generator=rng, dtype=torch.uint8).tolist())
         with pytest.raises(RecipeFormatError):
             persist.read_safetensors(blob, {"a": (torch.float32, [1])})
+
+
+# -- loading maps the tensor file ------------------------------------------------------------------
+
+
+def _rss_anon_kb() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def test_a_loaded_trace_maps_its_values_and_writes_stay_in_the_process(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 64)).eval()
+    x = torch.randn(2048, 64)  # two 32 MiB values: 8M floats each
+    trace = tl.trace(model, x)
+    trace.save(tmp_path / "t")
+    file_bytes = (tmp_path / "t" / "tensors.safetensors").read_bytes()
+    before = _rss_anon_kb()
+    loaded = tl.load_trace(tmp_path / "t")
+    grown = None if before is None else _rss_anon_kb() - before
+    for op in trace.ops:
+        assert torch.equal(loaded[op.label].out, op.out), op.label
+    if grown is not None:  # the values are on the file's pages, not copied into the process (64+ MiB)
+        assert grown < 16 * 1024, grown
+    value = loaded[trace.ops[2].label].out
+    value.zero_()  # copy-on-write: this process sees it, the file does not change
+    assert float(value.abs().sum()) == 0
+    assert (tmp_path / "t" / "tensors.safetensors").read_bytes() == file_bytes
+    again = tl.load_trace(tmp_path / "t")
+    assert torch.equal(again[trace.ops[2].label].out, trace.ops[2].out)
+
+
+def test_an_unaligned_tensor_in_a_mapped_file_is_copied(tmp_path):
+    values = torch.arange(6, dtype=torch.float32)
+    header = json.dumps({"a": {"dtype": "F32", "shape": [6], "data_offsets": [0, 24]}}).encode() + b" "
+    assert (8 + len(header)) % 4 != 0  # the data starts off a 4-byte boundary
+    (tmp_path / "f").write_bytes(len(header).to_bytes(8, "little") + header + values.numpy().tobytes())
+    with open(tmp_path / "f", "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    got = read_safetensors(mapped, {"a": (torch.float32, [6])})
+    assert torch.equal(got["a"], values)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata as md
 import json
+import mmap
 import os
 import re
 import shutil
@@ -40,6 +41,7 @@ TENSOR_FILE = "tensors.safetensors"
 MAX_MANIFEST_BYTES = 256 << 20
 
 
+_HASH_CHUNK = 64 << 20
 _SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 
 
@@ -65,6 +67,19 @@ class SavedDir:
             raise fail(f"{self.path} is not a readable save directory: {exc}", path=str(self.path)) from None
 
     def read(self, name: str, limit: int) -> bytes:
+        with self._open(name, limit) as f:
+            return f.read(limit + 1)[:limit]
+
+    def map(self, name: str, size: int) -> mmap.mmap | bytes:
+        """File ``name`` memory-mapped copy-on-write (its pages are read when used, and a write
+        to a tensor made on it stays in this process), checked to be ``size`` bytes."""
+        with self._open(name, size) as f:
+            found = os.fstat(f.fileno()).st_size
+            if found != size:
+                raise fail(f"{self.path / name} is {found} bytes, the manifest says {size} (truncated?)")
+            return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else b""
+
+    def _open(self, name: str, limit: int) -> Any:
         name = check_file_name(name)
         try:
             fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=self.fd)
@@ -73,13 +88,15 @@ class SavedDir:
         except OSError as exc:  # ELOOP: a symlink
             raise fail(f"{self.path / name} cannot be opened safely (a symlink?): {exc.strerror}",
                        UnsafePathError, name=name) from None
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise fail(f"{self.path / name} is not a regular file", UnsafePathError, name=name)
-            if st.st_size > limit:
-                raise fail(f"{self.path / name} is {st.st_size} bytes, over the {limit}-byte limit")
-            return f.read(limit + 1)[:limit]
+        f = os.fdopen(fd, "rb")
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            f.close()
+            raise fail(f"{self.path / name} is not a regular file", UnsafePathError, name=name)
+        if st.st_size > limit:
+            f.close()
+            raise fail(f"{self.path / name} is {st.st_size} bytes, over the {limit}-byte limit")
+        return f
 
     def close(self) -> None:
         os.close(self.fd)
@@ -110,8 +127,10 @@ def read_manifest(d: SavedDir, kind: str) -> dict[str, Any]:
     return manifest
 
 
-def read_file_entry(d: SavedDir, manifest: dict, role: str, required: bool = True) -> bytes | None:
-    """The bytes of file ``role`` named in ``manifest['files']``, size and sha256 checked."""
+def read_file_entry(d: SavedDir, manifest: dict, role: str, required: bool = True,
+                    mapped: bool = False) -> bytes | mmap.mmap | None:
+    """The bytes of file ``role`` named in ``manifest['files']``, size and sha256 checked
+    (``mapped``: memory-mapped, see :meth:`SavedDir.map`, not read into memory)."""
     files = manifest.get("files")
     if not isinstance(files, dict) or not all(isinstance(k, str) for k in files):
         raise fail("manifest 'files' must be an object")
@@ -123,10 +142,19 @@ def read_file_entry(d: SavedDir, manifest: dict, role: str, required: bool = Tru
     if not isinstance(entry, dict) or set(entry) != {"name", "sha256", "bytes"}:
         raise fail(f"manifest file entry {role!r} must have exactly name, sha256 and bytes")
     size = check_int(entry["bytes"], f"the size of file {role!r}", 0, 1 << 46)
-    data = d.read(entry["name"], size)
+    data = d.map(entry["name"], size) if mapped else d.read(entry["name"], size)
     if len(data) != size:
         raise fail(f"{d.path / entry['name']} is {len(data)} bytes, the manifest says {size} (truncated?)")
-    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+    digest = hashlib.sha256()
+    # a mapped file's pages are let go once hashed (nothing wrote to them: they are read again
+    # from the file when a value is used), so checking a big file does not keep it resident
+    drop = getattr(mmap, "MADV_DONTNEED", None) if mapped and size else None
+    with memoryview(data) as view:
+        for at in range(0, size, _HASH_CHUNK):
+            digest.update(view[at:at + _HASH_CHUNK])
+            if drop is not None:
+                data.madvise(drop, at, min(_HASH_CHUNK, size - at))
+    if digest.hexdigest() != entry["sha256"]:
         raise fail(f"{d.path / entry['name']} does not match its sha256 in the manifest (corrupted?)")
     return data
 
@@ -136,7 +164,8 @@ def read_tensors(d: SavedDir, manifest: dict) -> dict[str, torch.Tensor]:
     files = manifest.get("files")
     if isinstance(files, dict) and set(files) - {"tensors", "pickle"}:
         raise fail(f"manifest lists unknown files {sorted(set(files) - {'tensors', 'pickle'})[:5]}")
-    data = read_file_entry(d, manifest, "tensors")
+    # mapped: a saved trace larger than memory loads, and a value is read when it is used
+    data = read_file_entry(d, manifest, "tensors", mapped=True)
     return read_safetensors(data, declared)
 
 

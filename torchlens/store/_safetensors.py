@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import mmap
 from typing import Any
 
 import torch
@@ -109,8 +110,11 @@ def _shape(shape: Any, name: str) -> list[int]:
     return [check_int(d, f"a dimension of tensor {name!r:.80}", 0, MAX_DIM) for d in shape]
 
 
-def read_safetensors(data: bytes, declared: dict[str, tuple[torch.dtype, list[int]]]) -> dict[str, torch.Tensor]:
-    """Parse safetensors bytes, checking every offset and size against ``declared`` first."""
+def read_safetensors(data: bytes | mmap.mmap, declared: dict[str, tuple[torch.dtype, list[int]]]
+                     ) -> dict[str, torch.Tensor]:
+    """Parse safetensors bytes, checking every offset and size against ``declared`` first. From a
+    copy-on-write ``mmap`` the tensors are made on its pages (aligned ones; others are copied)."""
+    mapped = isinstance(data, mmap.mmap)
     if len(data) < 8:
         raise fail(f"the tensor file is truncated ({len(data)} bytes)")
     n = int.from_bytes(data[:8], "little")
@@ -154,6 +158,12 @@ def read_safetensors(data: bytes, declared: dict[str, tuple[torch.dtype, list[in
         want = declared[name]
         if want != (dtype, shape):
             raise fail(f"tensor {name!r:.80} is {dtype} {shape} in the file but {want[0]} {want[1]} in the manifest")
-        out[name] = (torch.frombuffer(bytearray(body[begin:end]), dtype=dtype).reshape(shape) if end > begin
-                     else torch.empty(shape, dtype=dtype))
+        at = 8 + n + begin
+        if end == begin:
+            out[name] = torch.empty(shape, dtype=dtype)
+        elif mapped and at % dtype.itemsize == 0:  # on the mapped file's pages: nothing read yet
+            out[name] = torch.frombuffer(data, dtype=dtype, count=(end - begin) // dtype.itemsize,
+                                         offset=at).reshape(shape)
+        else:
+            out[name] = torch.frombuffer(bytearray(body[begin:end]), dtype=dtype).reshape(shape)
     return out
