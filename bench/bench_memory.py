@@ -15,6 +15,9 @@ activation peak (``plain_activation_mb``: the warm-up forward's peak above the c
   store_written  the same with store_recompute=False: every value written
                  (both store cases also time an in-memory trace in the same process afterwards:
                  in_memory_ms, time_vs_in_memory_same_process)
+  store_save_load  a store= trace, then trace.save(dir) of it and tl.load_trace(dir) in the same process:
+                 save_peak_mb / load_peak_mb (VmHWM above the RSS before each step: mapped file pages count)
+                 and save_anon_mb / load_anon_mb (process memory, RssAnon, after each step), saved_mb, times
   estimate       the pass over shapes tl.trace(..., max_bytes=n) runs before the forward (FakeTensorMode, no
                  compute): its estimate of the values an every-op trace holds (compare trace_all's values_mb)
   offload_kept   a disk_offload()ed model (1 x 64 tokens), trace with save= one block: RSS held after the
@@ -34,7 +37,8 @@ import sys
 import tempfile
 import time
 
-CASES = ["plain", "trace_all", "save_block", "store", "store_written", "estimate", "offload_kept", "offload_copy"]
+CASES = ["plain", "trace_all", "save_block", "store", "store_written", "store_save_load", "estimate", "offload_kept",
+         "offload_copy"]
 
 
 def _rss_mb(field: str) -> float:
@@ -89,6 +93,23 @@ def child(case: str, seq: int, tmp: str) -> dict:
         keep = tl.trace(model, ids, max_bytes=None)
     elif case == "save_block" or case.startswith("offload"):
         keep = tl.trace(model, ids, save=tl.module("transformer.h.5"))
+    elif case == "store_save_load":
+        stored = tl.trace(model, ids, store=os.path.join(tmp, "store"))
+        out["store_ms"] = round((time.perf_counter() - t0) * 1000, 1)
+        for step in ("save", "load"):
+            mid, anon = _rss_mb("VmRSS"), _rss_mb("RssAnon")
+            _reset_peak()
+            t1 = time.perf_counter()
+            if step == "save":
+                stored.save(os.path.join(tmp, "saved"))
+                stored = None
+            else:
+                keep = tl.load_trace(os.path.join(tmp, "saved"))
+            out[f"{step}_ms"] = round((time.perf_counter() - t1) * 1000, 1)
+            out[f"{step}_peak_mb"] = round(_rss_mb("VmHWM") - mid, 1)
+            out[f"{step}_anon_mb"] = round(_rss_mb("RssAnon") - anon, 1)
+        saved = os.path.join(tmp, "saved")
+        out["saved_mb"] = round(sum(os.path.getsize(os.path.join(saved, f)) for f in os.listdir(saved)) / 2**20, 1)
     elif case.startswith("store"):
         where = os.path.join(tmp, "store")
         keep = tl.trace(model, ids, store=where, store_recompute=case == "store")
@@ -118,7 +139,7 @@ def child(case: str, seq: int, tmp: str) -> dict:
                 tl.trace(model, ids, store=os.path.join(tmp, "store-again"))
             out["graph_bytes_per_op"] = round(tracemalloc.get_traced_memory()[0] / len(again.ops))
             tracemalloc.stop()
-    if case.startswith("store"):
+    if case in ("store", "store_written"):
         # The same process times an in-memory capture right after (its peak is no longer measured):
         # a ratio of two captures minutes apart, on a machine shared with other work, varies by 2x.
         keep = again = None  # the stored traces are dropped first
@@ -157,7 +178,7 @@ def main() -> None:
         if case == "estimate" and "trace_all" in results:
             r["time_vs_in_memory"] = round(r["ms"] / results["trace_all"]["ms"], 2)
             r["estimate_vs_values"] = round(r["estimate_mb"] / results["trace_all"]["values_mb"], 3)
-        if case.startswith("store"):
+        if case in ("store", "store_written"):
             if "trace_all" in results:
                 r["time_vs_in_memory"] = round(r["ms"] / results["trace_all"]["ms"], 2)
             r["disk_mb_per_s"] = round(r["disk_mb"] / (r["ms"] / 1000), 1)
@@ -166,7 +187,7 @@ def main() -> None:
             budget = 1.2 * plain + r["values_mb"] + r["graph_bytes_per_op"] * r["ops"] / 2**20
             r["target_mb"] = round(budget, 1)
             note = "within target" if r["peak_mb"] <= budget else "over target"
-        if case.startswith("store"):
+        if case in ("store", "store_written"):
             note = "target: peak <= 300 MB above the warm model, time <= 2x the in-memory trace"
         if case.startswith("offload"):
             note = "RSS held after the capture (the trace alive)"
