@@ -271,3 +271,81 @@ def test_op_sources_are_the_lines_frames_report():
     assert [int(op.source.rsplit(":", 1)[1]) for op in ops] == ref.lines
     assert all(op.source.startswith(__file__) for op in ops)
     assert len(set(ref.lines)) == 3  # add, mul (the two-line expression), linear and relu on the return line
+
+
+def _detached(value):
+    return value.detach() if isinstance(value, torch.Tensor) else value
+
+
+def _calls(trace) -> list[tuple]:
+    refs = [[None if r is None else (r.index, r.elem) for r in c.out_refs] for c in trace.calls]
+    return [(c.key, c.module_type, c.op_start, c.op_end, c.n_passes, r) for c, r in zip(trace.calls, refs)]
+
+
+@pytest.mark.parametrize("name", ["inplace_net", "control_flow", "shared_twice", "tuple_out", "tiny_gpt2"])
+def test_ops_noted_in_batches_equal_the_general_path(name, request):
+    # Inline ops are noted as rows and become records in batches (before an in-place op, a general
+    # record, at the end); module returns look producers up among the rows not yet made records.
+    case = request.getfixturevalue(name)
+    tl.trace(case.model, *case.args, **case.kwargs)  # a frame seen for the first time takes the general record
+    lean = tl.trace(case.model, *case.args, **case.kwargs)
+    general = tl.trace(case.model, *case.args, **case.kwargs, grad=True)  # every op through the general record
+    assert _records(lean) == _records(general)
+    assert _calls(lean) == _calls(general)
+    assert lean.output_layers == general.output_layers and lean.output_layers
+    for a, b in zip(lean.ops, general.ops):
+        assert_equal_tree(a.out, _detached(b.out) if not isinstance(b.out, tuple) else tuple(map(_detached, b.out)),
+                          what=a.label)
+    reads, out = hook_reads(case.model, case.args, case.kwargs)  # copied in the hook: the value at return
+    for call in lean.calls:
+        assert call.n_passes == len(reads[call.address])
+        assert_equal_tree(lean.module_output(call), reads[call.address][call.pass_index - 1], what=call.key)
+    assert_equal_tree(lean.output, out)
+
+
+class _ReturnsDict(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return {"h": h, "first": x + 1}  # ``x + 1`` is not the module's last op
+
+
+class _RefillsADict(torch.nn.Module):
+    """Changes the dict one submodule returned (a new value, a new key); leaves another's alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _ReturnsDict()
+        self.kept = _ReturnsDict()
+
+    def forward(self, x):
+        out = self.inner(x)
+        out["h"] = out["h"] * 3
+        out["extra"] = x.sum()
+        kept = self.kept(x)
+        return out["h"] + kept["h"] + kept["first"]
+
+
+def test_a_container_refilled_after_its_module_returned_is_recorded_as_returned():
+    torch.manual_seed(0)
+    model, x = _RefillsADict().eval(), torch.randn(2, 4)
+    tl.trace(model, x)  # a frame seen for the first time takes the general record
+    trace = tl.trace(model, x)
+    reads, out = hook_reads(model, (x,))
+    for address in ("inner", "kept"):
+        got = trace.module_output(trace.calls_of(address)[0])
+        assert sorted(got) == ["first", "h"]  # not the key the parent added afterwards
+        assert_equal_tree(got, reads[address][0], what=address)
+    with torch.no_grad():
+        assert torch.equal(trace["inner"].out["h"], model.inner.fc(x))  # before the parent tripled it
+    assert torch.equal(trace.output, out)
+    assert _calls(trace) == _calls(tl.trace(model, x, grad=True))
+
+
+def test_a_call_record_outside_a_trace_has_one_pass():
+    from torchlens.core.records import ModuleCall
+
+    assert ModuleCall("fc1", 1, "Linear", (), {}, 0).n_passes == 1

@@ -1,7 +1,7 @@
 """How a capture gets between a module's call and its forward (used by ``hooks.ModuleHooks``).
 
 Torch's own hook entries, written directly (``attach``); a wrapper in a module's instance
-``forward`` slot where that keeps the order hooks would run in (``wrap_forward``), which spares
+``forward`` slot where that keeps the order hooks would run in (``wrap_every``), which spares
 torch's hooked call path on every module call; the walk over a model's modules; and
 ``CallInfo``, what every callback is told about the call.
 """
@@ -20,12 +20,12 @@ from torch import nn
 from torch.nn.modules import module as _nn_module
 from torch.utils.hooks import RemovableHandle
 
-from ._copies import note_slot
+from ._copies import forget_slot, note_slot
 
 __all__ = [
     "ACTIVE_WRAPPERS", "CALLERS", "NO_FORWARD", "SLOT_LOCK", "CallInfo", "PostHook", "PreHook", "attach",
-    "global_hooks", "named_modules", "new_tuple", "own_registration", "run_pre", "run_post", "wrap_forward",
-    "wrappable",
+    "global_hooks", "named_modules", "new_tuple", "own_registration", "run_pre", "run_post", "unwrap",
+    "wrap_every", "wrappable",
 ]
 
 PreHook = Callable[["CallInfo", tuple, dict], Any]
@@ -115,26 +115,59 @@ def own_registration(kind: type) -> bool:
     return found
 
 
-def wrap_forward(module: nn.Module, address: str, pre_fn: PreHook, post_fn: PostHook, counts: dict[str, int],
-                  owner: int) -> tuple[nn.Module, Any]:
-    """Put a wrapper calling ``pre_fn`` / ``post_fn`` around ``module``'s forward in its instance slot.
+def wrap_every(named: dict[str, nn.Module], skip: Any, pre_fn: PreHook, post_fn: PostHook, counts: dict[str, int],
+               owner: int, slots: list[tuple[nn.Module, Any, Any]]) -> list[tuple[str, nn.Module]]:
+    """Put a wrapper calling ``pre_fn`` / ``post_fn`` around the forward of every module of ``named``
+    that is ``wrappable`` (addresses in ``skip`` aside), in its instance slot.
 
     The wrapper acts only when torch's module call runs it (``module(x)``, as a hook would;
     ``module.forward(x)`` called directly is passed through) in the thread that attached it.
 
+    Each slot wrapped is appended to ``slots`` as it is (for ``unwrap``, also after an interruption).
+
     Returns:
-        ``(module, what the slot held, the wrapper)`` for ``__exit__`` to put back.
+        The ``(address, module)`` pairs that need hooks instead.
     """
-    own = module.__dict__
-    previous = own.get("forward", NO_FORWARD)
-    forward = module.forward
-    get_ident = threading.get_ident
-    getframe = sys._getframe
-    call_impl, inner = CALLERS
+    rest: list[tuple[str, nn.Module]] = []
+    for address, module in named.items():
+        if address in skip:
+            continue
+        if not wrappable(module):
+            rest.append((address, module))
+            continue
+        own = module.__dict__
+        previous = own.get("forward", NO_FORWARD)
+        wrapper = _wrapper(module, address, module.forward, pre_fn, post_fn, counts, owner)
+        slots.append((module, previous, wrapper))
+        own["forward"] = wrapper
+        ACTIVE_WRAPPERS.add(id(wrapper))
+        note_slot(wrapper, previous, NO_FORWARD)  # copies made meanwhile get ``previous`` back
+    return rest
+
+
+def unwrap(slots: list[tuple[nn.Module, Any, Any]]) -> None:
+    """Give each slot ``wrap_every`` wrapped back what it held (the latest first);
+    a slot the model's own code has replaced since keeps what it put there. Hold ``SLOT_LOCK``."""
+    active = ACTIVE_WRAPPERS
+    for module, previous, wrapper in reversed(slots):
+        own = module.__dict__
+        active.discard(id(wrapper))
+        forget_slot(wrapper)
+        if own.get("forward") is not wrapper:
+            continue  # replaced since (by the model's own code): theirs stays
+        if previous is NO_FORWARD:
+            del own["forward"]
+        else:
+            own["forward"] = previous
+
+
+def _wrapper(module: nn.Module, address: str, forward: Any, pre_fn: PreHook, post_fn: PostHook,
+             counts: dict[str, int], owner: int) -> Any:
+    """The wrapper ``wrap_every`` puts in ``module``'s slot around ``forward``."""
 
     def forward_wrapper(*args, **kwargs):
-        caller = getframe(1).f_code  # compared by identity: hashing a code object hashes its constants
-        if get_ident() != owner or (caller is not call_impl and caller is not inner):
+        caller = _getframe(1).f_code  # compared by identity: hashing a code object hashes its constants
+        if _get_ident() != owner or (caller is not _CALL_IMPL and caller is not _INNER):
             return forward(*args, **kwargs)
         n = counts.get(address, 0) + 1
         counts[address] = n
@@ -147,10 +180,7 @@ def wrap_forward(module: nn.Module, address: str, pre_fn: PreHook, post_fn: Post
         return output if replaced is None else replaced
 
     forward_wrapper.__wrapped__ = forward  # inspect.signature(module.forward) still reads the model's
-    own["forward"] = forward_wrapper
-    ACTIVE_WRAPPERS.add(id(forward_wrapper))
-    note_slot(forward_wrapper, previous, NO_FORWARD)  # copies made meanwhile get ``previous`` back
-    return module, previous, forward_wrapper
+    return forward_wrapper
 
 
 def wrappable(module: nn.Module) -> bool:
@@ -188,6 +218,9 @@ def _call_paths() -> tuple[Any, ...]:
 
 
 CALLERS = _call_paths()
+_CALL_IMPL, _INNER = CALLERS if CALLERS else (None, None)  # (when empty, nothing is wrapped)
+_get_ident = threading.get_ident
+_getframe = sys._getframe
 _PLAIN_FORWARD: dict[type, bool] = {}
 SLOT_LOCK = threading.Lock()  # guards instance forward slots across captures in several threads
 ACTIVE_WRAPPERS: set[int] = set()  # ids of the wrappers in some module's slot now

@@ -54,8 +54,14 @@ def forget_hooks(*hooks: Any) -> None:
 
 def _copies_plainly(kind: type) -> bool:
     """Whether ``kind`` copies and pickles as ``nn.Module`` does (its ``__dict__`` as state)."""
-    return (kind.__reduce_ex__ is object.__reduce_ex__ and kind.__reduce__ is object.__reduce__
-            and not hasattr(kind, "__deepcopy__") and not hasattr(kind, "__copy__"))
+    found = _PLAINLY.get(kind)
+    if found is None:  # a failed hasattr costs an exception: once per type, not per capture
+        found = _PLAINLY[kind] = (kind.__reduce_ex__ is object.__reduce_ex__ and kind.__reduce__ is object.__reduce__
+                                  and not hasattr(kind, "__deepcopy__") and not hasattr(kind, "__copy__"))
+    return found
+
+
+_PLAINLY: dict[type, bool] = {}
 
 
 def hold_types(modules: Iterable[nn.Module]) -> list[type]:

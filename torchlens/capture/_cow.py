@@ -30,7 +30,7 @@ class CopyOnWrite:
     """The recorder's copy-on-write part (a mixin). It reads ``trace``, ``ops``, ``transient`` and
     writes ``storage`` (storage key -> indices of the ops whose outputs use it) and ``stale``; the
     class it is mixed into defines ``_update_lean`` (ops stop taking the inlined record once
-    there is a storage index to keep)."""
+    there is a storage index to keep) and ``flush`` (makes records of the ops noted so far)."""
 
     trace: Any
     ops: list[Op]
@@ -79,6 +79,7 @@ class CopyOnWrite:
             True when the overwritten memory is viewed by other recorded tensors, whose
             later readers would see data the recorded graph does not describe.
         """
+        self.flush()  # ops noted but not yet records are indexed and copied like the others
         if self.storage is None:
             self.storage = {}
             self._update_lean()

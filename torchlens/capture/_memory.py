@@ -10,10 +10,11 @@ try:
 except ImportError:  # Windows has no resource module: max_bytes= then reads no peak
     resource = None
 
-__all__ = ["CHECK_EVERY", "CHECK_MASK", "resident_bytes"]
+__all__ = ["CHECK_EVERY", "CHECK_MASK", "CHECK_SHIFT", "resident_bytes"]
 
 CHECK_EVERY = 64  # ops between two reads of the resident size (max_bytes=); a power of two
 CHECK_MASK = CHECK_EVERY - 1
+CHECK_SHIFT = CHECK_EVERY.bit_length() - 1  # index >> CHECK_SHIFT: which run of CHECK_EVERY ops
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096

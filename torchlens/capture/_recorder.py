@@ -2,11 +2,12 @@
 
 A ``TorchFunctionMode`` is thread-local and patches nothing, so two threads can record
 two models at once. The per-call path is kept short: classification is cached per
-function, the common op (one tensor out, nothing watching ops one by one) is recorded
-inline with its line left as an instruction offset until read, raw arguments are kept as
-they are and only resolved into ``args_spec`` when someone asks (replay, parents,
-``save=``), and outputs are copied only when an in-place op is about to overwrite a
-recorded value (copy on write, ``_cow``). Where an op came from is ``_provenance``'s.
+function, the common op (one tensor out, no flag, nothing watching ops one by one) is noted
+as a row and made a record later, with the rows before it, in one loop (``flush``), with
+its line left as an instruction offset until read, raw arguments are kept as they are and
+only resolved into ``args_spec`` when someone asks (replay, parents, ``save=``), and
+outputs are copied only when an in-place op is about to overwrite a recorded value (copy
+on write, ``_cow``). Where an op came from is ``_provenance``'s; module calls are ``_calls``'s.
 
 With ``save=`` or ``store=`` the capture is *transient*: arguments are linked to their
 producers at once, values the selector does not keep are held weakly (freed when the forward
@@ -43,9 +44,10 @@ from ..core.trace import Trace
 from ..core.tree import clone_value, flatten, unflatten
 from ..edit.edits import AppliedEdit, EditContext, apply_edit, count_changed, land_edit
 from ..errors import CaptureMemoryError, StopCapture
+from ._calls import NO_CALL, ModuleCalls
 from ._classify import info_for
 from ._cow import CopyOnWrite
-from ._memory import CHECK_MASK, resident_bytes
+from ._memory import CHECK_EVERY, CHECK_MASK, CHECK_SHIFT, resident_bytes
 from ._provenance import DISPATCHER_DIRS, INTERNAL, is_dispatcher, source_of
 
 __all__ = ["EditApplier", "Recorder"]
@@ -81,7 +83,7 @@ class EditApplier:
         return tuple(flatten(edited)[0])
 
 
-class Recorder(TorchFunctionMode, CopyOnWrite):
+class Recorder(TorchFunctionMode, CopyOnWrite, ModuleCalls):
     """Records every torch function / tensor method call made while it is active."""
 
     def __init__(self, trace: Trace, op_steps: list[Step] | None = None, until: Any = None, *,
@@ -109,13 +111,16 @@ class Recorder(TorchFunctionMode, CopyOnWrite):
         self.ops = trace.ops
         self.counters: dict[str, int] = {}
         self.stack: list[ModuleCall] = []
-        self.top: Any = _NO_CALL  # stack[-1], or the context of ops outside every module
+        self.top: Any = NO_CALL  # stack[-1], or the context of ops outside every module
         self.paused = False
         self.op_steps = op_steps or []
         self.until = until
         self.storage: dict[int, list[int]] | None = None
         self.stale: dict[int, int] = {}
-        self.graph_add = trace.add_recorded_tensor_op
+        self.unsettled: list[tuple[ModuleCall, list, Any]] = []  # module outputs kept unrebuilt (``settle``)
+        # Ops recorded inline are noted as rows first, made records by ``flush`` (``add_rows``).
+        self.pending: list[tuple] = []
+        self.add_rows = trace.add_recorded_tensor_ops
         self.lean = False
         self._update_lean()
 
@@ -144,42 +149,42 @@ class Recorder(TorchFunctionMode, CopyOnWrite):
         if info is not None and "out" not in kwargs:
             out = func(*args, **kwargs)  # the common op: none of the checks apply
             kind = type(out)
-            if kind is Tensor and self.lean:
-                # The common record, inlined: one tensor out, not a dispatcher's, no feature that
-                # looks at each op as it is made.
-                caller = sys._getframe(1)
-                code = caller.f_code
-                internal = INTERNAL.get(id(code))
-                if internal is False:  # called from the model's own line
-                    if LAZY_LINES:
-                        line, lasti = None, caller.f_lasti
-                    else:
-                        line, lasti = caller.f_lineno, -1
-                elif internal and not (DISPATCHER_DIRS and is_dispatcher(code)):  # torch's own code
-                    code, line, lasti = source_of(caller)
-                else:
-                    internal = None  # a frame not seen yet, or a dispatcher's: the general record
-                if internal is not None:
-                    call = self.top
-                    if list in map(type, args):  # a list may be appended to later by the model
-                        args = tuple(list(a) if type(a) is list else a for a in args)
-                    stem = info.stem
-                    counters = self.counters
-                    n = counters.get(stem, 0) + 1
-                    counters[stem] = n
-                    index = len(self.ops)
-                    self.graph_add(_new_op(index, f"{stem}_{n}", func, info.name, out, call.address, call.pass_index,
-                                           code, line, lasti, args, kwargs, self.trace_ref))
-                    if not index & CHECK_MASK and self.rss0 is not None:
-                        self._check_memory()
-                    return out
-            elif kind in _PLAIN_VALUES and not info.data_read:  # a size, a dtype ...: nothing to record
-                return out
+            if kind is not Tensor and kind in _PLAIN_VALUES and not info.data_read:
+                return out  # a size, a dtype ...: nothing to record
             flags, inplace, target = 0, False, None
         else:
             info = info_for(func)
             flags, inplace, target = self._checks(func, info, args, kwargs)
             out = func(*args, **kwargs)
+            kind = type(out)
+
+        if kind is Tensor and not flags and self.lean:
+            # The common record, inlined: one tensor out, no flag (dropout in eval mode has none),
+            # not a dispatcher's, no feature that looks at each op as it is made.
+            caller = sys._getframe(1)
+            code = caller.f_code
+            internal = INTERNAL.get(id(code))
+            if internal is False:  # called from the model's own line
+                if LAZY_LINES:
+                    line, lasti = None, caller.f_lasti
+                else:
+                    line, lasti = caller.f_lineno, -1
+            elif internal and not (DISPATCHER_DIRS and is_dispatcher(code)):  # torch's own code
+                code, line, lasti = source_of(caller)
+            else:
+                internal = None  # a frame not seen yet, or a dispatcher's: the general record
+            if internal is not None:
+                for a in args:
+                    if type(a) is list:  # a list may be appended to later by the model: keep our own
+                        args = tuple(list(a) if type(a) is list else a for a in args)
+                        break
+                # Noted as a row; ``flush`` makes the records, many at once, before anything reads
+                # them (a general record, a data read, copy on write, an edit, the forward's end).
+                pending = self.pending
+                pending.append((func, info, out, self.top, code, line, lasti, args, kwargs))
+                if len(pending) >= CHECK_EVERY:
+                    self.flush()
+                return out
 
         if inplace and out is None:
             out = target
@@ -192,6 +197,17 @@ class Recorder(TorchFunctionMode, CopyOnWrite):
         if info.data_read:
             self._data_read(func, info.name, args, kwargs, out)
         return out
+
+    def flush(self) -> None:
+        """Make the records of the ops noted as rows since the last flush (see ``__torch_function__``)."""
+        pending = self.pending
+        if not pending:
+            return
+        before = len(self.ops)
+        self.add_rows(pending, self.counters, self.trace_ref)
+        pending.clear()
+        if self.rss0 is not None and before >> CHECK_SHIFT != len(self.ops) >> CHECK_SHIFT:
+            self._check_memory()  # once every CHECK_EVERY ops, as the general record checks
 
     def _update_lean(self) -> None:
         """Whether an op may take the inlined record: nothing watches ops one by one (a bounded or
@@ -242,6 +258,8 @@ class Recorder(TorchFunctionMode, CopyOnWrite):
     def _record(self, func, info, out, args, kwargs, flags, multi) -> Any:
         """Record one op in general (the inlined common case aside): tuple outputs, flags, a
         dispatcher's moves, ops from TorchLens's or torch's own frames, per-op features."""
+        if self.pending:
+            self.flush()
         trace = self.trace
         ops = self.ops
         index = len(ops)
@@ -329,6 +347,8 @@ class Recorder(TorchFunctionMode, CopyOnWrite):
     def _data_read(self, func: Any, name: str, args: tuple, kwargs: dict, seen: Any) -> None:
         """Record a read of tensor data into Python (a guard): what was read, from which ops,
         and the value the forward saw, so replay can recompute it and compare."""
+        if self.pending:
+            self.flush()
         position = len(self.ops)
         leaves, spec = flatten((args, kwargs))
         ref = None
@@ -346,6 +366,8 @@ class Recorder(TorchFunctionMode, CopyOnWrite):
     # -- capture-time edits --------------------------------------------------------------------
     def _edit_op(self, when: Step, value: Any, module: str, module_pass: int, label: str, record) -> Any:
         """Apply ``when`` to ``value`` and record the edit as an EDIT op in the graph."""
+        if self.pending:  # the edit may read the trace; its op follows the ops before it
+            self.flush()
         leaves, spec = flatten(value)
         ctx = EditContext(when.site.describe(), label, module, module_pass, record, weakref.proxy(self.trace))
         applier = EditApplier(when, spec, ctx)
@@ -381,117 +403,6 @@ class Recorder(TorchFunctionMode, CopyOnWrite):
             if when.site.matches_op(op):
                 out = self._edit_op(when, out, op.module, op.module_pass, op.label, op)
         return out
-
-    # -- module hook callbacks -----------------------------------------------------------------
-    def enter_module(self, info, args, kwargs) -> None:
-        call = _new_call(info.address, info.pass_index, type(info.module).__name__, args, kwargs, len(self.ops),
-                         self.trace_ref)
-        self.trace.add_call(call, self.trace_ref)
-        self.stack.append(call)
-        self.top = call
-
-    def exit_module(self, info, args, kwargs, output):
-        """Close the module call ``info``: apply its capture-time edits, note which ops produced what
-        it returns, keep that output, and stop the forward when ``until=`` names this call.
-
-        Returns:
-            The edited output, or None (the output stays as the module returned it).
-        """
-        stack = self.stack
-        call = stack.pop() if stack else None
-        self.top = stack[-1] if stack else _NO_CALL  # the call enclosing the ops that follow
-        if call is None or call.address != info.address:  # hooks out of step: find it
-            call = next(c for c in reversed(self.trace.calls) if c.address == info.address)
-        replaced = None
-        steps = self.module_steps.get(call.address) if self.module_steps else None
-        if steps:
-            for pass_index, when in steps:
-                if pass_index is None or pass_index == call.pass_index:
-                    output = self._edit_op(when, output, call.address, call.pass_index, call.address, call)
-                    replaced = output
-        trace = self.trace
-        n = call.op_end = len(self.ops)
-        if type(output) is Tensor:  # the common module output, without the generic walk
-            leaves = None
-            refs = [trace.producer_ref(output, n)]
-        else:
-            leaves, call.out_spec = _flatten_output(output)
-            refs = [trace.producer_ref(leaf, n) if isinstance(leaf, Tensor) else None for leaf in leaves]
-        if self.stale:
-            # Memory of that op was overwritten through another view before the module returned:
-            # no recorded op produced what it returns, so the call keeps its own copy instead.
-            refs = [None if r is not None and r.index in self.stale else r for r in refs]
-        call.out_refs = refs
-        save = self.save
-        if save is None or save.matches_call(call):
-            # The outermost call returns what the forward returns, which the trace keeps as it is
-            # (``trace.output``): its container is not rebuilt (a ModelOutput costs tens of us).
-            call._out = output if leaves is None and refs[0] is not None else \
-                self._kept_output(output, refs, call.out_spec, leaves, rebuild=bool(stack))
-            if self.sink is not None:  # on disk, its tensors are read through the ops that produced them
-                leaves, spec = flatten(call._out)
-                # placeholders must not be None: a ModelOutput drops None fields, losing leaves
-                call._out = unflatten([0 if r is not None else x for x, r in zip(leaves, refs)], spec)
-            for ref in refs if save is not None else ():
-                if ref is not None and not self.ops[ref.index].saved:
-                    self._keep(ref.index)
-        if self.transient:
-            call.args, call.kwargs = (), {}  # the module's inputs are ops' values: freed with them
-        if self.stops:
-            stop_pass = self.stops.get(call.address, -1)
-            if stop_pass != -1 and (stop_pass is None or stop_pass == call.pass_index):
-                raise StopCapture(call.key)
-        return replaced
-
-    @staticmethod
-    def _kept_output(output: Any, refs: list, spec: Any, leaves: list | None = None, rebuild: bool = True) -> Any:
-        """The module output as the call record keeps it, safe from later changes by the model.
-
-        Tensors some recorded op produced are guarded by copy on write already; a tensor no
-        op produced (a buffer, a tensor made outside the capture) is copied now, and a
-        container the model could refill (list, dict, ``ModelOutput``) is rebuilt.
-        ``leaves``: ``flatten(output)[0]`` when the caller has it already; ``rebuild``: False keeps
-        the container itself when no tensor in it needed a copy.
-        """
-        if spec is None and refs[0] is not None:
-            return output
-        leaves = list(leaves) if leaves is not None else flatten(output)[0]
-        copied = False
-        for i, ref in enumerate(refs):
-            if ref is None and isinstance(leaves[i], Tensor):
-                with torch._C.DisableTorchFunction():  # our copy, not an op of the model
-                    leaves[i] = leaves[i].clone()
-                copied = True
-        if copied or (rebuild and type(output) is not tuple):
-            return unflatten(leaves, spec)
-        return output
-
-
-# Bound classmethods: called as plain Python calls (no class-call path, see ``Op.recorded``).
-_new_op = Op.recorded
-_new_call = ModuleCall.recorded
-class _NoCall:
-    """The module context of an op no module call encloses."""
-
-    address = ""
-    pass_index = 1
-
-
-_NO_CALL = _NoCall()
-# Specs of flat tuples of tensors and None, by which elements are None: shared, like the
-# argument specs of ``core.graph`` (a module returning ``(out, None)`` is common: attention).
-_TUPLE_SPECS: dict[tuple[bool, ...], Any] = {}
-
-
-def _flatten_output(value: Any) -> tuple[list[Any], Any]:
-    """``flatten(value)`` for a module output; a flat tuple of tensors and None skips the pytree walk."""
-    if type(value) is tuple and len(value) < 16 and all(x is None or type(x) is Tensor for x in value):
-        pattern = tuple(x is None for x in value)
-        spec = _TUPLE_SPECS.get(pattern)
-        if spec is None:
-            spec = _TUPLE_SPECS[pattern] = flatten(value)[1]
-        return list(value), spec  # None is a leaf, as in pytree
-    return flatten(value)
 
 
 def _keep_grad(store, index: int, elem: int | None, grad: Tensor) -> None:

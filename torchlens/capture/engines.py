@@ -145,8 +145,17 @@ def _any_offload(modules: list[torch.nn.Module]) -> bool:
     for module in modules:
         if "_hf_hook" in module.__dict__:
             return True
-    # a failed class attribute lookup is slow: once per module type, not per module
-    return any(hasattr(kind, "_hf_hook") for kind in set(map(type, modules)))
+    # a failed class attribute lookup is slow (an exception): once per module type, not per capture
+    for kind in set(map(type, modules)):
+        found = _CLASS_HOOK.get(kind)
+        if found is None:
+            found = _CLASS_HOOK[kind] = hasattr(kind, "_hf_hook")
+        if found:
+            return True
+    return False
+
+
+_CLASS_HOOK: dict[type, bool] = {}  # module type -> whether the class itself carries ``_hf_hook``
 
 
 def _record_inputs(trace: Trace, args: tuple, kwargs: dict) -> None:
@@ -190,6 +199,8 @@ class FunctionModeEngine:
                 output = model(*request.args, **request.kwargs)
             except StopCapture:
                 complete = False
+        recorder.flush()
+        recorder.settle()
         for call in trace.calls:  # calls a stopped (until=) forward never finished
             if call.op_end == OPEN:
                 call.op_end = len(trace.ops)
@@ -198,7 +209,7 @@ class FunctionModeEngine:
         if request.sink is not None:
             request.sink.close()
         trace.finish(output, steps=request.intervene, save=request.save, grad=request.grad, complete=complete,
-                     stale=recorder.stale)
+                     stale=recorder.stale, output_refs=recorder.output_refs(output))
         return trace
 
 

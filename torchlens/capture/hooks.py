@@ -21,7 +21,6 @@ from torch.utils.hooks import RemovableHandle
 from ..core.names import nearest
 from ..errors import SiteNotFoundError
 from ._attach import (
-    ACTIVE_WRAPPERS,
     CALLERS,
     NO_FORWARD,
     SLOT_LOCK,
@@ -34,8 +33,8 @@ from ._attach import (
     own_registration,
     run_post,
     run_pre,
-    wrap_forward,
-    wrappable,
+    unwrap,
+    wrap_every,
 )
 from ._copies import forget_hooks, forget_slot, hold_types, note_hooks, note_slot, release_types
 
@@ -171,16 +170,7 @@ class ModuleHooks:
     def __exit__(self, *exc: object) -> None:
         if self._slots:
             with SLOT_LOCK:
-                for module, previous, wrapper in reversed(self._slots):  # each slot back to what it held
-                    own = module.__dict__
-                    ACTIVE_WRAPPERS.discard(id(wrapper))
-                    forget_slot(wrapper)
-                    if own.get("forward") is not wrapper:
-                        continue  # replaced since (by the model's own code): theirs stays
-                    if previous is NO_FORWARD:
-                        del own["forward"]
-                    else:
-                        own["forward"] = previous
+                unwrap(self._slots)  # each slot back to what it held
             self._slots.clear()
         for pre_hooks, pre_flags, pre_id, post_hooks, post_flags, post_id in self._direct:
             pre_hooks.pop(pre_id, None)
@@ -249,12 +239,11 @@ class ModuleHooks:
         if wrap:
             SLOT_LOCK.acquire()  # two captures of one model in two threads: one wraps, the other hooks
         try:
-            for address, module in self._named.items():
-                if address in own:
-                    continue
-                if wrap and wrappable(module):
-                    slots.append(wrap_forward(module, address, pre_fn, post_fn, counts, owner))
-                    continue
+            if wrap:
+                rest = wrap_every(self._named, own, pre_fn, post_fn, counts, owner, slots)
+            else:
+                rest = [(address, module) for address, module in self._named.items() if address not in own]
+            for address, module in rest:
                 where[id(module)] = (address, opens.setdefault(address, []))
                 self._hook_every(module, pre_hook, post_hook)
         finally:

@@ -169,17 +169,37 @@ class Graph:
                 self.register_tensor(t, index, i)
 
     def add_recorded_tensor_op(self, op: Op) -> None:
-        """``add_recorded_op`` for the commonest op, one tensor out (the recorder calls it per op)."""
-        index = op.index
-        self._labels[op.label] = index
-        self.ops.append(op)
-        key = id(op._out)
+        """``add_recorded_op`` for an op with one tensor out (``add_recorded_tensor_ops`` takes many)."""
+        self.add_recorded_op(op, False)
+
+    def add_recorded_tensor_ops(self, rows: list[tuple], counters: dict[str, int], trace_ref: Any) -> None:
+        """Append the ops a capture noted as compact rows, in order, each as ``add_recorded_tensor_op``.
+
+        A row is ``(func, info, out, call, code, line, lasti, args, kwargs)``: ``info`` gives the
+        label stem and function name (``counters`` numbers the labels per stem), ``call`` the module
+        call the op ran in. Built in one loop after the ops ran: the same records as one call per
+        op, without a call per op.
+        """
+        new_op = Op.recorded
+        labels = self._labels
+        ops = self.ops
         producers = self._producers
-        entry = producers.get(key)
-        if entry is None:
-            producers[key] = index
-        else:
-            self._add_producer(key, entry, index, None)
+        index = len(ops)
+        for func, info, out, call, code, line, lasti, args, kwargs in rows:
+            stem = info.stem
+            n = counters.get(stem, 0) + 1
+            counters[stem] = n
+            label = f"{stem}_{n}"
+            ops.append(new_op(index, label, func, info.name, out, call.address, call.pass_index, code, line, lasti,
+                              args, kwargs, trace_ref))
+            labels[label] = index
+            key = id(out)
+            entry = producers.get(key)
+            if entry is None:
+                producers[key] = index
+            else:
+                self._add_producer(key, entry, index, None)
+            index += 1
 
     def add_transient_op(self, op: Op, multi: bool, keep: bool) -> None:
         """A bounded capture's hot path: append ``op``, link its arguments now, and unless ``keep``
@@ -313,11 +333,15 @@ class Graph:
         else:
             call.trace = self
         self.calls.append(call)
-        same = self._calls_by_address.setdefault(call.address, [])
-        same.append(call)
-        n = len(same)
-        for c in same:
-            c.n_passes = n
+        same = self._calls_by_address.get(call.address)
+        if same is None:  # the first call of that module
+            self._calls_by_address[call.address] = [call]
+        else:
+            same.append(call)
+
+    def passes_of(self, address: str) -> int:
+        """How many calls of the module at ``address`` were recorded (``ModuleCall.n_passes``)."""
+        return len(self._calls_by_address.get(address, ()))
 
     def add_input(self, label: str) -> None:
         self.input_layers.append(label)
@@ -388,8 +412,14 @@ class Graph:
             self.output_layers = list(dict.fromkeys(self.ops[r.index].label for r in refs if r is not None))
 
     def finish(self, output: Any, *, steps: list[Step], save: Selector | None = None, grad: bool = False,
-               complete: bool = True, stale: dict[int, int] | None = None) -> None:
-        """Called once the forward returned: record outputs, then drop unsaved values."""
+               complete: bool = True, stale: dict[int, int] | None = None,
+               output_refs: list[Ref | None] | None = None) -> None:
+        """Called once the forward returned: record outputs, then drop unsaved values.
+
+        ``output_refs``: the ops that produced ``output``'s tensor leaves, as ``refs_for_value``
+        would find them after the last op, when the caller knows them already (the outermost
+        module call returned ``output``); else they are looked up here.
+        """
         self.steps = list(steps)
         self.grad = grad
         self.complete = complete
@@ -397,7 +427,8 @@ class Graph:
         if not self._op_graph:
             self.set_output(output)
             return
-        self.set_output(output, self.refs_for_value(output, len(self.ops))[0])
+        self.set_output(output, output_refs if output_refs is not None else
+                        self.refs_for_value(output, len(self.ops))[0])
         if save is not None:
             self.ensure_graph()
             matched = save.match(self)

@@ -280,7 +280,6 @@ class ModuleCall(_TraceLink):
         "op_start",
         "op_end",
         "_trace_ref",
-        "n_passes",
     )
 
     def __init__(self, address: str, pass_index: int, module_type: str, args, kwargs, op_start: int):
@@ -295,7 +294,6 @@ class ModuleCall(_TraceLink):
         self.op_start = op_start
         self.op_end = op_start
         self._trace_ref = None
-        self.n_passes = 1
 
     @classmethod
     def recorded(cls, address: str, pass_index: int, module_type: str, args, kwargs, op_start: int,
@@ -314,8 +312,14 @@ class ModuleCall(_TraceLink):
         call.op_start = op_start
         call.op_end = OPEN
         call._trace_ref = trace_ref
-        call.n_passes = 1
         return call
+
+    @property
+    def n_passes(self) -> int:
+        """How many calls of this module its trace recorded (1 for a record in no trace). Asked of the
+        trace, not stored: a count kept on every call was rewritten on all of them at each new pass."""
+        trace = self.trace
+        return 1 if trace is None else trace.passes_of(self.address) or 1
 
     @property
     def key(self) -> str:
