@@ -168,12 +168,9 @@ class Graph:
             if t is not None:
                 self.register_tensor(t, index, i)
 
-    def add_recorded_tensor_op(self, op: Op) -> None:
-        """``add_recorded_op`` for an op with one tensor out (``add_recorded_tensor_ops`` takes many)."""
-        self.add_recorded_op(op, False)
-
     def add_recorded_tensor_ops(self, rows: list[tuple], counters: dict[str, int], trace_ref: Any) -> None:
-        """Append the ops a capture noted as compact rows, in order, each as ``add_recorded_tensor_op``.
+        """Append the ops a capture noted as compact rows, in order, each as ``add_recorded_op`` (one
+        tensor out) would.
 
         A row is ``(func, info, out, call, code, line, lasti, args, kwargs)``: ``info`` gives the
         label stem and function name (``counters`` numbers the labels per stem), ``call`` the module
@@ -193,7 +190,7 @@ class Graph:
             ops.append(new_op(index, label, func, info.name, out, call.address, call.pass_index, code, line, lasti,
                               args, kwargs, trace_ref))
             labels[label] = index
-            key = id(out)
+            key = id(out)  # ``register_tensor(out, index, None)``, inlined: this loop runs for every op
             entry = producers.get(key)
             if entry is None:
                 producers[key] = index
