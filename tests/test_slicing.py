@@ -18,7 +18,8 @@ from conftest import leaves as tl_leaves
 import torchlens as tl
 from torchlens.core.steps import REPLAY, Step
 from torchlens.edit._regions import WHOLE, RowPatch, Rows, diff_region
-from torchlens.edit._slicing import PADDED_ROWS, _hidden_from_earlier, _map_shape, rows_linear
+from torchlens.edit._shape_rules import map_shape
+from torchlens.edit._slicing import PADDED_ROWS, _hidden_from_earlier, rows_linear
 from torchlens.edit.reads import OutputRead, replay_read
 from torchlens.edit.replay import replay_step
 from torchlens.errors import GuardChangedError, ReplayNotExactError
@@ -143,11 +144,11 @@ def test_diff_region_picks_the_axis_with_the_largest_unchanged_share():
 
 
 def test_map_shape_follows_views():
-    assert _map_shape((1, 6, 32), Rows(1, 4), (6, 32)) == Rows(0, 4)
-    assert _map_shape((6, 96), Rows(0, 4), (1, 6, 96)) == Rows(1, 4)
-    assert _map_shape((1, 6, 32), Rows(1, 4), (1, 6, 2, 16)) == Rows(1, 4)
-    assert _map_shape((3, 6, 32), Rows(1, 4), (3, 6, 2, 16)) == Rows(1, 4)
-    assert _map_shape((3, 6, 32), Rows(1, 4), (18, 32)) is WHOLE  # rows of every batch element: not a suffix
+    assert map_shape((1, 6, 32), Rows(1, 4), (6, 32)) == Rows(0, 4)
+    assert map_shape((6, 96), Rows(0, 4), (1, 6, 96)) == Rows(1, 4)
+    assert map_shape((1, 6, 32), Rows(1, 4), (1, 6, 2, 16)) == Rows(1, 4)
+    assert map_shape((3, 6, 32), Rows(1, 4), (3, 6, 2, 16)) == Rows(1, 4)
+    assert map_shape((3, 6, 32), Rows(1, 4), (18, 32)) is WHOLE  # rows of every batch element: not a suffix
 
 
 def test_attention_visibility_rule():

@@ -11,7 +11,8 @@ a proper part of the output, give the call that computes only those rows:
 * row-wise ops (``linear``, ``addmm``, ``matmul`` by an unchanged matrix, ``layer_norm``,
   ``rms_norm``, ``softmax``/reductions over another axis, ``embedding``) keep rows;
 * shape ops (``view``/``reshape``/``transpose``/``permute``/``split``/``cat``/``getitem``
-  ...) map the region through their shapes and are re-run whole (they are views or copies);
+  ...) map the region through their shapes and are re-run whole (they are views or copies;
+  their rules are ``_shape_rules``');
 * ``scaled_dot_product_attention`` maps changed query rows ``>= p`` to output rows ``>= p``,
   and changed key/value rows ``>= p`` too when no earlier query can see them (causal, or a
   mask that hides them); the changed queries then read the recorded keys and values of the
@@ -27,7 +28,6 @@ One exception is made faster and exact: see :func:`rows_linear`.
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -35,6 +35,15 @@ from typing import Any, NamedTuple
 import torch
 
 from ._regions import WHOLE, Corner, Plan, Region, RowPatch, Rows, normal, union
+from ._shape_rules import (
+    cat_rule,
+    expand_rule,
+    getitem_rule,
+    permute_rule,
+    split_rule,
+    transpose_rule,
+    view_rule,
+)
 
 __all__ = ["PADDED_ROWS", "StackedCall", "collect_rows", "plan_op", "rows_linear"]
 
@@ -171,7 +180,7 @@ def plan_op(op: Any, args: tuple, kwargs: dict, region_of: Callable[[Any], Regio
         if name in ELEMENTWISE:
             return _elementwise(call, changed, out_shape)
         if name in VIEWS:
-            return _view(call, changed, out_shape)
+            return view_rule(call, changed, out_shape)
         return Plan("full", WHOLE, reason=f"no slicing rule for {name}")
     return rule(call, changed, out_shape)
 
@@ -387,136 +396,6 @@ def _embedding(call: _Call, changed, out_shape: tuple) -> Plan:
 # -- shape ops: re-run whole (views and copies), region mapped through shapes ------------------
 
 
-def _full(region: Region) -> Plan:
-    region = normal(region) if isinstance(region, Rows) else region
-    return Plan("full", region)
-
-
-def _map_shape(shape_in: tuple, r: Rows, shape_out: tuple) -> Region:
-    """A region of a tensor of ``shape_in`` as a region of the same elements viewed as ``shape_out``."""
-    outer, inner = math.prod(shape_in[: r.axis]), math.prod(shape_in[r.axis + 1:])
-    size = shape_in[r.axis]
-    for b in range(len(shape_out)):
-        if shape_out[b] == size and math.prod(shape_out[:b]) == outer and math.prod(shape_out[b + 1:]) == inner:
-            return Rows(b, r.start)
-    if outer != 1:
-        return WHOLE
-    flat_start = r.start * inner  # only a suffix of the flattened tensor changed
-    b = 0
-    while b + 1 < len(shape_out) and math.prod(shape_out[: b + 1]) == 1:
-        b += 1
-    return normal(Rows(b, flat_start // max(1, math.prod(shape_out[b + 1:]))))
-
-
-def _view(call: _Call, changed, out_shape: tuple) -> Plan:
-    t, r = changed[0]
-    if len(changed) != 1 or t is not call.args[0]:
-        return Plan("full", WHOLE, reason=f"{call.op.func_name}: changed shape argument")
-    return _full(_map_shape(tuple(t.shape), r, out_shape))
-
-
-def _expand(call: _Call, changed, out_shape: tuple) -> Plan:
-    t, r = changed[0]
-    axis = len(out_shape) - (t.dim() - r.axis)
-    if t.shape[r.axis] != out_shape[axis]:
-        return Plan("full", WHOLE, reason="expand: the changed axis is broadcast")
-    return _full(Rows(axis, r.start))
-
-
-def _transpose(call: _Call, changed, out_shape: tuple) -> Plan:
-    t, r = changed[0]
-    n = t.dim()
-    if call.op.func_name in ("t", "T"):
-        d0, d1 = 0, n - 1
-    else:
-        d0, d1 = call.arg(1, "dim0") % n, call.arg(2, "dim1") % n
-    axis = d1 if r.axis == d0 else d0 if r.axis == d1 else r.axis
-    return _full(Rows(axis, r.start))
-
-
-def _permute(call: _Call, changed, out_shape: tuple) -> Plan:
-    t, r = changed[0]
-    dims = call.args[1:] if len(call.args) > 2 or isinstance(call.arg(1, "dims"), int) else call.arg(1, "dims")
-    dims = [d % t.dim() for d in dims]
-    return _full(Rows(dims.index(r.axis), r.start))
-
-
-def _cat(call: _Call, changed, out_shape: tuple) -> Plan:
-    seq = call.arg(0, "tensors")
-    dim = call.arg(1, "dim", 0) % len(out_shape)
-    regions = {id(t): r for t, r in changed}
-    region: Region = None
-    offset = 0
-    for t in seq:
-        r = regions.get(id(t))
-        if r is not None:
-            if r.axis == dim:
-                region = union(region, Rows(dim, offset + r.start))
-            else:
-                region = union(region, r)
-        offset += t.shape[dim] if t.dim() == len(out_shape) else 0
-    return _full(region)
-
-
-def _getitem(call: _Call, changed, out_shape: tuple) -> Plan:
-    t, r = changed[0]
-    index = call.args[1] if len(call.args) > 1 else None
-    index = index if isinstance(index, tuple) else (index,)
-    if any(isinstance(i, (torch.Tensor, list, bool)) for i in index):
-        return Plan("full", WHOLE, reason="getitem: advanced (tensor) indexing")
-    n_real = sum(1 for i in index if i is not None and i is not Ellipsis)
-    expanded: list[Any] = []
-    for i in index:
-        if i is Ellipsis:
-            expanded.extend([slice(None)] * (t.dim() - n_real))
-        else:
-            expanded.append(i)
-    expanded.extend([slice(None)] * (t.dim() - sum(1 for i in expanded if i is not None)))
-    src = out = 0
-    for i in expanded:
-        if i is None:
-            out += 1
-            continue
-        if src == r.axis:
-            size = t.shape[src]
-            if isinstance(i, int):
-                return Plan("full", WHOLE) if i % size >= r.start else Plan("skip", None)
-            lo, hi, step = i.indices(size)
-            if step != 1:
-                return Plan("full", WHOLE, reason="getitem: a strided slice of the changed axis")
-            if hi <= r.start:
-                return Plan("skip", None)
-            return _full(Rows(out, max(0, r.start - lo)))
-        src += 1
-        out += 0 if isinstance(i, int) else 1
-    return Plan("full", WHOLE, reason="getitem: could not follow the index")
-
-
-def _split(call: _Call, changed) -> Plan:
-    t, r = changed[0]
-    if t is not call.args[0]:
-        return Plan("full", WHOLE, reason=f"{call.op.func_name}: changed size argument")
-    outs = call.op.shape
-    dim = call.arg(2, "dim", 0) % t.dim() if call.op.func_name != "unbind" else call.arg(1, "dim", 0) % t.dim()
-    regions = []
-    offset = 0
-    for shape in outs:
-        if call.op.func_name == "unbind":
-            if dim == r.axis:
-                regions.append(WHOLE if offset >= r.start else None)
-            else:
-                regions.append(Rows(r.axis - (1 if r.axis > dim else 0), r.start))
-            offset += 1
-            continue
-        if dim != r.axis:
-            regions.append(Rows(r.axis, r.start))
-            continue
-        n = shape[dim]
-        regions.append(None if offset + n <= r.start else normal(Rows(dim, max(0, r.start - offset))))
-        offset += n
-    return Plan("full", tuple(regions))
-
-
 def _sdpa(call: _Call, changed, out_shape: tuple) -> Plan:
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
     defaults = (None, None, None, None, 0.0, False, None, False)
@@ -596,16 +475,16 @@ _RULES: dict[str, Callable[[_Call, list, tuple], Plan]] = {
     "mm": _matmul,
     "bmm": _matmul,
     "embedding": _embedding,
-    "expand": _expand,
-    "expand_as": _expand,
-    "transpose": _transpose,
-    "swapaxes": _transpose,
-    "t": _transpose,
-    "permute": _permute,
-    "cat": _cat,
-    "concat": _cat,
-    "concatenate": _cat,
-    "getitem": _getitem,
+    "expand": expand_rule,
+    "expand_as": expand_rule,
+    "transpose": transpose_rule,
+    "swapaxes": transpose_rule,
+    "t": transpose_rule,
+    "permute": permute_rule,
+    "cat": cat_rule,
+    "concat": cat_rule,
+    "concatenate": cat_rule,
+    "getitem": getitem_rule,
     "scaled_dot_product_attention": _sdpa,
 }
-_MULTI: dict[str, Callable[[_Call, list], Plan]] = {"split": _split, "chunk": _split, "unbind": _split}
+_MULTI: dict[str, Callable[[_Call, list], Plan]] = {"split": split_rule, "chunk": split_rule, "unbind": split_rule}
