@@ -633,3 +633,75 @@ def test_an_unaligned_tensor_in_a_mapped_file_is_copied(tmp_path):
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     got = read_safetensors(mapped, {"a": (torch.float32, [6])})
     assert torch.equal(got["a"], values)
+
+
+# -- views are saved as views ------------------------------------------------------------------------
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def test_views_are_saved_once_and_load_back_sharing_memory(tiny_gpt2, tmp_path):
+    model, (ids,) = tiny_gpt2.model, tiny_gpt2.args
+    trace = tl.trace(model, ids)
+    trace.save(tmp_path / "t")
+    manifest = manifest_of(tmp_path / "t")
+    assert manifest["format_version"] == 2 and manifest["views"]
+    values = [op for op in trace.ops if op.saved and isinstance(op.out, torch.Tensor)]
+    value_bytes = sum(op.out.numel() * op.out.element_size() for op in values)
+    written = sum(op.out.numel() * op.out.element_size() for op in values if f"op/{op.label}" in manifest["tensors"])
+    assert written < value_bytes  # the views' bytes are not written again
+    loaded = tl.load_trace(tmp_path / "t")
+    for op in values:
+        got = loaded[op.label].out
+        assert torch.equal(got, op.out) and got.shape == op.out.shape, op.label
+    # what shared memory in the trace shares it in the loaded trace, and what did not, does not
+    pairs = [(a, b) for a in values for b in values if a.index < b.index]
+    for a, b in pairs:
+        before = _storage(a.out) == _storage(b.out)
+        after = _storage(loaded[a.label].out) == _storage(loaded[b.label].out)
+        assert after <= before, (a.label, b.label)
+    assert sum(1 for a, b in pairs if _storage(loaded[a.label].out) == _storage(loaded[b.label].out)) > 0
+    edit = tl.zero_ablate()
+    assert torch.equal(loaded.fork().do("transformer.h.0.mlp", edit).output.logits,
+                       trace.fork().do("transformer.h.0.mlp", edit).output.logits)
+
+
+def test_a_save_without_views_keeps_the_first_format_version(mlp, x, tmp_path):
+    trace = tl.trace(mlp, x)
+    trace.save(tmp_path / "t")
+    assert manifest_of(tmp_path / "t")["format_version"] == 1 and "views" not in manifest_of(tmp_path / "t")
+    recipe = trace.fork().do("act", tl.zero_ablate()).save_intervention(tmp_path / "r.tlspec")
+    assert manifest_of(recipe)["format_version"] == 1
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda v, t: v.update(of="no such tensor"), "names no tensor"),
+    (lambda v, t: v.update(size=[10**6] * len(v["size"])), "reaches element"),
+    (lambda v, t: v.update(offset=10**9), "reaches element"),
+    (lambda v, t: v.update(stride=[-1] * len(v["stride"])), "stride"),
+    (lambda v, t: v.update(size=v["size"] + [1]), "malformed size or stride"),
+    (lambda v, t: v.pop("offset"), "exactly of, size, stride and offset"),
+    (lambda v, t: v.update(size="3"), "malformed size or stride"),
+])
+def test_hostile_views_are_refused(tiny_gpt2, tmp_path, change, message):
+    trace = tl.trace(tiny_gpt2.model, *tiny_gpt2.args)
+    trace.save(tmp_path / "t")
+    manifest = manifest_of(tmp_path / "t")
+    name = next(iter(manifest["views"]))
+    change(manifest["views"][name], manifest["tensors"])
+    rewrite(tmp_path / "t", manifest)
+    with pytest.raises(RecipeFormatError, match=message):
+        tl.load_trace(tmp_path / "t")
+
+
+def test_a_view_named_like_a_tensor_is_refused(tiny_gpt2, tmp_path):
+    trace = tl.trace(tiny_gpt2.model, *tiny_gpt2.args)
+    trace.save(tmp_path / "t")
+    manifest = manifest_of(tmp_path / "t")
+    view = manifest["views"].pop(next(iter(manifest["views"])))
+    manifest["views"][next(iter(manifest["tensors"]))] = view
+    rewrite(tmp_path / "t", manifest)
+    with pytest.raises(RecipeFormatError, match="has a tensor's name"):
+        tl.load_trace(tmp_path / "t")

@@ -29,13 +29,15 @@ from ._checks import check_int, fail, loads_json
 from ._safetensors import check_declared, read_safetensors, write_safetensors
 
 __all__ = [
-    "FORMAT", "FORMAT_VERSION", "MANIFEST", "MAX_MANIFEST_BYTES", "SavedDir", "TENSOR_FILE", "check_file_name",
-    "check_path_arg", "dumps_manifest", "installed_version", "read_file_entry", "read_manifest", "read_tensors",
-    "write_dir",
+    "FIRST_VERSION", "FORMAT", "FORMAT_VERSION", "MANIFEST", "MAX_MANIFEST_BYTES", "SavedDir", "TENSOR_FILE",
+    "VIEWS_VERSION", "check_file_name", "check_path_arg", "dumps_manifest", "installed_version", "read_file_entry",
+    "read_manifest", "read_tensors", "read_views", "write_dir",
 ]
 
 FORMAT = "torchlens"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest this reader reads; a save is written in the oldest that holds it
+FIRST_VERSION = 1  # recipes, and traces without views
+VIEWS_VERSION = 2  # the first with "views" (tensors saved as views of others): older readers refuse it
 MANIFEST = "manifest.json"
 TENSOR_FILE = "tensors.safetensors"
 MAX_MANIFEST_BYTES = 256 << 20
@@ -159,6 +161,34 @@ def read_file_entry(d: SavedDir, manifest: dict, role: str, required: bool = Tru
     return data
 
 
+def read_views(manifest: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors the manifest's ``views`` lists, each a view of a whole tensor of the file,
+    every field checked (names, sizes, strides, and that the view stays inside its tensor)."""
+    views = manifest.get("views", {})
+    if not isinstance(views, dict):
+        raise fail("manifest 'views' must be an object")
+    out = {}
+    for name, entry in views.items():
+        where = f"view {name!r:.80}"
+        if not isinstance(entry, dict) or set(entry) != {"of", "size", "stride", "offset"}:
+            raise fail(f"{where} must have exactly of, size, stride and offset")
+        base = tensors.get(entry["of"]) if isinstance(entry["of"], str) else None
+        if base is None or name in tensors:
+            raise fail(f"{where} names no tensor of the file to view, or has a tensor's name")
+        size, stride = entry["size"], entry["stride"]
+        if not (isinstance(size, list) and isinstance(stride, list) and len(size) == len(stride) <= 64):
+            raise fail(f"{where} has a malformed size or stride")
+        size = [check_int(n, f"a size of {where}", 0, 1 << 46) for n in size]
+        stride = [check_int(n, f"a stride of {where}", 0, 1 << 46) for n in stride]
+        offset = check_int(entry["offset"], f"the offset of {where}", 0, 1 << 46)
+        last = offset + sum((n - 1) * s for n, s in zip(size, stride)) if all(size) else offset - 1
+        if last >= base.numel() or offset > base.numel():
+            raise fail(f"{where} reaches element {last} of a tensor of {base.numel()}")
+        flat = base.reshape(-1)
+        out[name] = flat.as_strided(size, stride, flat.storage_offset() + offset)
+    return out
+
+
 def read_tensors(d: SavedDir, manifest: dict) -> dict[str, torch.Tensor]:
     declared = check_declared(manifest.get("tensors"))
     files = manifest.get("files")
@@ -192,7 +222,8 @@ def write_dir(path: Any, manifest: dict[str, Any], tensors: dict[str, torch.Tens
                 f.write(data)
                 _sync(f)
             files[role] = {"name": name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-        head = {"format": FORMAT, "kind": manifest.pop("kind"), "format_version": FORMAT_VERSION}
+        version = VIEWS_VERSION if manifest.get("views") else FIRST_VERSION
+        head = {"format": FORMAT, "kind": manifest.pop("kind"), "format_version": version}
         _write_manifest(tmp, {**head, **manifest, "tensors": declared, "files": files})
         _swap_into_place(tmp, target, overwrite)
     except BaseException:

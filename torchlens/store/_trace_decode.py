@@ -95,7 +95,7 @@ def fields(obj: Any, required: set[str], where: str, optional: set[str] = frozen
 
 def build_trace(m: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Any:
     """The Trace (or Fork) a checked manifest ``m`` and its ``tensors`` describe; run it under ``guarded``."""
-    fields(m, _TRACE_KEYS, "the manifest", {"grad", "op_graph"})
+    fields(m, _TRACE_KEYS, "the manifest", {"grad", "op_graph", "views"})
     base = Trace(None)
     dec = Decoder(tensors)
     ops_json = _get(m, "ops", list, "manifest")

@@ -349,6 +349,11 @@ class TraceStore:
         except OSError as exc:
             raise self._error(exc) from exc
 
+    def view_of(self, name: str) -> tuple[str, int] | None:
+        """``(the stored tensor it views, its storage offset)`` for a value stored as a view (None: it is not)."""
+        view = self._views.get(name)
+        return None if view is None else (view[0], view[3])
+
     def get(self, name: str) -> torch.Tensor:
         """The stored tensor ``name`` (memory-mapped from a finished shard, read from the open one,
         or recomputed from stored ones by its recipe)."""

@@ -8,6 +8,7 @@ cannot be stored safely is refused, or kept as an :class:`Opaque` marker.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -79,11 +80,20 @@ class LazyTensor:
 
 
 class TensorTable:
-    """Tensors to write, deduplicated by identity so shared tensors load back shared."""
+    """Tensors to write, deduplicated by identity so shared tensors load back shared.
 
-    def __init__(self) -> None:
+    With ``views``, a tensor that views the whole storage of a tensor already in the table
+    (``x.view(...)``, ``x.transpose(...)``, a ``split`` part ...) is not written again: it is
+    listed in ``views`` (``{"of": name, "size", "stride", "offset"}``) and rebuilt on load as that
+    view, sharing the memory again.
+    """
+
+    def __init__(self, views: bool = False) -> None:
         self.tensors: dict[str, torch.Tensor | LazyTensor] = {}
         self._ids: dict[Any, str] = {}
+        self.views: dict[str, dict[str, Any]] | None = {} if views else None
+        self._wholes: dict[tuple[int, str], tuple[str, torch.Tensor]] = {}  # (storage, device) -> whole tensor
+        self._kept: list[torch.Tensor] = []  # the views listed (their ids name them in ``_ids``)
 
     def put_lazy(self, key: Any, t: torch.Tensor, load: Callable[[], torch.Tensor], stem: str) -> str:
         """Like :meth:`put` for ``t``, a value read back from disk: the table keeps ``load`` (which
@@ -92,7 +102,7 @@ class TensorTable:
         if name is not None:
             return name
         _storable_check(t)
-        name = stem if stem not in self.tensors else f"{stem}#{len(self.tensors)}"
+        name = self._fresh(stem)
         self.tensors[name] = LazyTensor(load, t.dtype, tuple(t.shape))
         self._ids[key] = name
         return name
@@ -102,10 +112,56 @@ class TensorTable:
         if name is not None:
             return name
         _storable_check(t)
-        name = stem if stem not in self.tensors else f"{stem}#{len(self.tensors)}"
-        self.tensors[name] = t
+        name = self._fresh(stem)
         self._ids[id(t)] = name
+        if self.views is not None:
+            view = self._view_of(t)
+            if view is not None:
+                self.views[name] = view
+                self._kept.append(t)
+                return name
+            self._note_whole(name, t)
+        self.tensors[name] = t
         return name
+
+    def put_lazy_view(self, key: Any, t: torch.Tensor, base_key: Any, offset: int, stem: str) -> str | None:
+        """List ``t`` (named ``key``, as in :meth:`put_lazy`) as a view of the lazily listed tensor
+        ``base_key`` at ``offset`` (its shape and strides ``t``'s), if that tensor is in the table
+        and ``t`` fits in it (None: list ``t`` itself)."""
+        name = self._ids.get(key)
+        if name is not None:
+            return name
+        base = self._ids.get(base_key)
+        whole = self.tensors.get(base) if base is not None else None
+        if self.views is None or type(whole) is not LazyTensor or whole.dtype != t.dtype or t.is_conj() \
+                or t.is_neg() or (t.numel() and offset + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+                                  >= math.prod(whole.shape)):
+            return None
+        name = self._fresh(stem)
+        self.views[name] = {"of": base, "size": list(t.shape), "stride": list(t.stride()), "offset": offset}
+        self._ids[key] = name
+        return name
+
+    def _fresh(self, stem: str) -> str:
+        taken = len(self.tensors) + len(self.views or ())
+        return stem if stem not in self.tensors and stem not in (self.views or ()) else f"{stem}#{taken}"
+
+    def _view_of(self, t: torch.Tensor) -> dict[str, Any] | None:
+        """How ``t`` views a whole tensor of the table (None: it does not)."""
+        storage = t.untyped_storage()
+        found = self._wholes.get((storage.data_ptr(), str(t.device))) if storage.nbytes() else None
+        if found is None or t.is_conj() or t.is_neg():
+            return None
+        name, whole = found
+        if whole.dtype != t.dtype or whole.untyped_storage().nbytes() != storage.nbytes():
+            return None
+        return {"of": name, "size": list(t.shape), "stride": list(t.stride()), "offset": t.storage_offset()}
+
+    def _note_whole(self, name: str, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        if storage.nbytes() and storage.nbytes() == t.numel() * t.element_size() and t.storage_offset() == 0 \
+                and t.is_contiguous() and not t.is_conj() and not t.is_neg():
+            self._wholes.setdefault((storage.data_ptr(), str(t.device)), (name, t))
 
 
 def _storable_check(t: torch.Tensor) -> None:

@@ -47,7 +47,7 @@ from ._fingerprints import (
 )
 from ._fingerprints import fingerprint_mismatch as fingerprint_mismatch  # re-exported: it lived here
 from ._ondisk import (
-    FORMAT_VERSION,
+    FIRST_VERSION,
     SavedDir,
     check_path_arg,
     installed_version,
@@ -247,7 +247,7 @@ class Recipe:
     """
 
     def __init__(self, steps: list[Step], fingerprint: dict[str, Any] | None, *, level: str = "portable",
-                 torchlens_version: str | None = None, format_version: int = FORMAT_VERSION,
+                 torchlens_version: str | None = None, format_version: int = FIRST_VERSION,
                  path: Path | None = None, check_fingerprint: bool = True) -> None:
         self.steps = steps
         self.fingerprint = fingerprint

@@ -40,6 +40,7 @@ from ._ondisk import (
     read_file_entry,
     read_manifest,
     read_tensors,
+    read_views,
     write_dir,
 )
 from ._safetensors import MAX_HEADER_BYTES, ST_DTYPES, ST_NAMES, check_declared, read_safetensors, write_safetensors
@@ -118,14 +119,16 @@ def _save(trace: Any, path: Any, selector: Any, overwrite: bool, stored: Callabl
     if base.ops:
         base.ensure_graph()
     keep = None if selector is None else _keep_set(trace, as_selector(selector).match(trace))
-    table = TensorTable()
+    table = TensorTable(views=True)
     arg_names = _tensor_names(trace.model) or base.saved_tensor_names
 
     def put(t: torch.Tensor, stem: str) -> dict:
         origin = stored(t)
         if origin is not None:
             store, name = origin
-            return {"tensor": table.put_lazy(origin, t, lambda: store.get(name), stem)}
+            view = store.view_of(name)  # stored as a view: listed as one, of the tensor it views
+            listed = None if view is None else table.put_lazy_view(origin, t, (store, view[0]), view[1], stem)
+            return {"tensor": listed or table.put_lazy(origin, t, lambda: store.get(name), stem)}
         return {"tensor": table.put(t, arg_names.get(id(t), stem))}
 
     def put_as(stem: str) -> Callable[[torch.Tensor], dict]:
@@ -161,6 +164,8 @@ def _save(trace: Any, path: Any, selector: Any, overwrite: bool, stored: Callabl
         "unsaved_steps": unsaved,
         "fork": _encode_fork(trace, put_as, keep, table) if is_fork else None,
     }
+    if table.views:
+        manifest["views"] = dict(sorted(table.views.items()))
     return write_dir(path, manifest, table.tensors, overwrite=overwrite)
 
 
@@ -290,4 +295,5 @@ def load_trace(path: Any) -> Any:
     with SavedDir(path) as d:
         manifest = read_manifest(d, "trace")
         tensors = read_tensors(d, manifest)
+        tensors.update(read_views(manifest, tensors))
     return guarded(build_trace, manifest, tensors)
