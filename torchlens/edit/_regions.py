@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..core.tree import Pending
+from ._shared_pages import page_copy
 
 __all__ = [
     "WHOLE", "Corner", "Plan", "Region", "ReplayLog", "RowPatch", "Rows", "diff_region", "normal", "refine_corner",
@@ -100,7 +101,10 @@ class RowPatch(Pending):
         return self.resolve().narrow(axis, start, length)
 
     def resolve(self) -> torch.Tensor:
-        new = self.base.clone()
+        # a big base whose new rows are few: share its pages instead of copying them all
+        new = None if self.rows.requires_grad or 2 * self.rows.numel() > self.base.numel() else page_copy(self.base)
+        if new is None:
+            new = self.base.clone()
         new.narrow(self.axis, self.start, new.shape[self.axis] - self.start).copy_(self.rows)
         return new
 
