@@ -385,7 +385,8 @@ class Trace(Graph, TraceActions):
         Each fork equals ``self.fork().do(site, edit, ...)`` chained over its pairs (to float
         rounding, as sliced replay); the forks' ``edits[-1].replay`` logs say what was recomputed.
         A sweep such as zeroing each block's output at the last position costs about one sliced
-        replay of the whole model instead of one per fork.
+        replay of the whole model instead of one per fork: fresh forks whose edits change the
+        same rows are walked through the graph once, their rows stacked in one tensor per op.
 
         Args:
             edits: per fork, a ``(site, edit)`` pair as ``fork.do(site, edit)`` takes it, or a list of them.

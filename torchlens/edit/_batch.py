@@ -28,6 +28,7 @@ from ..core.steps import Step
 from ..errors import EmptySelectionError, GuardChangedError, InvalidArgumentError
 from ._regions import Plan
 from ._slicing import StackedCall, collect_rows
+from ._sweep import sweep
 from .replay import REPLAY_MODES, Replayer, Target, check_against_forward, replay_step
 
 __all__ = ["RowBatch", "push_together", "replay_many"]
@@ -259,7 +260,9 @@ def replay_many(forks: Sequence[Any], steps: Sequence[Sequence[Step]], *, rerun:
         chunk, chunk_steps = forks[k:k + size], steps[k:k + size]
         for r in range(max((len(s) for s in chunk_steps), default=0)):
             now = [(fork, s[r]) for fork, s in zip(chunk, chunk_steps) if len(s) > r]
-            pushed = push_together([f for f, _ in now], [s for _, s in now])
+            # fresh forks first try one pass for all (_sweep), else each fork's replayer in step
+            swept = sweep([f for f, _ in now], [s for _, s in now]) if r == 0 else None
+            pushed = swept or push_together([f for f, _ in now], [s for _, s in now])
             for (fork, step), got in zip(now, pushed):
                 if isinstance(got, GuardChangedError):
                     replay_step(fork, step, rerun=rerun, replay=replay)  # alone: falls back or raises

@@ -17,7 +17,7 @@ from ..core.inputs import split_inputs
 from ..core.records import EDIT, GUARD, INPLACE, INPUT, NOT_REPLAYABLE, RANDOM, ModuleCall, Op, build_args
 from ..core.steps import Step
 from ..core.trace import DataRead
-from ..core.tree import clone_value, describe_shape, flatten, tensor_leaves
+from ..core.tree import Pending, clone_value, describe_shape, flatten, tensor_leaves
 from ..errors import (
     EmptySelectionError,
     GuardChangedError,
@@ -362,7 +362,7 @@ class Replayer:
             return v
 
         args, kwargs = build_args(op, resolve)
-        pending = any(isinstance(v, RowPatch) for v in values)
+        pending = any(isinstance(v, Pending) for v in values)
         return plan_op(op, args, kwargs, region_lookup(values, refs, self.regions)), args, kwargs, pending
 
     def _rerun_view(self, op: Op, plan: Plan, args: tuple, kwargs: dict) -> bool:

@@ -1,0 +1,101 @@
+"""``trace.forks`` on fresh forks whose edits change the same rows: one pass over the recorded
+graph for all forks, every op run once on their stacked rows (``torchlens.edit._sweep``).
+
+Each swept fork must recompute the same ops and rows as the same edit replayed alone, hold
+the same values there, and give the logits of a re-executed forward whose edit is a plain
+forward hook. Tolerance as tests/test_fork_batch.py: stacking rows changes BLAS blocking,
+``ATOL = 1e-5`` on the tiny models.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import edited_forward, scale_row_edit, scale_row_hook
+from conftest import leaves as tl_leaves
+
+import torchlens as tl
+from torchlens.core.steps import REPLAY, Step
+from torchlens.edit._sweep import sweep
+
+ATOL = 1e-5
+
+
+def _blocks(case) -> list[str]:
+    prefix = "transformer.h" if case.name == "tiny_gpt2" else "model.layers"
+    return [f"{prefix}.{i}" for i in range(len(case.model.get_submodule(prefix)))]
+
+
+def _swept(trace, pairs):
+    forks = [trace.fork() for _ in pairs]
+    steps = [Step(f.bind(site, strings_as_modules=True), edit, REPLAY) for f, (site, edit) in zip(forks, pairs)]
+    return forks, sweep(forks, steps)
+
+
+def _untouched(fork) -> bool:
+    state = fork.fork_state()
+    return not state.values and not state.subst and not state.overrides and not state.recipe
+
+
+@pytest.mark.parametrize("where", ["last", "middle"])
+@pytest.mark.parametrize("case_name", ["tiny_gpt2", "tiny_llama"])
+def test_each_swept_fork_equals_its_edit_alone_op_by_op_and_a_hooked_forward(case_name, where, request):
+    case = request.getfixturevalue(case_name)
+    trace = tl.trace(case.model, *case.args)
+    seq = case.args[0].shape[1]
+    p = seq - 1 if where == "last" else seq // 2
+    blocks = _blocks(case)
+    sites = blocks * 2  # two forks per block, each its own scale
+    pairs = [(b, scale_row_edit(p, 0.5 + i)) for i, b in enumerate(sites)]
+    forks, got = _swept(trace, pairs)
+    assert got is not None and len(got) == len(forks)
+    index = {op.label: op.index for op in trace.ops}
+    for i, (fork, (b, _)) in enumerate(zip(forks, pairs)):
+        k = 0.5 + i
+        alone = trace.fork().do(b, scale_row_edit(p, k))
+        want = edited_forward(case.model, b, scale_row_hook(p, k), case.args).logits
+        assert torch.allclose(fork.output.logits, want, atol=ATOL), b
+        assert torch.allclose(fork.output.logits, alone.output.logits, atol=ATOL), b
+        mine, theirs = fork.edits[-1].replay.entries, alone.edits[-1].replay.entries
+        assert [e[:4] for e in mine] == [e[:4] for e in theirs]
+        assert any(e[4] == f"stacked with {len(forks) - 1} other fork(s)" for e in mine)
+        for label, *_ in mine:  # every recomputed value, multi-output ones included
+            a, b_ = tl_leaves(fork.value(index[label])), tl_leaves(alone.value(index[label]))
+            assert len(a) == len(b_) and all(torch.allclose(x, y, atol=ATOL) for x, y in zip(a, b_)), label
+    assert torch.equal(trace.output.logits, edited_forward(case.model, blocks[0], lambda o: o, case.args).logits)
+
+
+def test_a_fork_changing_earlier_rows_than_the_stack_restores_every_fork(tiny_gpt2):
+    trace = tl.trace(tiny_gpt2.model, *tiny_gpt2.args)
+    seq = tiny_gpt2.args[0].shape[1]
+    pairs = [("transformer.h.0", scale_row_edit(seq - 1)), ("transformer.h.1", scale_row_edit(1))]
+    forks, got = _swept(trace, pairs)
+    assert got is None and all(_untouched(f) for f in forks)
+    # trace.forks then replays them the general way
+    for fork, (site, _edit), p in zip(trace.forks(pairs), pairs, (seq - 1, 1)):
+        want = edited_forward(tiny_gpt2.model, site, scale_row_hook(p), tiny_gpt2.args).logits
+        assert torch.allclose(fork.output.logits, want, atol=ATOL)
+
+
+def test_an_edit_that_raises_restores_every_fork(tiny_gpt2):
+    trace = tl.trace(tiny_gpt2.model, *tiny_gpt2.args)
+
+    def broken(act, *, ctx):
+        raise ValueError("edit bug")
+
+    pairs = [("transformer.h.0", scale_row_edit(5)), ("transformer.h.1", broken)]
+    forks, got = _swept(trace, pairs)
+    assert got is None and all(_untouched(f) for f in forks)
+
+
+def test_only_fresh_forks_of_one_trace_are_swept(tiny_gpt2):
+    trace = tl.trace(tiny_gpt2.model, *tiny_gpt2.args)
+    other = tl.trace(tiny_gpt2.model, *tiny_gpt2.args)
+    edit = scale_row_edit(5)
+    forks = [trace.fork(), other.fork()]
+    steps = [Step(f.bind("transformer.h.0", strings_as_modules=True), edit, REPLAY) for f in forks]
+    assert sweep(forks, steps) is None and all(_untouched(f) for f in forks)
+    edited = trace.fork().do("transformer.h.0", edit)
+    forks = [edited, trace.fork()]
+    steps = [Step(f.bind("transformer.h.1", strings_as_modules=True), edit, REPLAY) for f in forks]
+    assert sweep(forks, steps) is None and len(edited.recipe) == 1 and _untouched(forks[1])

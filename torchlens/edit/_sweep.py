@@ -1,0 +1,476 @@
+"""Replaying a sweep of fresh forks as one pass: every fork's changed rows of an op in one tensor.
+
+:func:`torchlens.edit._batch.push_together` walks one replayer per fork in step and stacks
+their row recomputations op by op; each fork still plans, builds and stores every op it
+reaches. A sweep (zero each block at the last position; twelve forks) therefore pays the
+Python of one replay per fork. :func:`sweep` walks the recorded graph once for all forks:
+an op some forks changed holds one :class:`_Stack`, the rows ``start:`` along ``axis`` of each
+of those forks, one block per fork; a row rule (``linear``, ``addmm``, norms, elementwise
+ops ...) or a shape op runs once on the stacked rows, and only ops whose rule reads a
+changed value whole (attention's keys and values, ``split``, ``cat``) run once per fork.
+Each fork then stores its own rows of each op exactly as its own replayer would, with the
+same replay log.
+
+A fork that has not reached an op yet is not in its stack (its rows there are the recorded
+ones), so results equal each fork replayed alone to float rounding (stacking changes BLAS
+blocking, as in ``push_together``). Anything the sweep does not cover (a whole-tensor
+region, an in-place, guard or random op, an edit whose changed rows start elsewhere, a
+data read the edit reaches, an error) restores every fork and returns None: the caller
+replays them the general way, which handles (and reports) each fork by itself.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..core.records import EDIT, GUARD, INPLACE, INPUT, ModuleCall, build_args
+from ..core.steps import Step
+from ..core.tree import Pending
+from ._regions import RowPatch, Rows
+from ._slicing import ELEMENTWISE, collect_rows, plan_op
+from .replay import ROW_VIEWS, UNINITIALISED, Replayer, Target, execute, refuse_reason
+
+__all__ = ["STACKED_RULES", "sweep"]
+
+# Ops whose row rule reads each changed argument only as its changed rows: run once on every fork's rows.
+STACKED_RULES = ELEMENTWISE | {"linear", "layer_norm", "rms_norm", "softmax", "log_softmax", "mean", "sum", "amax",
+                               "amin", "addmm"}
+# Ops with several outputs, each a slice of the input along a kept axis: run once on the stacked rows.
+_SPLITS = frozenset({"split", "chunk", "unbind"})
+_CATS = frozenset({"cat", "concat", "concatenate"})
+_ATTENTION = "scaled_dot_product_attention"
+_STACKED_OPS = STACKED_RULES | ROW_VIEWS | _SPLITS | _CATS | {_ATTENTION}
+# Shape ops that reinterpret memory: stacked rows keep one block per fork only if nothing before the axis changes.
+_MEMORY_VIEWS = frozenset({"view", "reshape", "flatten", "unflatten"})
+
+
+class _Abort(Exception):
+    """The sweep does not cover this: every fork is restored and replayed the general way."""
+
+
+class _PerFork(Exception):
+    """A rule reads a stacked argument other than as its changed rows: run the op once per fork."""
+
+
+class _Stack:
+    """The changed rows ``start:`` along ``axis`` of op values, one block per fork of ``forks`` (in order)."""
+
+    __slots__ = ("base", "axis", "start", "rows", "forks")
+
+    def __init__(self, base: torch.Tensor, axis: int, start: int, rows: torch.Tensor, forks: tuple[int, ...]) -> None:
+        self.base, self.axis, self.start, self.rows, self.forks = base, axis, start, rows, forks
+
+    @property
+    def block(self) -> int:
+        return self.base.shape[self.axis] - self.start
+
+    def rows_of(self, fork: int) -> torch.Tensor:
+        """Fork ``fork``'s rows (the recorded ones if it has not changed this value)."""
+        m = self.block
+        if fork in self.forks:
+            return self.rows.narrow(self.axis, self.forks.index(fork) * m, m)
+        return self.base.narrow(self.axis, self.start, m)
+
+    def aligned(self, forks: tuple[int, ...]) -> torch.Tensor:
+        """The rows of ``forks`` (a superset of this stack's), one block each, in order."""
+        if forks == self.forks:
+            return self.rows
+        return torch.cat([self.rows_of(f) for f in forks], self.axis)
+
+
+class _Swept(RowPatch):
+    """A stacked argument as a row rule sees it while its op is planned: cutting it to its
+    changed rows gives every fork's rows; reading it any other way asks for a per-fork run."""
+
+    __slots__ = ()
+
+    def narrow(self, axis: int, start: int, length: int) -> torch.Tensor:
+        if axis == self.axis and start == self.start and length == self.base.shape[axis] - start:
+            return self.rows
+        raise _PerFork
+
+    def resolve(self) -> torch.Tensor:
+        raise _PerFork
+
+
+class _SweptWhole(_Swept):
+    """A stacked key or value of attention: the rule passes it whole, so planning sees the
+    recorded tensor, and :meth:`_Sweep._attention` puts each fork's rows in."""
+
+    __slots__ = ()
+
+    def resolve(self) -> torch.Tensor:
+        return self.base
+
+
+class _Outputs(Pending):
+    """Several outputs of one op on one fork, each the recorded tensor or a :class:`RowPatch`, built when read."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: tuple) -> None:
+        self.values = values
+
+    def resolve(self) -> tuple:
+        return tuple(v.resolve() if isinstance(v, RowPatch) else v for v in self.values)
+
+    def held(self) -> list[Any]:
+        return [t for v in self.values for t in (v.held() if isinstance(v, RowPatch) else [v])]
+
+
+def sweep(forks: Sequence[Any], steps: Sequence[Step]) -> list[Replayer] | None:
+    """Push ``steps[i]`` (a bound replay step) down ``forks[i]`` for every fork in one pass over
+    the recorded graph, their changed rows stacked per op.
+
+    Args:
+        forks: fresh forks (no edits yet) of one trace, two or more.
+        steps: one bound replay step per fork, each landing on one module call or op.
+
+    Returns:
+        per fork, its :class:`~torchlens.edit.replay.Replayer` (the fork now holds its edit), or
+        None when the sweep does not cover these forks (every fork is then as it was).
+    """
+    if len(forks) < 2:
+        return None
+    parent = getattr(forks[0], "parent", None)
+    if parent is None or any(getattr(f, "parent", None) is not parent or f.recipe or f.grad or f.stale_positions()
+                             for f in forks):
+        return None
+    records = []
+    for fork, step in zip(forks, steps):
+        try:
+            fork.require_op_graph("replaying an edit")
+        except Exception:  # noqa: BLE001 - the general path raises it
+            return None
+        found = step.site.match(fork)
+        if len(found) != 1:
+            return None  # nothing (the general path raises) or several landing places
+        records.append(found[0])
+    before = [f.fork_state() for f in forks]
+    try:
+        replayers = []
+        for fork, step, record in zip(forks, steps, records):
+            fork.add_step(step)
+            replayer = Replayer(fork, sliced=True)
+            replayer.prepare(fork.recipe[-1], [Target(record)])
+            replayers.append(replayer)
+        with torch.no_grad():
+            _Sweep(parent, replayers, records).run()
+    except BaseException as exc:
+        for fork, state in zip(forks, before):
+            fork.restore_fork(state, fork.unsaved_steps)
+        if isinstance(exc, Exception):  # the general path redoes it and reports each fork's own error
+            return None
+        raise
+    return replayers
+
+
+class _Sweep:
+    def __init__(self, parent: Any, replayers: list[Replayer], records: list[Any]) -> None:
+        self.parent = parent
+        self.replayers = replayers
+        self.ops = parent.ops
+        self.stack: dict[int, Any] = {}  # op index -> _Stack, or a tuple of them (None: unchanged) per output
+        self.land_at: dict[int, list[int]] = {}
+        for i, record in enumerate(records):
+            self.land_at.setdefault(Target(record).position, []).append(i)
+
+    def run(self) -> None:
+        n = len(self.ops)
+        for j in range(min(self.land_at), n + 1):
+            for i in self.land_at.get(j, ()):
+                self._land(i, j)
+            for replayer in self.replayers:
+                reads = replayer._reads
+                while replayer._read_i < len(reads) and reads[replayer._read_i].position <= j:
+                    replayer._check_read(reads[replayer._read_i])
+                    replayer._read_i += 1
+            if j == n:
+                return
+            op = self.ops[j]
+            if op.flags & INPUT:
+                continue
+            stacks = [s for s in (self._stack_of(r) for r in op.parent_refs) if s is not None]
+            if not stacks:
+                continue
+            if refuse_reason(op) or op.flags & (INPLACE | EDIT | GUARD) or op.func_name in UNINITIALISED:
+                raise _Abort
+            forks = tuple(sorted({f for s in stacks for f in s.forks}))
+            note = f"stacked with {len(forks) - 1} other fork(s)" if len(forks) > 1 else ""
+            try:
+                if op.func_name not in _STACKED_OPS:
+                    raise _PerFork
+                region, rows, how = self._stacked(op, forks)
+            except _PerFork:
+                region, rows, how = self._per_fork(op, forks)
+                note = ""
+            self._keep(op, forks, region, rows, how, note)
+
+    def _stack_of(self, ref: Any) -> _Stack | None:
+        s = self.stack.get(ref.index)
+        if isinstance(s, tuple):
+            return s[ref.elem] if ref.elem is not None else None if all(x is None for x in s) else _abort()
+        return s if ref.elem is None else None if s is None else _abort()
+
+    def _land(self, i: int, j: int) -> None:
+        """Apply fork ``i``'s edit at position ``j`` on the fork itself, then add its changed rows to the stack."""
+        replayer = self.replayers[i]
+        entries = replayer._steps_at[j]
+        refs = [r for _, t, _ in entries
+                for r in (t.record.out_refs if isinstance(t.record, ModuleCall) else [t.record])]
+        if len(refs) != 1 or refs[0] is None or getattr(refs[0], "elem", None) is not None:
+            raise _Abort
+        replayer._apply_steps(entries)
+        o = refs[0].index
+        region = replayer.regions.get(o)
+        if region is None:
+            return  # the edit changed nothing
+        base = self.parent.value(o)
+        edited = replayer.fork.seen_value(refs[0], j) if isinstance(entries[0][1].record, ModuleCall) \
+            else replayer.fork.value(o)
+        if not isinstance(region, Rows) or not isinstance(base, torch.Tensor) or not isinstance(edited, torch.Tensor) \
+                or edited.shape != base.shape or edited.dtype != base.dtype:
+            raise _Abort
+        s = self.stack.get(o)
+        if s is None:
+            self.stack[o] = _Stack(base, region.axis, region.start,
+                                   edited.narrow(region.axis, region.start, base.shape[region.axis] - region.start),
+                                   (i,))
+            return
+        if not isinstance(s, _Stack) or s.axis != region.axis or region.start < s.start:
+            raise _Abort
+        mine = edited.narrow(s.axis, s.start, s.block)
+        forks = tuple(sorted((*s.forks, i)))
+        s.rows = torch.cat([mine if f == i else s.rows_of(f) for f in forks], s.axis)
+        s.forks = forks
+
+    def _stacked(self, op: Any, forks: tuple[int, ...]) -> tuple[Rows, torch.Tensor, str]:
+        """Run ``op`` once on every fork's rows (raises _PerFork where its rule cannot)."""
+        j, regions, stacked = op.index, {}, set()
+
+        def resolve(ref):
+            s = self._stack_of(ref)
+            if s is None:
+                return self.parent.seen_value(ref, j)
+            rows = s.aligned(forks)
+            stacked.add(id(rows))
+            patch = (_SweptWhole if op.func_name == _ATTENTION else _Swept)(s.base, s.axis, s.start, rows)
+            regions[id(patch)] = Rows(s.axis, s.start)
+            return patch
+
+        args, kwargs = build_args(op, resolve)
+        plan = plan_op(op, args, kwargs, lambda t: regions.get(id(t)))
+        region = plan.region
+        name = op.func_name
+        if name in _SPLITS or name in _CATS:
+            return self._shaped(op, args, kwargs, plan, len(forks))
+        if not isinstance(region, Rows) or not isinstance(op.shape, tuple):
+            raise _PerFork
+        want = list(op.shape)
+        want[region.axis] = (want[region.axis] - region.start) * len(forks)
+        if op.func_name in ROW_VIEWS:
+            x = args[0] if args else None
+            if plan.kind != "full" or not isinstance(x, _Swept) \
+                    or any(isinstance(a, _Swept) for a in (*args[1:], *kwargs.values())):
+                raise _PerFork
+            if op.func_name in _MEMORY_VIEWS:
+                if math.prod(x.shape[: x.axis]) != math.prod(op.shape[: region.axis]):
+                    raise _PerFork
+                rows = x.rows.reshape(want)
+            else:
+                rows = op.func(x.rows, *args[1:], **kwargs)
+            how = "mapped"
+        else:
+            call = collect_rows(plan) if plan.kind == "rows" else None
+            if call is None:
+                raise _PerFork
+            n = len(forks)
+            if name == _ATTENTION:
+                return region, self._attention(call, args, kwargs, n, want), "rows"
+
+            def per_fork(v: Any) -> Any:
+                if isinstance(v, torch.Tensor):
+                    axis = call.axes.get(id(v))
+                    # an unchanged argument cut to the same rows: once per fork
+                    return v if axis is None or id(v) in stacked or n == 1 else torch.cat([v] * n, axis)
+                if isinstance(v, (list, tuple)):
+                    return type(v)(per_fork(x) for x in v)
+                return v
+
+            rows = call.func(*(per_fork(a) for a in call.args), **{k: per_fork(v) for k, v in call.kwargs.items()})
+            how = "rows"
+        if not isinstance(rows, torch.Tensor) or list(rows.shape) != want:
+            raise _PerFork
+        return region, rows, how
+
+    def _shaped(self, op: Any, args: tuple, kwargs: dict, plan: Any, n: int) -> tuple[Any, Any, str]:
+        """``split``/``chunk``/``unbind`` along another axis than the stacked one, and ``cat`` whose
+        stacked tensor ends its sequence along the stacked axis (a key cache), on the stacked rows."""
+        x = args[0] if args else kwargs.get("tensors", kwargs.get("input"))
+        region = plan.region
+        if plan.kind != "full":
+            raise _PerFork
+        if op.func_name in _SPLITS:
+            if not isinstance(x, _Swept) or any(isinstance(a, _Swept) for a in (*args[1:], *kwargs.values())) \
+                    or not _several(region) or any(r is not None and r.axis != x.axis for r in region):
+                raise _PerFork
+            rows = tuple(op.func(x.rows, *args[1:], **kwargs))
+            shapes = op.shape
+            if len(rows) != len(region) or not isinstance(shapes, tuple) or len(shapes) != len(rows):
+                raise _PerFork
+            for r, got, shape in zip(region, rows, shapes):
+                if r is not None and (got.shape[r.axis] != (shape[r.axis] - r.start) * n
+                                      or got.shape[: r.axis] != torch.Size(shape[: r.axis])):
+                    raise _PerFork
+            return region, rows, "mapped"
+        seq = list(x) if isinstance(x, (list, tuple)) else None
+        swept = [t for t in seq or () if isinstance(t, _Swept)]
+        if not isinstance(region, Rows) or len(swept) != 1 or swept[0].axis != region.axis:
+            raise _PerFork
+        dim, last = region.axis, swept[0]
+        after = seq[seq.index(last) + 1:]
+        if any(t.dim() == last.dim() and t.shape[dim] != 0 for t in after) \
+                or last.shape[dim] - last.start != op.shape[dim] - region.start:
+            raise _PerFork
+        return region, last.rows, "mapped"
+
+    def _attention(self, call: Any, args: tuple, kwargs: dict, n: int, want: list[int]) -> torch.Tensor:
+        """Attention on stacked query rows: each fork's queries, keys and values as one batch
+        entry of one call (forks never see each other's keys)."""
+        by_base = {id(a.base): a for a in (*args, *kwargs.values()) if isinstance(a, _SweptWhole)}
+        q, k, v = call.args[:3]
+        if len(call.args) != 3 or q.dim() != 4 or id(q) not in call.axes or call.axes[id(q)] != 2:
+            raise _PerFork
+        b, heads, rows, d = q.shape
+        m = rows // n
+
+        def per_fork_batch(t: torch.Tensor) -> torch.Tensor:
+            s = by_base.get(id(t))
+            if t.dim() != 4 or t.shape[0] != b:
+                raise _PerFork
+            if s is None:  # unchanged: the same keys for every fork
+                return t.unsqueeze(0).expand(n, *t.shape).reshape(n * b, *t.shape[1:])
+            if s.axis != 2:
+                raise _PerFork
+            full = t.unsqueeze(0).expand(n, *t.shape).clone()
+            mk = t.shape[2] - s.start
+            full[..., s.start:, :] = s.rows.reshape(b, t.shape[1], n, mk, t.shape[3]).permute(2, 0, 1, 3, 4)
+            return full.reshape(n * b, *t.shape[1:])
+
+        mask = call.kwargs.get("attn_mask")
+        extra = dict(call.kwargs)
+        if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[0] != 1:
+            if mask.shape[0] != b:
+                raise _PerFork
+            extra["attn_mask"] = mask.repeat(n, 1, 1, 1)
+        queries = q.reshape(b, heads, n, m, d).permute(2, 0, 1, 3, 4).reshape(n * b, heads, m, d)
+        out = call.func(queries, per_fork_batch(k), per_fork_batch(v), **extra)
+        if not isinstance(out, torch.Tensor) or out.dim() != 4 or out.shape[0] != n * b:
+            raise _PerFork
+        out = out.reshape(n, b, heads, m, out.shape[-1]).permute(1, 2, 0, 3, 4).reshape(b, heads, n * m, out.shape[-1])
+        if list(out.shape) != want:
+            raise _PerFork
+        return out
+
+    def _per_fork(self, op: Any, forks: tuple[int, ...]) -> tuple[Any, Any, str]:
+        """Run ``op`` once per fork, each on its own rows, and stack what they give."""
+        j, got, kinds = op.index, [], set()
+        for i in forks:
+            regions = {}
+
+            def resolve(ref, i=i, regions=regions):
+                s = self._stack_of(ref)
+                if s is None:
+                    return self.parent.seen_value(ref, j)
+                patch = RowPatch(s.base, s.axis, s.start, s.rows_of(i))
+                regions[id(patch)] = Rows(s.axis, s.start)
+                return patch
+
+            args, kwargs = build_args(op, resolve)
+            plan = plan_op(op, args, kwargs, lambda t, regions=regions: regions.get(id(t)))
+            kinds.add(plan.kind)
+            if plan.kind == "rows" and isinstance(plan.region, Rows):
+                got.append((plan.region, plan.call()))
+                continue
+            if plan.kind != "full" or not _row_regions(plan.region):
+                raise _Abort
+            built = execute(op, *build_args(op, lambda r, resolve=resolve: _whole(resolve(r))))
+            if _several(plan.region):
+                if not isinstance(built, (tuple, list)) or len(built) != len(plan.region):
+                    raise _Abort
+                got.append((plan.region, tuple(None if r is None else _cut(b, r) for b, r in zip(built, plan.region))))
+            else:
+                got.append((plan.region, _cut(built, plan.region)))
+        region = got[0][0]
+        if any(r != region for r, _ in got):
+            raise _Abort
+        if _several(region):
+            rows = tuple(None if r is None else torch.cat([g[1][k] for g in got], r.axis) for k, r in enumerate(region))
+        else:
+            rows = torch.cat([g[1] for g in got], region.axis)
+        return region, rows, "rows" if kinds == {"rows"} else "mapped"
+
+    def _keep(self, op: Any, forks: tuple[int, ...], region: Any, rows: Any, how: str, note: str) -> None:
+        """Put the stacked rows of ``op`` in the stack and give each fork its own."""
+        j = op.index
+        base = self.parent.value(j)
+        if _several(region):
+            if not isinstance(base, (tuple, list)) or len(base) != len(region):
+                raise _Abort
+            stacks = tuple(None if r is None else _checked(_Stack(b, r.axis, r.start, x, forks))
+                           for b, r, x in zip(base, region, rows))
+            self.stack[j] = stacks
+            parts = [None if s is None else s.rows.split(s.block, s.axis) for s in stacks]
+            for k, i in enumerate(forks):  # several outputs: built together when read
+                value = _Outputs(tuple(b if s is None else RowPatch(b, s.axis, s.start, p[k])
+                                       for b, s, p in zip(base, stacks, parts)))
+                self.replayers[i]._store(j, value, region)
+                self.replayers[i].log.entries.append((op.label, op.func_name, how, None, note))
+            return
+        if not isinstance(base, torch.Tensor):
+            raise _Abort
+        s = self.stack[j] = _checked(_Stack(base, region.axis, region.start, rows, forks))
+        size = (region.axis, region.start, base.shape[region.axis])
+        for i, rows_i in zip(forks, s.rows.split(s.block, s.axis)):
+            replayer = self.replayers[i]
+            replayer._store(j, RowPatch(base, region.axis, region.start, rows_i), region)
+            replayer.log.entries.append((op.label, op.func_name, how, size, note))
+
+
+def _abort() -> Any:
+    raise _Abort
+
+
+def _several(region: Any) -> bool:
+    """Whether ``region`` is one region per output of a multi-output op (``Rows`` is a tuple too)."""
+    return isinstance(region, tuple) and not isinstance(region, Rows)
+
+
+def _row_regions(region: Any) -> bool:
+    if _several(region):
+        return all(r is None or isinstance(r, Rows) for r in region) and any(r is not None for r in region)
+    return isinstance(region, Rows)
+
+
+def _whole(value: Any) -> Any:
+    return value.resolve() if isinstance(value, RowPatch) else value
+
+
+def _cut(value: Any, region: Rows) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise _Abort
+    return value.narrow(region.axis, region.start, value.shape[region.axis] - region.start)
+
+
+def _checked(s: _Stack) -> _Stack:
+    """``s`` if its rows are one block of the recorded shape per fork, else abort."""
+    want = list(s.base.shape)
+    want[s.axis] = s.block * len(s.forks)
+    if not isinstance(s.rows, torch.Tensor) or list(s.rows.shape) != want or s.rows.dtype != s.base.dtype:
+        raise _Abort
+    return s
+
