@@ -103,7 +103,7 @@ def torchlens_cases() -> None:
 
     ok = all(torch.allclose(a, b, atol=1e-5) for a, b in zip(c8_forks(), want))
     run_case(tool, "c8_gpt2_ablate_sweep_forks", c8_forks, base, ok,
-             "c8 with trace.forks: the 12 forks replayed together, their rows stacked per op",
+             "c8 with trace.forks: the 12 forks swept through the graph in one pass, their rows stacked per op",
              n=3 if "--quick" in sys.argv else 5)
 
     def c9():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 import weakref
 
 import torch
@@ -39,6 +40,7 @@ class _Frozen:
         self.close = close  # closes the file once: when the recorded tensor dies, or when replaced
 
 
+_LOCK = threading.Lock()
 _frozen: dict[int, _Frozen] = {}  # id(recorded tensor) -> its shared copy (removed when the tensor dies)
 
 
@@ -87,13 +89,16 @@ def page_copy(base: torch.Tensor) -> torch.Tensor | None:
             or base.requires_grad or base.nbytes < MIN_BYTES or not base.is_contiguous() or base.is_conj() \
             or base.is_neg():
         return None
-    entry = _frozen.get(id(base))
-    if entry is None or entry.version != base._version or entry.ptr != base.data_ptr() or entry.size != base.nbytes:
-        entry = _freeze(base)
-        if entry is None:
+    # one thread at a time: another could otherwise replace (and close) the file between lookup and mapping
+    with _LOCK:
+        entry = _frozen.get(id(base))
+        if entry is None or entry.version != base._version or entry.ptr != base.data_ptr() \
+                or entry.size != base.nbytes:
+            entry = _freeze(base)
+            if entry is None:
+                return None
+        try:  # torch maps the file privately and closes its own descriptor: none is held per copy
+            private = torch.from_file(f"/proc/self/fd/{entry.fd}", shared=False, size=base.numel(), dtype=base.dtype)
+        except (OSError, RuntimeError):  # no /proc, out of address space or mappings: the caller clones
             return None
-    try:  # torch maps the file privately and closes its own descriptor: none is held per copy
-        private = torch.from_file(f"/proc/self/fd/{entry.fd}", shared=False, size=base.numel(), dtype=base.dtype)
-    except (OSError, RuntimeError):  # no /proc, out of address space or mappings: the caller clones
-        return None
     return private.view(base.shape)
