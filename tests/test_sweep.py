@@ -65,14 +65,14 @@ def test_each_swept_fork_equals_its_edit_alone_op_by_op_and_a_hooked_forward(cas
     assert torch.equal(trace.output.logits, edited_forward(case.model, blocks[0], lambda o: o, case.args).logits)
 
 
-def test_a_fork_changing_earlier_rows_than_the_stack_restores_every_fork(tiny_gpt2):
+@pytest.mark.parametrize("first, second", [(5, 1), (1, 5), (3, 4)])
+def test_edits_changing_other_rows_restore_every_fork(tiny_gpt2, first, second):
     trace = tl.trace(tiny_gpt2.model, *tiny_gpt2.args)
-    seq = tiny_gpt2.args[0].shape[1]
-    pairs = [("transformer.h.0", scale_row_edit(seq - 1)), ("transformer.h.1", scale_row_edit(1))]
+    pairs = [("transformer.h.0", scale_row_edit(first)), ("transformer.h.1", scale_row_edit(second))]
     forks, got = _swept(trace, pairs)
     assert got is None and all(_untouched(f) for f in forks)
     # trace.forks then replays them the general way
-    for fork, (site, _edit), p in zip(trace.forks(pairs), pairs, (seq - 1, 1)):
+    for fork, (site, _edit), p in zip(trace.forks(pairs), pairs, (first, second)):
         want = edited_forward(tiny_gpt2.model, site, scale_row_hook(p), tiny_gpt2.args).logits
         assert torch.allclose(fork.output.logits, want, atol=ATOL)
 
@@ -99,3 +99,26 @@ def test_only_fresh_forks_of_one_trace_are_swept(tiny_gpt2):
     forks = [edited, trace.fork()]
     steps = [Step(f.bind("transformer.h.1", strings_as_modules=True), edit, REPLAY) for f in forks]
     assert sweep(forks, steps) is None and len(edited.recipe) == 1 and _untouched(forks[1])
+
+
+def test_a_swept_fork_edited_again_equals_both_edits_chained_and_two_hooks(tiny_gpt2):
+    model, args = tiny_gpt2.model, tiny_gpt2.args
+    trace = tl.trace(model, *args)
+    forks, got = _swept(trace, [("transformer.h.0", scale_row_edit(5, 2.0)), ("transformer.h.1", scale_row_edit(5))])
+    assert got is not None
+    both = forks[0].do("transformer.h.1", scale_row_edit(3, 0.5))
+    chained = trace.fork().do("transformer.h.0", scale_row_edit(5, 2.0)).do("transformer.h.1", scale_row_edit(3, 0.5))
+    handles = [model.transformer.h[0].register_forward_hook(lambda m, i, o: scale_row_hook(5, 2.0)(o)),
+               model.transformer.h[1].register_forward_hook(lambda m, i, o: scale_row_hook(3, 0.5)(o))]
+    try:
+        with torch.no_grad():
+            want = model(*args).logits
+    finally:
+        for h in handles:
+            h.remove()
+    assert torch.allclose(both.output.logits, want, atol=ATOL)
+    assert torch.allclose(both.output.logits, chained.output.logits, atol=ATOL)
+    index = {op.label: op.index for op in trace.ops}
+    for label, *_ in chained.edits[-1].replay.entries:
+        a, b = tl_leaves(both.value(index[label])), tl_leaves(chained.value(index[label]))
+        assert all(torch.allclose(x, y, atol=ATOL) for x, y in zip(a, b)), label

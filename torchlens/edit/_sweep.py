@@ -176,6 +176,7 @@ class _Sweep:
         self.ops = parent.ops
         self.stack: dict[int, Any] = {}  # op index -> _Stack, or a tuple of them (None: unchanged) per output
         self.land_at: dict[int, list[int]] = {}
+        self.rows: tuple[Rows, tuple] | None = None  # the changed rows of the first edit, and its value's shape
         for i, record in enumerate(records):
             self.land_at.setdefault(Target(record).position, []).append(i)
 
@@ -235,13 +236,19 @@ class _Sweep:
         if not isinstance(region, Rows) or not isinstance(base, torch.Tensor) or not isinstance(edited, torch.Tensor) \
                 or edited.shape != base.shape or edited.dtype != base.dtype:
             raise _Abort
+        # every edit must change the same rows: stacking a fork changing fewer would recompute (and hold)
+        # rows it never changed, up to a whole forward per fork on a grid of positions
+        if self.rows is None:
+            self.rows = (region, tuple(base.shape))
+        elif self.rows != (region, tuple(base.shape)):
+            raise _Abort
         s = self.stack.get(o)
         if s is None:
             self.stack[o] = _Stack(base, region.axis, region.start,
                                    edited.narrow(region.axis, region.start, base.shape[region.axis] - region.start),
                                    (i,))
             return
-        if not isinstance(s, _Stack) or s.axis != region.axis or region.start < s.start:
+        if not isinstance(s, _Stack) or s.axis != region.axis or region.start != s.start:
             raise _Abort
         mine = edited.narrow(s.axis, s.start, s.block)
         forks = tuple(sorted((*s.forks, i)))
