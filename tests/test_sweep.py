@@ -122,3 +122,39 @@ def test_a_swept_fork_edited_again_equals_both_edits_chained_and_two_hooks(tiny_
     for label, *_ in chained.edits[-1].replay.entries:
         a, b = tl_leaves(both.value(index[label])), tl_leaves(chained.value(index[label]))
         assert all(torch.allclose(x, y, atol=ATOL) for x, y in zip(a, b)), label
+
+
+def _decoder(kind: str):
+    import transformers
+
+    torch.manual_seed(0)
+    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=64)
+    configs = {
+        "mistral": lambda: transformers.MistralConfig(num_key_value_heads=2, **common),
+        "gpt_neox": lambda: transformers.GPTNeoXConfig(**common),
+        "opt": lambda: transformers.OPTConfig(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                                              vocab_size=64, word_embed_proj_dim=32),
+        "gptj": lambda: transformers.GPTJConfig(n_embd=32, n_layer=2, n_head=4, vocab_size=64, rotary_dim=4),
+    }
+    config = configs[kind]()
+    config._attn_implementation = "sdpa"
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    blocks = [name for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)][0]
+    return model, [f"{blocks}.{i}" for i in range(2)]
+
+
+@pytest.mark.parametrize("kind", ["mistral", "gpt_neox", "opt", "gptj"])
+def test_other_decoders_sweep_and_equal_their_edits_alone_and_hooks(kind):
+    # rotary embeddings (cat of halves, stack of interleaved pairs), fused qkv, grouped keys, learned positions
+    model, blocks = _decoder(kind)
+    ids = torch.tensor([[3, 17, 42, 9, 60, 5, 33]])
+    trace = tl.trace(model, ids)
+    pairs = [(b, scale_row_edit(6, 0.5 + i)) for i, b in enumerate(blocks * 2)]
+    forks, got = _swept(trace, pairs)
+    assert got is not None
+    for i, (fork, (b, _)) in enumerate(zip(forks, pairs)):
+        alone = trace.fork().do(b, scale_row_edit(6, 0.5 + i))
+        want = edited_forward(model, b, scale_row_hook(6, 0.5 + i), (ids,)).logits
+        assert torch.allclose(alone.output.logits, want, atol=ATOL), b
+        assert torch.allclose(fork.output.logits, want, atol=ATOL), b
+        assert not alone.edits[-1].replay.fallbacks

@@ -1,5 +1,5 @@
 """The slicing rules of shape ops (``view``/``reshape``, ``expand``, ``transpose``/``permute``,
-``cat``, ``getitem``, ``split``/``chunk``/``unbind``): they map the changed region of their input
+``cat``, ``stack``, ``getitem``, ``split``/``chunk``/``unbind``): they map the changed region of their input
 through their shapes to the region of their output, and are re-run whole (they are views or
 copies). ``_slicing`` holds the other rules and applies them all.
 """
@@ -14,7 +14,7 @@ import torch
 from ._regions import WHOLE, Plan, Region, Rows, normal, union
 
 __all__ = ["cat_rule", "expand_rule", "full_plan", "getitem_rule", "map_shape", "permute_rule", "split_rule",
-           "transpose_rule", "view_rule"]
+           "stack_rule", "transpose_rule", "view_rule"]
 
 
 def full_plan(region: Region) -> Plan:
@@ -85,6 +85,17 @@ def cat_rule(call: Any, changed, out_shape: tuple) -> Plan:
             else:
                 region = union(region, r)
         offset += t.shape[dim] if t.dim() == len(out_shape) else 0
+    return full_plan(region)
+
+
+def stack_rule(call: Any, changed, out_shape: tuple) -> Plan:
+    """``stack``: a changed axis of an input is that axis of the output, one further on from ``dim``."""
+    dim = call.arg(1, "dim", 0) % len(out_shape)
+    region: Region = None
+    for t, r in changed:
+        if t.dim() != len(out_shape) - 1:
+            return Plan("full", WHOLE, reason="stack: an input of another rank")
+        region = union(region, Rows(r.axis + (1 if r.axis >= dim else 0), r.start))
     return full_plan(region)
 
 

@@ -41,6 +41,7 @@ from ._shape_rules import (
     getitem_rule,
     permute_rule,
     split_rule,
+    stack_rule,
     transpose_rule,
     view_rule,
 )
@@ -484,6 +485,7 @@ _RULES: dict[str, Callable[[_Call, list, tuple], Plan]] = {
     "cat": cat_rule,
     "concat": cat_rule,
     "concatenate": cat_rule,
+    "stack": stack_rule,
     "getitem": getitem_rule,
     "scaled_dot_product_attention": _sdpa,
 }

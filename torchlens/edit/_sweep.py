@@ -6,8 +6,9 @@ reaches. A sweep (zero each block at the last position; twelve forks) therefore 
 Python of one replay per fork. :func:`sweep` walks the recorded graph once for all forks:
 an op some forks changed holds one :class:`_Stack`, the rows ``start:`` along ``axis`` of each
 of those forks, one block per fork; a row rule (``linear``, ``addmm``, norms, elementwise
-ops ...) or a shape op runs once on the stacked rows, and only ops whose rule reads a
-changed value whole (attention's keys and values, ``split``, ``cat``) run once per fork.
+ops ...), a shape op (``view``, ``transpose``, ``split``, ``cat``, ``stack``, ``getitem``) and
+attention (one batch entry per fork) run once on the stacked rows; only ops whose rule reads
+a changed value otherwise run once per fork.
 Each fork then stores its own rows of each op exactly as its own replayer would, with the
 same replay log.
 
@@ -41,9 +42,10 @@ STACKED_RULES = ELEMENTWISE | {"linear", "layer_norm", "rms_norm", "softmax", "l
                                "amin", "addmm"}
 # Ops with several outputs, each a slice of the input along a kept axis: run once on the stacked rows.
 _SPLITS = frozenset({"split", "chunk", "unbind"})
-_CATS = frozenset({"cat", "concat", "concatenate"})
+_CATS = frozenset({"cat", "concat", "concatenate", "stack"})
 _ATTENTION = "scaled_dot_product_attention"
-_STACKED_OPS = STACKED_RULES | ROW_VIEWS | _SPLITS | _CATS | {_ATTENTION}
+_SHAPED = _SPLITS | _CATS | {"getitem"}
+_STACKED_OPS = STACKED_RULES | ROW_VIEWS | _SHAPED | {_ATTENTION}
 # Shape ops that reinterpret memory: stacked rows keep one block per fork only if nothing before the axis changes.
 _MEMORY_VIEWS = frozenset({"view", "reshape", "flatten", "unflatten"})
 
@@ -222,16 +224,19 @@ class _Sweep:
         replayer = self.replayers[i]
         entries = replayer._steps_at[j]
         refs = [r for _, t, _ in entries
-                for r in (t.record.out_refs if isinstance(t.record, ModuleCall) else [t.record])]
-        if len(refs) != 1 or refs[0] is None or getattr(refs[0], "elem", None) is not None:
+                for r in (t.record.out_refs if isinstance(t.record, ModuleCall) else [t.record]) if r is not None]
+        if any(getattr(r, "elem", None) is not None for r in refs):
             raise _Abort
         replayer._apply_steps(entries)
-        o = refs[0].index
-        region = replayer.regions.get(o)
-        if region is None:
+        changed = [r for r in refs if replayer.regions.get(r.index) is not None]
+        if not changed:
             return  # the edit changed nothing
+        if len(changed) != 1:  # (a module's other outputs, e.g. attention weights, unchanged are fine)
+            raise _Abort
+        o = changed[0].index
+        region = replayer.regions[o]
         base = self.parent.value(o)
-        edited = replayer.fork.seen_value(refs[0], j) if isinstance(entries[0][1].record, ModuleCall) \
+        edited = replayer.fork.seen_value(changed[0], j) if isinstance(entries[0][1].record, ModuleCall) \
             else replayer.fork.value(o)
         if not isinstance(region, Rows) or not isinstance(base, torch.Tensor) or not isinstance(edited, torch.Tensor) \
                 or edited.shape != base.shape or edited.dtype != base.dtype:
@@ -273,7 +278,7 @@ class _Sweep:
         plan = plan_op(op, args, kwargs, lambda t: regions.get(id(t)))
         region = plan.region
         name = op.func_name
-        if name in _SPLITS or name in _CATS:
+        if name in _SHAPED:
             return self._shaped(op, args, kwargs, plan, len(forks))
         if not isinstance(region, Rows) or not isinstance(op.shape, tuple):
             raise _PerFork
@@ -315,13 +320,14 @@ class _Sweep:
         return region, rows, how
 
     def _shaped(self, op: Any, args: tuple, kwargs: dict, plan: Any, n: int) -> tuple[Any, Any, str]:
-        """``split``/``chunk``/``unbind`` along another axis than the stacked one, and ``cat`` whose
-        stacked tensor ends its sequence along the stacked axis (a key cache), on the stacked rows."""
+        """Shape ops on the stacked rows: ``split``/``chunk``/``unbind`` and ``cat``/``stack`` along
+        another axis, a ``cat`` whose stacked tensor ends its sequence along the stacked axis (a key
+        cache), and ``getitem`` taking every row of the stacked axis."""
         x = args[0] if args else kwargs.get("tensors", kwargs.get("input"))
-        region = plan.region
+        region, name = plan.region, op.func_name
         if plan.kind != "full":
             raise _PerFork
-        if op.func_name in _SPLITS:
+        if name in _SPLITS:
             if not isinstance(x, _Swept) or any(isinstance(a, _Swept) for a in (*args[1:], *kwargs.values())) \
                     or not _several(region) or any(r is not None and r.axis != x.axis for r in region):
                 raise _PerFork
@@ -334,16 +340,39 @@ class _Sweep:
                                       or got.shape[: r.axis] != torch.Size(shape[: r.axis])):
                     raise _PerFork
             return region, rows, "mapped"
-        seq = list(x) if isinstance(x, (list, tuple)) else None
-        swept = [t for t in seq or () if isinstance(t, _Swept)]
-        if not isinstance(region, Rows) or len(swept) != 1 or swept[0].axis != region.axis:
+        if not isinstance(region, Rows) or not isinstance(op.shape, tuple):
             raise _PerFork
-        dim, last = region.axis, swept[0]
-        after = seq[seq.index(last) + 1:]
-        if any(t.dim() == last.dim() and t.shape[dim] != 0 for t in after) \
-                or last.shape[dim] - last.start != op.shape[dim] - region.start:
+        want = list(op.shape)
+        want[region.axis] = (want[region.axis] - region.start) * n
+        if name == "getitem":
+            index = args[1] if len(args) == 2 and not kwargs else None
+            parts = index if isinstance(index, tuple) else (index,)
+            # a basic index: selecting as many rows of the stacked axis as it holds means all of them, in order
+            if not isinstance(x, _Swept) or index is None or any(
+                    isinstance(i, (torch.Tensor, list, bool)) or isinstance(i, slice) and i.step not in (None, 1)
+                    for i in parts):
+                raise _PerFork
+            rows = x.rows[index]
+        else:
+            seq = list(x) if isinstance(x, (list, tuple)) else []
+            swept = [t for t in seq if isinstance(t, _Swept)]
+            if not swept or len(args) < 1 or any(isinstance(a, _Swept) for a in kwargs.values()):
+                raise _PerFork
+            dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % len(op.shape)
+            if name != "stack" and dim == region.axis:  # the stacked tensor must end the sequence: a key cache
+                last = swept[0]
+                after = seq[seq.index(last) + 1:]
+                if len(swept) != 1 or any(t.dim() == last.dim() and t.shape[dim] != 0 for t in after) \
+                        or last.shape[dim] - last.start != op.shape[dim] - region.start:
+                    raise _PerFork
+                rows = last.rows
+            else:  # along another axis: every tensor must be stacked the same way
+                if len(swept) != len(seq) or len({(t.axis, t.start) for t in swept}) != 1:
+                    raise _PerFork
+                rows = op.func([t.rows for t in seq], *args[1:], **kwargs)
+        if not isinstance(rows, torch.Tensor) or list(rows.shape) != want:
             raise _PerFork
-        return region, last.rows, "mapped"
+        return region, rows, "mapped"
 
     def _attention(self, call: Any, args: tuple, kwargs: dict, n: int, want: list[int]) -> torch.Tensor:
         """Attention on stacked query rows: each fork's queries, keys and values as one batch
