@@ -13,6 +13,8 @@ import torch
 from conftest import assert_model_clean, hook_state
 
 import torchlens as tl
+from torchlens.edit import reads
+from torchlens.edit._sweep import sweep
 from torchlens.errors import InvalidArgumentError, SiteNotFoundError
 
 ATOL = 1e-5  # sliced replay vs a re-executed forward: float32 rounding (see tests/test_slicing.py)
@@ -81,12 +83,21 @@ def _patched(model, ids, kind: str, layer: int, position: int, donor: torch.Tens
 
 @pytest.mark.parametrize("case_name", ["tiny_gpt2", "tiny_llama"])
 @pytest.mark.parametrize("kind", ["resid_pre", "attn", "mlp"])
-def test_activation_patching_equals_plain_hooks_every_cell(case_name, kind, request):
+def test_activation_patching_equals_plain_hooks_every_cell(case_name, kind, request, monkeypatch):
     case = request.getfixturevalue(case_name)
     model, clean_ids = case.model, case.args[0]
     corrupt_ids = _corrupt(clean_ids, 2, 11)
     metric = tl.patching.logit_diff(int(clean_ids[0, 3]), 11)
+    swept = []  # the cells of one position (every layer) replay in one pass (torchlens.edit._sweep)
+
+    def spy(*args, **kwargs):
+        got = sweep(*args, **kwargs)
+        swept.append(got is not None)
+        return got
+
+    monkeypatch.setattr(reads, "sweep", spy)
     result = tl.patching.activation_patching(clean_ids, corrupt_ids, metric, model=model, site=kind)
+    assert any(swept)
     n_layers = tl.arch(model).n_layers
     assert result.values.shape == (n_layers, clean_ids.shape[1]) and result.dims == ("layer", "position")
     for layer in range(n_layers):

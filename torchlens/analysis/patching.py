@@ -178,12 +178,28 @@ class _Cells:
         self.read = _output_read(trace, metric)
         self.sites: dict[str, Any] = {}
 
-    def score_all(self, cells: Iterable[tuple[str, str, Any]]) -> Iterator[float]:
-        """The score of each ``(fork name, site, edit)`` cell, in order."""
+    def score_all(self, cells: Iterable[tuple[str, str, Any, Any]]) -> Iterator[float]:
+        """The score of each ``(fork name, site, edit, group)`` cell, in order, ``batch_size`` at a time."""
         for chunk in _chunks(cells, self.batch_size):
             yield from self._score_chunk(chunk)
 
-    def _score_chunk(self, cells: list[tuple[str, str, Any]]) -> list[float]:
+    def _score_chunk(self, cells: list[tuple[str, str, Any, Any]]) -> list[float]:
+        """Cells of one group (one position: their edits change the same rows) replay together in one
+        pass (``torchlens.edit._sweep``); the cells alone in their group replay together op by op."""
+        groups: dict[Any, list[int]] = {}
+        for k, cell in enumerate(cells):
+            groups.setdefault(cell[3], []).append(k)
+        parts = [g for g in groups.values() if len(g) > 1]
+        singles = [k for g in groups.values() if len(g) == 1 for k in g]
+        if singles:
+            parts.append(singles)
+        scores = [0.0] * len(cells)
+        for part in parts:
+            for k, score in zip(part, self._score_together([cells[k][:3] for k in part])):
+                scores[k] = score
+        return scores
+
+    def _score_together(self, cells: list[tuple[str, str, Any]]) -> list[float]:
         if self.read is None:
             forks = self.trace.forks([(site, edit) for _, site, edit in cells], names=[c[0] for c in cells])
             return [_score(self.metric, f.output) for f in forks]
@@ -349,10 +365,11 @@ def activation_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any]
     seq = _seq_len(corrupted)
     cols = list(range(seq)) if positions is None else [p % seq for p in positions]
     values = torch.empty(len(rows), len(cols))
-    cells = [(i, layer, j, p) for i, layer in enumerate(rows) for j, p in enumerate(cols)]
+    # position by position: the cells of one position change the same rows, and replay in one pass
+    cells = [(i, layer, j, p) for j, p in enumerate(cols) for i, layer in enumerate(rows)]
     donors = {layer: clean[f"blocks.{layer}.{site}"].out for layer in rows}
     scorer = _Cells(corrupted, metric, batch_size)
-    todo = ((f"{corrupted.name}/patch[{layer}.{site}@{p}]", f"blocks.{layer}.{site}", restore_rows(donors[layer], p))
+    todo = ((f"{corrupted.name}/patch[{layer}.{site}@{p}]", f"blocks.{layer}.{site}", restore_rows(donors[layer], p), p)
             for _, layer, _, p in track(cells, desc=f"patching {site}", unit="cell", progress=progress))
     for (i, _, j, _), score in zip(cells, scorer.score_all(todo)):
         values[i, j] = score
@@ -459,12 +476,12 @@ def causal_trace(model: Any, ids: torch.Tensor, subject: Sequence[int], *, answe
         rows = _layers(model, kind, layers)
         donors = {layer: clean[f"blocks.{layer}.{kind}"].out for layer in rows}
         values = torch.zeros(len(rows), seq)
-        cells = [(i, layer, p) for i, layer in enumerate(rows) for p in range(seq)]
+        cells = [(i, layer, p) for p in range(seq) for i, layer in enumerate(rows)]  # one position at a time (one pass)
         for chunk in _chunks(track(cells, desc=f"causal trace {kind}", unit="cell", progress=progress), batch_size):
             totals = [0.0] * len(chunk)
             for scorer in scorers:
                 todo = [(f"{scorer.trace.name}/restore[{layer}.{kind}@{p}]", f"blocks.{layer}.{kind}",
-                         restore_rows(donors[layer], p)) for _, layer, p in chunk]
+                         restore_rows(donors[layer], p), p) for _, layer, p in chunk]
                 for k, score in enumerate(scorer.score_all(todo)):
                     totals[k] += score
             for (i, _, p), total in zip(chunk, totals):

@@ -124,13 +124,15 @@ class _Outputs(Pending):
         return [t for v in self.values for t in (v.held() if isinstance(v, RowPatch) else [v])]
 
 
-def sweep(forks: Sequence[Any], steps: Sequence[Step]) -> list[Replayer] | None:
+def sweep(forks: Sequence[Any], steps: Sequence[Step], *, read: Any = None) -> list[Replayer] | None:
     """Push ``steps[i]`` (a bound replay step) down ``forks[i]`` for every fork in one pass over
     the recorded graph, their changed rows stacked per op.
 
     Args:
         forks: fresh forks (no edits yet) of one trace, two or more.
         steps: one bound replay step per fork, each landing on one module call or op.
+        read: an ``OutputRead`` (``torchlens.edit.reads``): of its op each fork computes only
+            what it names (the replayer's ``read_value``).
 
     Returns:
         per fork, its :class:`~torchlens.edit.replay.Replayer` (the fork now holds its edit), or
@@ -157,11 +159,11 @@ def sweep(forks: Sequence[Any], steps: Sequence[Step]) -> list[Replayer] | None:
         replayers = []
         for fork, step, record in zip(forks, steps, records):
             fork.add_step(step)
-            replayer = Replayer(fork, sliced=True)
+            replayer = Replayer(fork, sliced=True, read=read)
             replayer.prepare(fork.recipe[-1], [Target(record)])
             replayers.append(replayer)
         with torch.no_grad():
-            _Sweep(parent, replayers, records).run()
+            _Sweep(parent, replayers, records, read).run()
     except BaseException as exc:
         for fork, state in zip(forks, before):
             fork.restore_fork(state, fork.unsaved_steps)
@@ -172,8 +174,9 @@ def sweep(forks: Sequence[Any], steps: Sequence[Step]) -> list[Replayer] | None:
 
 
 class _Sweep:
-    def __init__(self, parent: Any, replayers: list[Replayer], records: list[Any]) -> None:
+    def __init__(self, parent: Any, replayers: list[Replayer], records: list[Any], read: Any) -> None:
         self.parent = parent
+        self.read = read
         self.replayers = replayers
         self.ops = parent.ops
         self.stack: dict[int, Any] = {}  # op index -> _Stack, or a tuple of them (None: unchanged) per output
@@ -184,9 +187,13 @@ class _Sweep:
 
     def run(self) -> None:
         n = len(self.ops)
+        # every edit first: a fresh fork's edit reads the recorded value, so they can all land before
+        # any op is replayed, and edits changing different rows abort before any work is wasted
+        landed = {j: [(i, self._land(i, j)) for i in forks] for j, forks in sorted(self.land_at.items())}
         for j in range(min(self.land_at), n + 1):
-            for i in self.land_at.get(j, ()):
-                self._land(i, j)
+            for i, edited in landed.get(j, ()):
+                if edited is not None:
+                    self._stack_edit(i, *edited)
             for replayer in self.replayers:
                 reads = replayer._reads
                 while replayer._read_i < len(reads) and reads[replayer._read_i].position <= j:
@@ -203,6 +210,11 @@ class _Sweep:
             if refuse_reason(op) or op.flags & (INPLACE | EDIT | GUARD) or op.func_name in UNINITIALISED:
                 raise _Abort
             forks = tuple(sorted({f for s in stacks for f in s.forks}))
+            if self.read is not None and j == self.read.index:
+                # the read op (an LM head nothing else reads): each fork computes only what is read
+                if not all(self.read.compute(self.replayers[i], op) for i in forks):
+                    raise _Abort
+                continue
             note = f"stacked with {len(forks) - 1} other fork(s)" if len(forks) > 1 else ""
             try:
                 if op.func_name not in _STACKED_OPS:
@@ -219,8 +231,9 @@ class _Sweep:
             return s[ref.elem] if ref.elem is not None else None if all(x is None for x in s) else _abort()
         return s if ref.elem is None else None if s is None else _abort()
 
-    def _land(self, i: int, j: int) -> None:
-        """Apply fork ``i``'s edit at position ``j`` on the fork itself, then add its changed rows to the stack."""
+    def _land(self, i: int, j: int) -> tuple[int, Rows, torch.Tensor] | None:
+        """Apply fork ``i``'s edit at position ``j`` on the fork itself: the op whose value it changed,
+        the changed rows and the value readers from ``j`` on see (None: it changed nothing)."""
         replayer = self.replayers[i]
         entries = replayer._steps_at[j]
         refs = [r for _, t, _ in entries
@@ -230,7 +243,7 @@ class _Sweep:
         replayer._apply_steps(entries)
         changed = [r for r in refs if replayer.regions.get(r.index) is not None]
         if not changed:
-            return  # the edit changed nothing
+            return None  # the edit changed nothing
         if len(changed) != 1:  # (a module's other outputs, e.g. attention weights, unchanged are fine)
             raise _Abort
         o = changed[0].index
@@ -247,6 +260,11 @@ class _Sweep:
             self.rows = (region, tuple(base.shape))
         elif self.rows != (region, tuple(base.shape)):
             raise _Abort
+        return o, region, edited
+
+    def _stack_edit(self, i: int, o: int, region: Rows, edited: torch.Tensor) -> None:
+        """Add fork ``i``'s edited rows of op ``o`` to the stack (readers from here on see them)."""
+        base = self.parent.value(o)
         s = self.stack.get(o)
         if s is None:
             self.stack[o] = _Stack(base, region.axis, region.start,

@@ -20,6 +20,7 @@ from ..core.tree import Pending
 from ..errors import ReplayNotExactError
 from ._batch import push_together
 from ._regions import WHOLE, RowPatch
+from ._sweep import sweep
 from .replay import Replayer
 
 __all__ = ["OutputRead", "replay_read", "replay_reads"]
@@ -129,7 +130,8 @@ def replay_read(fork: Any, step: Step, read: OutputRead) -> torch.Tensor:
 
 def replay_reads(forks: list[Any], steps: list[Step], read: OutputRead) -> list[Any]:
     """:func:`replay_read` of ``steps[i]`` on ``forks[i]`` (fresh forks of one trace), replayed
-    together with their row recomputations stacked (``torchlens.edit._batch``).
+    together: in one pass when their edits change the same rows (``torchlens.edit._sweep``), else
+    op by op with their row recomputations stacked (``torchlens.edit._batch``).
 
     Returns:
         per fork, the read elements, or the exception its replay raised (that fork is left as
@@ -138,7 +140,7 @@ def replay_reads(forks: list[Any], steps: list[Step], read: OutputRead) -> list[
     Raises:
         EmptySelectionError: a site matches nothing in the trace (no fork changed).
     """
-    got = push_together(forks, steps, read=read)
+    got = sweep(forks, steps, read=read) or push_together(forks, steps, read=read)
     return [r if isinstance(r, BaseException) else _read_of(r, read) for r in got]
 
 
