@@ -475,6 +475,18 @@ def edited_forward(model: nn.Module, address: str, edit: Callable[[Any], Any], a
         handle.remove()
 
 
+def hooked_forward(model: nn.Module, edits: dict[str, Callable[[Any], Any]], args: tuple = ()) -> Any:
+    """The model output when plain forward hooks replace each ``address``'s output by ``edit(output)``."""
+    handles = [model.get_submodule(address).register_forward_hook(lambda m, i, o, edit=edit: edit(o))
+               for address, edit in edits.items()]
+    try:
+        with torch.no_grad():
+            return model(*args)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def leaves(value: Any) -> list[torch.Tensor]:
     """Tensor leaves of a nested value (ModelOutput, tuple, dict), in order."""
     from torch.utils import _pytree as pytree

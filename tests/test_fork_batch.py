@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import BranchyNet, eager_copy, edited_forward, scale_row_edit, scale_row_hook
+from conftest import BranchyNet, eager_copy, edited_forward, hooked_forward, scale_row_edit, scale_row_hook
 
 import torchlens as tl
 from torchlens.analysis.patching import activation_patching, logit_diff
@@ -81,14 +81,8 @@ def test_a_fork_of_several_edits_equals_them_chained_and_two_hooks(tiny_gpt2):
     two = [("transformer.h.0", scale_row_edit(2, 2.0)), ("transformer.h.1", scale_row_edit(4, 0.5))]
     one, both, again = trace.forks([("transformer.h.1", scale_row_edit(4, 0.5)), two, two[:1]])
     chained = trace.fork().do(*two[0]).do(*two[1])
-    handles = [model.transformer.h[0].register_forward_hook(lambda m, i, o: scale_row_hook(2, 2.0)(o)),
-               model.transformer.h[1].register_forward_hook(lambda m, i, o: scale_row_hook(4, 0.5)(o))]
-    try:
-        with torch.no_grad():
-            want = model(*args).logits
-    finally:
-        for h in handles:
-            h.remove()
+    want = hooked_forward(model, {"transformer.h.0": scale_row_hook(2, 2.0), "transformer.h.1": scale_row_hook(4, 0.5)},
+                          args).logits
     assert len(both.edits) == 2 and len(one.edits) == 1 and len(again.edits) == 1
     assert torch.allclose(both.output.logits, want, atol=ATOL)
     assert torch.allclose(both.output.logits, chained.output.logits, atol=ATOL)

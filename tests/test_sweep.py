@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import edited_forward, scale_row_edit, scale_row_hook
+from conftest import edited_forward, hooked_forward, scale_row_edit, scale_row_hook
 from conftest import leaves as tl_leaves
 
 import torchlens as tl
@@ -108,14 +108,8 @@ def test_a_swept_fork_edited_again_equals_both_edits_chained_and_two_hooks(tiny_
     assert got is not None
     both = forks[0].do("transformer.h.1", scale_row_edit(3, 0.5))
     chained = trace.fork().do("transformer.h.0", scale_row_edit(5, 2.0)).do("transformer.h.1", scale_row_edit(3, 0.5))
-    handles = [model.transformer.h[0].register_forward_hook(lambda m, i, o: scale_row_hook(5, 2.0)(o)),
-               model.transformer.h[1].register_forward_hook(lambda m, i, o: scale_row_hook(3, 0.5)(o))]
-    try:
-        with torch.no_grad():
-            want = model(*args).logits
-    finally:
-        for h in handles:
-            h.remove()
+    want = hooked_forward(model, {"transformer.h.0": scale_row_hook(5, 2.0), "transformer.h.1": scale_row_hook(3, 0.5)},
+                          args).logits
     assert torch.allclose(both.output.logits, want, atol=ATOL)
     assert torch.allclose(both.output.logits, chained.output.logits, atol=ATOL)
     index = {op.label: op.index for op in trace.ops}

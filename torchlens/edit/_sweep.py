@@ -32,30 +32,25 @@ from ..core.records import EDIT, GUARD, INPLACE, INPUT, ModuleCall, build_args
 from ..core.steps import Step
 from ..core.tree import Pending
 from ._regions import RowPatch, Rows
-from ._slicing import ELEMENTWISE, collect_rows, plan_op
+from ._slicing import collect_rows, plan_op
+from ._stacked_ops import (
+    ATTENTION,
+    MEMORY_VIEWS,
+    SHAPED,
+    STACKED_OPS,
+    PerFork,
+    Swept,
+    SweptWhole,
+    attention,
+    several,
+    shaped,
+)
 from .replay import ROW_VIEWS, UNINITIALISED, Replayer, Target, execute, refuse_reason
 
-__all__ = ["STACKED_RULES", "sweep"]
-
-# Ops whose row rule reads each changed argument only as its changed rows: run once on every fork's rows.
-STACKED_RULES = ELEMENTWISE | {"linear", "layer_norm", "rms_norm", "softmax", "log_softmax", "mean", "sum", "amax",
-                               "amin", "addmm"}
-# Ops with several outputs, each a slice of the input along a kept axis: run once on the stacked rows.
-_SPLITS = frozenset({"split", "chunk", "unbind"})
-_CATS = frozenset({"cat", "concat", "concatenate", "stack"})
-_ATTENTION = "scaled_dot_product_attention"
-_SHAPED = _SPLITS | _CATS | {"getitem"}
-_STACKED_OPS = STACKED_RULES | ROW_VIEWS | _SHAPED | {_ATTENTION}
-# Shape ops that reinterpret memory: stacked rows keep one block per fork only if nothing before the axis changes.
-_MEMORY_VIEWS = frozenset({"view", "reshape", "flatten", "unflatten"})
-
+__all__ = ["sweep"]
 
 class _Abort(Exception):
     """The sweep does not cover this: every fork is restored and replayed the general way."""
-
-
-class _PerFork(Exception):
-    """A rule reads a stacked argument other than as its changed rows: run the op once per fork."""
 
 
 class _Stack:
@@ -82,31 +77,6 @@ class _Stack:
         if forks == self.forks:
             return self.rows
         return torch.cat([self.rows_of(f) for f in forks], self.axis)
-
-
-class _Swept(RowPatch):
-    """A stacked argument as a row rule sees it while its op is planned: cutting it to its
-    changed rows gives every fork's rows; reading it any other way asks for a per-fork run."""
-
-    __slots__ = ()
-
-    def narrow(self, axis: int, start: int, length: int) -> torch.Tensor:
-        if axis == self.axis and start == self.start and length == self.base.shape[axis] - start:
-            return self.rows
-        raise _PerFork
-
-    def resolve(self) -> torch.Tensor:
-        raise _PerFork
-
-
-class _SweptWhole(_Swept):
-    """A stacked key or value of attention: the rule passes it whole, so planning sees the
-    recorded tensor, and :meth:`_Sweep._attention` puts each fork's rows in."""
-
-    __slots__ = ()
-
-    def resolve(self) -> torch.Tensor:
-        return self.base
 
 
 class _Outputs(Pending):
@@ -217,10 +187,10 @@ class _Sweep:
                 continue
             note = f"stacked with {len(forks) - 1} other fork(s)" if len(forks) > 1 else ""
             try:
-                if op.func_name not in _STACKED_OPS:
-                    raise _PerFork
+                if op.func_name not in STACKED_OPS:
+                    raise PerFork
                 region, rows, how = self._stacked(op, forks)
-            except _PerFork:
+            except PerFork:
                 region, rows, how = self._per_fork(op, forks)
                 note = ""
             self._keep(op, forks, region, rows, how, note)
@@ -279,7 +249,7 @@ class _Sweep:
         s.forks = forks
 
     def _stacked(self, op: Any, forks: tuple[int, ...]) -> tuple[Rows, torch.Tensor, str]:
-        """Run ``op`` once on every fork's rows (raises _PerFork where its rule cannot)."""
+        """Run ``op`` once on every fork's rows (raises PerFork where its rule cannot)."""
         j, regions, stacked = op.index, {}, set()
 
         def resolve(ref):
@@ -288,7 +258,7 @@ class _Sweep:
                 return self.parent.seen_value(ref, j)
             rows = s.aligned(forks)
             stacked.add(id(rows))
-            patch = (_SweptWhole if op.func_name == _ATTENTION else _Swept)(s.base, s.axis, s.start, rows)
+            patch = (SweptWhole if op.func_name == ATTENTION else Swept)(s.base, s.axis, s.start, rows)
             regions[id(patch)] = Rows(s.axis, s.start)
             return patch
 
@@ -296,20 +266,20 @@ class _Sweep:
         plan = plan_op(op, args, kwargs, lambda t: regions.get(id(t)))
         region = plan.region
         name = op.func_name
-        if name in _SHAPED:
-            return self._shaped(op, args, kwargs, plan, len(forks))
+        if name in SHAPED:
+            return shaped(op, args, kwargs, plan, len(forks))
         if not isinstance(region, Rows) or not isinstance(op.shape, tuple):
-            raise _PerFork
+            raise PerFork
         want = list(op.shape)
         want[region.axis] = (want[region.axis] - region.start) * len(forks)
         if op.func_name in ROW_VIEWS:
             x = args[0] if args else None
-            if plan.kind != "full" or not isinstance(x, _Swept) \
-                    or any(isinstance(a, _Swept) for a in (*args[1:], *kwargs.values())):
-                raise _PerFork
-            if op.func_name in _MEMORY_VIEWS:
+            if plan.kind != "full" or not isinstance(x, Swept) \
+                    or any(isinstance(a, Swept) for a in (*args[1:], *kwargs.values())):
+                raise PerFork
+            if op.func_name in MEMORY_VIEWS:
                 if math.prod(x.shape[: x.axis]) != math.prod(op.shape[: region.axis]):
-                    raise _PerFork
+                    raise PerFork
                 rows = x.rows.reshape(want)
             else:
                 rows = op.func(x.rows, *args[1:], **kwargs)
@@ -317,10 +287,10 @@ class _Sweep:
         else:
             call = collect_rows(plan) if plan.kind == "rows" else None
             if call is None:
-                raise _PerFork
+                raise PerFork
             n = len(forks)
-            if name == _ATTENTION:
-                return region, self._attention(call, args, kwargs, n, want), "rows"
+            if name == ATTENTION:
+                return region, attention(call, args, kwargs, n, want), "rows"
 
             def per_fork(v: Any) -> Any:
                 if isinstance(v, torch.Tensor):
@@ -334,101 +304,8 @@ class _Sweep:
             rows = call.func(*(per_fork(a) for a in call.args), **{k: per_fork(v) for k, v in call.kwargs.items()})
             how = "rows"
         if not isinstance(rows, torch.Tensor) or list(rows.shape) != want:
-            raise _PerFork
+            raise PerFork
         return region, rows, how
-
-    def _shaped(self, op: Any, args: tuple, kwargs: dict, plan: Any, n: int) -> tuple[Any, Any, str]:
-        """Shape ops on the stacked rows: ``split``/``chunk``/``unbind`` and ``cat``/``stack`` along
-        another axis, a ``cat`` whose stacked tensor ends its sequence along the stacked axis (a key
-        cache), and ``getitem`` taking every row of the stacked axis."""
-        x = args[0] if args else kwargs.get("tensors", kwargs.get("input"))
-        region, name = plan.region, op.func_name
-        if plan.kind != "full":
-            raise _PerFork
-        if name in _SPLITS:
-            if not isinstance(x, _Swept) or any(isinstance(a, _Swept) for a in (*args[1:], *kwargs.values())) \
-                    or not _several(region) or any(r is not None and r.axis != x.axis for r in region):
-                raise _PerFork
-            rows = tuple(op.func(x.rows, *args[1:], **kwargs))
-            shapes = op.shape
-            if len(rows) != len(region) or not isinstance(shapes, tuple) or len(shapes) != len(rows):
-                raise _PerFork
-            for r, got, shape in zip(region, rows, shapes):
-                if r is not None and (got.shape[r.axis] != (shape[r.axis] - r.start) * n
-                                      or got.shape[: r.axis] != torch.Size(shape[: r.axis])):
-                    raise _PerFork
-            return region, rows, "mapped"
-        if not isinstance(region, Rows) or not isinstance(op.shape, tuple):
-            raise _PerFork
-        want = list(op.shape)
-        want[region.axis] = (want[region.axis] - region.start) * n
-        if name == "getitem":
-            index = args[1] if len(args) == 2 and not kwargs else None
-            parts = index if isinstance(index, tuple) else (index,)
-            # a basic index: selecting as many rows of the stacked axis as it holds means all of them, in order
-            if not isinstance(x, _Swept) or index is None or any(
-                    isinstance(i, (torch.Tensor, list, bool)) or isinstance(i, slice) and i.step not in (None, 1)
-                    for i in parts):
-                raise _PerFork
-            rows = x.rows[index]
-        else:
-            seq = list(x) if isinstance(x, (list, tuple)) else []
-            swept = [t for t in seq if isinstance(t, _Swept)]
-            if not swept or len(args) < 1 or any(isinstance(a, _Swept) for a in kwargs.values()):
-                raise _PerFork
-            dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % len(op.shape)
-            if name != "stack" and dim == region.axis:  # the stacked tensor must end the sequence: a key cache
-                last = swept[0]
-                after = seq[seq.index(last) + 1:]
-                if len(swept) != 1 or any(t.dim() == last.dim() and t.shape[dim] != 0 for t in after) \
-                        or last.shape[dim] - last.start != op.shape[dim] - region.start:
-                    raise _PerFork
-                rows = last.rows
-            else:  # along another axis: every tensor must be stacked the same way
-                if len(swept) != len(seq) or len({(t.axis, t.start) for t in swept}) != 1:
-                    raise _PerFork
-                rows = op.func([t.rows for t in seq], *args[1:], **kwargs)
-        if not isinstance(rows, torch.Tensor) or list(rows.shape) != want:
-            raise _PerFork
-        return region, rows, "mapped"
-
-    def _attention(self, call: Any, args: tuple, kwargs: dict, n: int, want: list[int]) -> torch.Tensor:
-        """Attention on stacked query rows: each fork's queries, keys and values as one batch
-        entry of one call (forks never see each other's keys)."""
-        by_base = {id(a.base): a for a in (*args, *kwargs.values()) if isinstance(a, _SweptWhole)}
-        q, k, v = call.args[:3]
-        if len(call.args) != 3 or q.dim() != 4 or id(q) not in call.axes or call.axes[id(q)] != 2:
-            raise _PerFork
-        b, heads, rows, d = q.shape
-        m = rows // n
-
-        def per_fork_batch(t: torch.Tensor) -> torch.Tensor:
-            s = by_base.get(id(t))
-            if t.dim() != 4 or t.shape[0] != b:
-                raise _PerFork
-            if s is None:  # unchanged: the same keys for every fork
-                return t.unsqueeze(0).expand(n, *t.shape).reshape(n * b, *t.shape[1:])
-            if s.axis != 2:
-                raise _PerFork
-            full = t.unsqueeze(0).expand(n, *t.shape).clone()
-            mk = t.shape[2] - s.start
-            full[..., s.start:, :] = s.rows.reshape(b, t.shape[1], n, mk, t.shape[3]).permute(2, 0, 1, 3, 4)
-            return full.reshape(n * b, *t.shape[1:])
-
-        mask = call.kwargs.get("attn_mask")
-        extra = dict(call.kwargs)
-        if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[0] != 1:
-            if mask.shape[0] != b:
-                raise _PerFork
-            extra["attn_mask"] = mask.repeat(n, 1, 1, 1)
-        queries = q.reshape(b, heads, n, m, d).permute(2, 0, 1, 3, 4).reshape(n * b, heads, m, d)
-        out = call.func(queries, per_fork_batch(k), per_fork_batch(v), **extra)
-        if not isinstance(out, torch.Tensor) or out.dim() != 4 or out.shape[0] != n * b:
-            raise _PerFork
-        out = out.reshape(n, b, heads, m, out.shape[-1]).permute(1, 2, 0, 3, 4).reshape(b, heads, n * m, out.shape[-1])
-        if list(out.shape) != want:
-            raise _PerFork
-        return out
 
     def _per_fork(self, op: Any, forks: tuple[int, ...]) -> tuple[Any, Any, str]:
         """Run ``op`` once per fork, each on its own rows, and stack what they give."""
@@ -453,7 +330,7 @@ class _Sweep:
             if plan.kind != "full" or not _row_regions(plan.region):
                 raise _Abort
             built = execute(op, *build_args(op, lambda r, resolve=resolve: _whole(resolve(r))))
-            if _several(plan.region):
+            if several(plan.region):
                 if not isinstance(built, (tuple, list)) or len(built) != len(plan.region):
                     raise _Abort
                 got.append((plan.region, tuple(None if r is None else _cut(b, r) for b, r in zip(built, plan.region))))
@@ -462,7 +339,7 @@ class _Sweep:
         region = got[0][0]
         if any(r != region for r, _ in got):
             raise _Abort
-        if _several(region):
+        if several(region):
             rows = tuple(None if r is None else torch.cat([g[1][k] for g in got], r.axis) for k, r in enumerate(region))
         else:
             rows = torch.cat([g[1] for g in got], region.axis)
@@ -472,7 +349,7 @@ class _Sweep:
         """Put the stacked rows of ``op`` in the stack and give each fork its own."""
         j = op.index
         base = self.parent.value(j)
-        if _several(region):
+        if several(region):
             if not isinstance(base, (tuple, list)) or len(base) != len(region):
                 raise _Abort
             stacks = tuple(None if r is None else _checked(_Stack(b, r.axis, r.start, x, forks))
@@ -499,13 +376,8 @@ def _abort() -> Any:
     raise _Abort
 
 
-def _several(region: Any) -> bool:
-    """Whether ``region`` is one region per output of a multi-output op (``Rows`` is a tuple too)."""
-    return isinstance(region, tuple) and not isinstance(region, Rows)
-
-
 def _row_regions(region: Any) -> bool:
-    if _several(region):
+    if several(region):
         return all(r is None or isinstance(r, Rows) for r in region) and any(r is not None for r in region)
     return isinstance(region, Rows)
 
