@@ -152,3 +152,30 @@ def test_other_decoders_sweep_and_equal_their_edits_alone_and_hooks(kind):
         assert torch.allclose(alone.output.logits, want, atol=ATOL), b
         assert torch.allclose(fork.output.logits, want, atol=ATOL), b
         assert not alone.edits[-1].replay.fallbacks
+
+
+class _FirstAndLast(torch.nn.Module):
+    """Reads the first and the last position after two position-wise layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner, self.outer = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.outer(torch.relu(self.inner(x)))
+        return torch.cat([h[:, 0:1], h[:, -1:]], 1)
+
+
+def test_an_op_reading_only_rows_no_edit_changed_is_skipped():
+    model = _FirstAndLast().eval()
+    x = torch.randn(1, 6, 8, generator=torch.Generator().manual_seed(1))
+    trace = tl.trace(model, x)
+    pairs = [("inner", scale_row_edit(5, k)) for k in (2.0, -1.0, 0.0)]
+    forks, got = _swept(trace, pairs)
+    assert got is not None
+    for fork, k in zip(forks, (2.0, -1.0, 0.0)):
+        want = edited_forward(model, "inner", scale_row_hook(5, k), (x,))
+        assert torch.allclose(fork.output, want, atol=1e-6)
+        assert torch.equal(fork.output[:, 0], trace.output[:, 0])  # the first position was never recomputed
+        assert "getitem" in [e[1] for e in fork.edits[-1].replay.entries]  # the last position's slice was

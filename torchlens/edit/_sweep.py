@@ -31,7 +31,7 @@ import torch
 from ..core.records import EDIT, GUARD, INPLACE, INPUT, ModuleCall, build_args
 from ..core.steps import Step
 from ..core.tree import Pending
-from ._regions import RowPatch, Rows
+from ._regions import WHOLE, RowPatch, Rows
 from ._slicing import collect_rows, plan_op
 from ._stacked_ops import (
     ATTENTION,
@@ -48,6 +48,10 @@ from ._stacked_ops import (
 from .replay import ROW_VIEWS, UNINITIALISED, Replayer, Target, execute, refuse_reason
 
 __all__ = ["sweep"]
+
+# A value recomputed whole, kept in the stack as all its rows along axis 0 (one block per fork).
+WHOLE_ROWS = Rows(0, 0)
+
 
 class _Abort(Exception):
     """The sweep does not cover this: every fork is restored and replayed the general way."""
@@ -193,7 +197,8 @@ class _Sweep:
             except PerFork:
                 region, rows, how = self._per_fork(op, forks)
                 note = ""
-            self._keep(op, forks, region, rows, how, note)
+            if region is not None:  # (None: no fork's value of this op changed)
+                self._keep(op, forks, region, rows, how, note)
 
     def _stack_of(self, ref: Any) -> _Stack | None:
         s = self.stack.get(ref.index)
@@ -324,12 +329,20 @@ class _Sweep:
             args, kwargs = build_args(op, resolve)
             plan = plan_op(op, args, kwargs, lambda t, regions=regions: regions.get(id(t)))
             kinds.add(plan.kind)
+            if plan.kind == "skip":  # it reads only rows this fork did not change (e.g. the first token)
+                got.append((None, None))
+                continue
             if plan.kind == "rows" and isinstance(plan.region, Rows):
                 got.append((plan.region, plan.call()))
                 continue
-            if plan.kind != "full" or not _row_regions(plan.region):
+            if plan.kind != "full" or not (plan.region is WHOLE or _row_regions(plan.region)):
                 raise _Abort
             built = execute(op, *build_args(op, lambda r, resolve=resolve: _whole(resolve(r))))
+            if plan.region is WHOLE:  # the whole value changed: kept as all its rows along axis 0
+                if not isinstance(built, torch.Tensor) or built.dim() == 0:
+                    raise _Abort
+                got.append((WHOLE_ROWS, built))
+                continue
             if several(plan.region):
                 if not isinstance(built, (tuple, list)) or len(built) != len(plan.region):
                     raise _Abort
@@ -339,11 +352,13 @@ class _Sweep:
         region = got[0][0]
         if any(r != region for r, _ in got):
             raise _Abort
+        if region is None:
+            return None, None, "skip"
         if several(region):
             rows = tuple(None if r is None else torch.cat([g[1][k] for g in got], r.axis) for k, r in enumerate(region))
         else:
             rows = torch.cat([g[1] for g in got], region.axis)
-        return region, rows, "rows" if kinds == {"rows"} else "mapped"
+        return region, rows, "full" if region == WHOLE_ROWS else "rows" if kinds == {"rows"} else "mapped"
 
     def _keep(self, op: Any, forks: tuple[int, ...], region: Any, rows: Any, how: str, note: str) -> None:
         """Put the stacked rows of ``op`` in the stack and give each fork its own."""
@@ -368,6 +383,10 @@ class _Sweep:
         size = (region.axis, region.start, base.shape[region.axis])
         for i, rows_i in zip(forks, s.rows.split(s.block, s.axis)):
             replayer = self.replayers[i]
+            if how == "full":  # recomputed whole (WHOLE_ROWS): the fork holds the value itself
+                replayer._store(j, rows_i, WHOLE)
+                replayer.log.entries.append((op.label, op.func_name, how, None, note))
+                continue
             replayer._store(j, RowPatch(base, region.axis, region.start, rows_i), region)
             replayer.log.entries.append((op.label, op.func_name, how, size, note))
 
