@@ -9,7 +9,9 @@ way), against plain ``register_forward_hook`` reads, and for leaving the model a
 
 from __future__ import annotations
 
+import gc
 import sys
+import threading
 
 import pytest
 import torch
@@ -349,3 +351,83 @@ def test_a_call_record_outside_a_trace_has_one_pass():
     from torchlens.core.records import ModuleCall
 
     assert ModuleCall("fc1", 1, "Linear", (), {}, 0).n_passes == 1
+
+
+class _NotesTheCollector(torch.nn.Module):
+    """Notes, inside its forward, whether the cyclic garbage collector is enabled."""
+
+    def __init__(self, raises: bool = False) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.raises = raises
+        self.seen: list[bool] = []
+
+    def forward(self, x):
+        self.seen.append(gc.isenabled())
+        if self.raises:
+            raise ValueError("raised on purpose")
+        return self.fc(x) + 1
+
+
+def test_the_collector_is_held_off_only_while_an_in_memory_capture_runs(tmp_path):
+    model, x = _NotesTheCollector().eval(), torch.randn(2, 4)
+    assert gc.isenabled()
+    trace = tl.trace(model, x)
+    assert model.seen == [False] and gc.isenabled()  # held off in the forward, enabled again after
+    with torch.no_grad():
+        assert torch.equal(trace.output, model.fc(x) + 1)
+    tl.trace(model, x, save=tl.module("fc"))  # a bounded capture: the model's cyclic garbage stays collectable
+    tl.trace(model, x, store=str(tmp_path / "store"))
+    assert model.seen[1:] == [True, True] and gc.isenabled()
+    raising = _NotesTheCollector(raises=True).eval()
+    with pytest.raises(ValueError, match="on purpose"):
+        tl.trace(raising, x)
+    assert raising.seen == [False] and gc.isenabled()
+    gc.disable()  # the user's own choice is kept
+    try:
+        tl.trace(model, x)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_captures_in_two_threads_give_the_collector_back_once_both_ended():
+    from torchlens.capture._memory import GcPause
+
+    first, second = GcPause(), GcPause()
+    first.__enter__()
+    second.__enter__()  # another capture starts while the first runs (another thread, or nested)
+    first.__exit__(None, None, None)
+    assert not gc.isenabled()  # the second capture still runs
+    second.__exit__(None, None, None)
+    assert gc.isenabled()
+    done: list[bool] = []
+    models = [_NotesTheCollector().eval() for _ in range(2)]
+    threads = [threading.Thread(target=lambda m=m: done.append(len(tl.trace(m, torch.randn(2, 4)).ops) > 0))
+               for m in models]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert done == [True, True] and gc.isenabled()
+    assert all(m.seen == [False] for m in models)
+
+
+class _OwnWalk(torch.nn.Sequential):
+    def named_modules(self, *args, **kwargs):  # a type walking its modules its own way is asked (hides Tanh)
+        yield from ((n, m) for n, m in super().named_modules(*args, **kwargs) if type(m) is not torch.nn.Tanh)
+
+
+def test_the_module_walk_equals_named_modules():
+    from torchlens.capture._attach import named_modules
+
+    shared = torch.nn.Linear(2, 2)
+    model = torch.nn.Sequential(torch.nn.Sequential(shared, torch.nn.ReLU()), shared,
+                                torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(shared)))
+    model.add_module("nothing", None)
+    assert [n for n in named_modules(model) if n.endswith(".0")] == ["0.0", "2.0"]  # ``shared`` once, first name
+    walks_itself = torch.nn.Sequential(torch.nn.ReLU(), _OwnWalk(torch.nn.Tanh(), shared), shared)
+    for m in (model, model[2], walks_itself, _OwnWalk(torch.nn.ReLU(), model[2])):
+        got = named_modules(m)
+        assert list(got.items()) == list(m.named_modules())  # same names, same order, shared modules once
+    assert not any(type(m) is torch.nn.Tanh for m in named_modules(walks_itself).values())

@@ -228,24 +228,29 @@ ACTIVE_WRAPPERS: set[int] = set()  # ids of the wrappers in some module's slot n
 
 def named_modules(model: nn.Module) -> dict[str, nn.Module]:
     """``dict(model.named_modules())``, walked directly: the generator chain (one frame per level
-    for every module yielded) cost as much as attaching the hooks. A module type with its own
+    for every module yielded) cost as much as attaching the hooks. One loop over a stack, in the
+    same order (a module, then its children's subtrees in turn). A module type with its own
     ``named_modules`` is asked through it."""
     named: dict[str, nn.Module] = {}
     seen: set[int] = set()
-
-    def visit(prefix: str, module: nn.Module) -> bool:
-        if type(module).named_modules is not _NAMED_MODULES:
-            return False
-        if id(module) in seen:  # a shared module: once, under its first name
-            return True
-        seen.add(id(module))
+    todo = [("", model)]
+    pop, push = todo.pop, todo.extend
+    plain = _NAMED_MODULES
+    while todo:
+        prefix, module = pop()
+        if type(module).named_modules is not plain:
+            return dict(model.named_modules())
+        key = id(module)
+        if key in seen:  # a shared module: once, under its first name
+            continue
+        seen.add(key)
         named[prefix] = module
-        for name, sub in module._modules.items():
-            if sub is not None and not visit(f"{prefix}.{name}" if prefix else name, sub):
-                return False
-        return True
-
-    return named if visit("", model) else dict(model.named_modules())
+        children = module._modules
+        if children:
+            stem = prefix + "." if prefix else ""
+            # reversed onto the stack: the first child is walked next
+            push([(stem + name, sub) for name, sub in reversed(children.items()) if sub is not None])
+    return named
 
 
 _NAMED_MODULES = nn.Module.named_modules

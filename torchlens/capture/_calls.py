@@ -62,8 +62,9 @@ class ModuleCalls:
         stack = self.stack
         call = stack.pop() if stack else None
         self.top = stack[-1] if stack else NO_CALL  # the call enclosing the ops that follow
-        if call is None or call.address != info.address:  # hooks out of step: find it
-            call = next(c for c in reversed(self.trace.calls) if c.address == info.address)
+        address = info[0]  # (a CallInfo is a tuple: its ``address`` property is a call)
+        if call is None or call.address != address:  # hooks out of step: find it
+            call = next(c for c in reversed(self.trace.calls) if c.address == address)
         replaced = None
         steps = self.module_steps.get(call.address) if self.module_steps else None
         if steps:

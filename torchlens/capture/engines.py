@@ -15,6 +15,7 @@ from ..core.tree import clone_value, flatten
 from ..edit.edits import AppliedEdit, EditContext, apply_edit, count_changed, land_edit
 from ..errors import StopCapture
 from ..hookspecs import hookimpl
+from ._memory import GcPause
 from ._offload import defer_offloaded_weights
 from ._recorder import Recorder
 from .hooks import ModuleHooks
@@ -182,6 +183,12 @@ class FunctionModeEngine:
         return 10.0
 
     def capture(self, request: CaptureRequest) -> Trace:
+        if request.save is None and request.sink is None:  # in memory: every record stays reachable
+            with GcPause():
+                return self._capture(request)
+        return self._capture(request)  # bounded (save=, store=, offload): the model's cycles stay collectable
+
+    def _capture(self, request: CaptureRequest) -> Trace:
         model = request.model
         trace = Trace(model, request.args, request.kwargs, engine=self.name, strict=request.strict)
         module_steps, op_steps = _module_steps(request)
