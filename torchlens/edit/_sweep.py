@@ -14,10 +14,12 @@ same replay log.
 
 A fork that has not reached an op yet is not in its stack (its rows there are the recorded
 ones), so results equal each fork replayed alone to float rounding (stacking changes BLAS
-blocking, as in ``push_together``). Anything the sweep does not cover (a whole-tensor
-region, an in-place, guard or random op, an edit whose changed rows start elsewhere, a
-data read the edit reaches, an error) restores every fork and returns None: the caller
-replays them the general way, which handles (and reports) each fork by itself.
+blocking, as in ``push_together``). An op reading only rows no edit changed is skipped; an
+op recomputed whole runs once per fork. Anything else the sweep does not cover (an edit
+changing a whole value, or other rows than the first edit; eager attention's corner regions;
+an in-place, guard or random op; a data read the edits reach; an error) restores every fork
+and returns None: the caller replays them the general way, which handles (and reports) each
+fork by itself.
 """
 
 from __future__ import annotations
