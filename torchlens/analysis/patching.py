@@ -189,22 +189,22 @@ class _Cells:
         groups: dict[Any, list[int]] = {}
         for k, cell in enumerate(cells):
             groups.setdefault(cell[3], []).append(k)
-        parts = [g for g in groups.values() if len(g) > 1]
+        parts = [(g, True) for g in groups.values() if len(g) > 1]
         singles = [k for g in groups.values() if len(g) == 1 for k in g]
         if singles:
-            parts.append(singles)
+            parts.append((singles, False))  # their rows differ: a one-pass attempt would only be undone
         scores = [0.0] * len(cells)
-        for part in parts:
-            for k, score in zip(part, self._score_together([cells[k][:3] for k in part])):
+        for part, one_pass in parts:
+            for k, score in zip(part, self._score_together([cells[k][:3] for k in part], one_pass)):
                 scores[k] = score
         return scores
 
-    def _score_together(self, cells: list[tuple[str, str, Any]]) -> list[float]:
+    def _score_together(self, cells: list[tuple[str, str, Any]], one_pass: bool) -> list[float]:
         if self.read is None:
             forks = self.trace.forks([(site, edit) for _, site, edit in cells], names=[c[0] for c in cells])
             return [_score(self.metric, f.output) for f in forks]
         steps = [Step(self._bound(site), edit, REPLAY) for _, site, edit in cells]
-        got = replay_reads([self.trace.fork(name) for name, _, _ in cells], steps, self.read)
+        got = replay_reads([self.trace.fork(name) for name, _, _ in cells], steps, self.read, one_pass=one_pass)
         scores = []
         for (name, site, edit), value in zip(cells, got):
             if isinstance(value, GuardChangedError):  # fork.do re-executes the real forward (and warns)
