@@ -88,6 +88,8 @@ def describe_shape(value: Any) -> Any:
     """A printable shape for a tensor, or a tuple of shapes for a structure."""
     if isinstance(value, Tensor):
         return tuple(value.shape)
+    if type(value) in (tuple, list) and all(type(t) is Tensor for t in value):  # a split's outputs: no tree walk
+        return tuple(tuple(t.shape) for t in value) if len(value) != 1 else tuple(value[0].shape)
     leaves = tensor_leaves(value)
     if len(leaves) == 1:
         return tuple(leaves[0].shape)

@@ -106,7 +106,8 @@ def shaped(op: Any, args: tuple, kwargs: dict, plan: Any, n: int) -> tuple[Any, 
         dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % len(op.shape)
         if name != "stack" and dim == region.axis:  # the stacked tensor must end the sequence: a key cache
             last = swept[0]
-            after = seq[seq.index(last) + 1:]
+            # found by identity: ``list.index`` would compare tensors with ``==``, element by element
+            after = seq[next(k for k, t in enumerate(seq) if t is last) + 1:]
             if len(swept) != 1 or any(t.dim() == last.dim() and t.shape[dim] != 0 for t in after) \
                     or last.shape[dim] - last.start != op.shape[dim] - region.start:
                 raise PerFork
@@ -137,10 +138,11 @@ def attention(call: Any, args: tuple, kwargs: dict, n: int, want: list[int]) -> 
             return t.unsqueeze(0).expand(n, *t.shape).reshape(n * b, *t.shape[1:])
         if s.axis != 2:
             raise PerFork
-        full = t.unsqueeze(0).expand(n, *t.shape).clone()
         mk = t.shape[2] - s.start
-        full[..., s.start:, :] = s.rows.reshape(b, t.shape[1], n, mk, t.shape[3]).permute(2, 0, 1, 3, 4)
-        return full.reshape(n * b, *t.shape[1:])
+        # each fork's keys: the recorded rows before ``start``, then its own (one copy, written once)
+        changed = s.rows.reshape(b, t.shape[1], n, mk, t.shape[3]).permute(2, 0, 1, 3, 4)
+        kept = t[..., : s.start, :].unsqueeze(0).expand(n, *t.shape[:2], s.start, t.shape[3])
+        return torch.cat([kept, changed], 3).reshape(n * b, *t.shape[1:])
 
     mask = call.kwargs.get("attn_mask")
     extra = dict(call.kwargs)

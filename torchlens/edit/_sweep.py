@@ -85,6 +85,20 @@ class _Stack:
         return torch.cat([self.rows_of(f) for f in forks], self.axis)
 
 
+class _BlockPatch(RowPatch):
+    """A fork's :class:`RowPatch` of a stacked op: its rows are the block at ``offset`` of the
+    stack's rows, cut when read (most recomputed values of a sweep are never read by anyone)."""
+
+    __slots__ = ("stacked", "offset")
+
+    def __init__(self, base: torch.Tensor, axis: int, start: int, stacked: torch.Tensor, offset: int) -> None:
+        self.base, self.axis, self.start, self.stacked, self.offset = base, axis, start, stacked, offset
+
+    @property
+    def rows(self) -> torch.Tensor:  # (the slot RowPatch declares stays empty)
+        return self.stacked.narrow(self.axis, self.offset, self.base.shape[self.axis] - self.start)
+
+
 class _Outputs(Pending):
     """Several outputs of one op on one fork, each the recorded tensor or a :class:`RowPatch`, built when read."""
 
@@ -166,15 +180,18 @@ class _Sweep:
         # every edit first: a fresh fork's edit reads the recorded value, so they can all land before
         # any op is replayed, and edits changing different rows abort before any work is wasted
         landed = {j: [(i, self._land(i, j)) for i in forks] for j, forks in sorted(self.land_at.items())}
+        next_read = self._next_read()
         for j in range(min(self.land_at), n + 1):
             for i, edited in landed.get(j, ()):
                 if edited is not None:
                     self._stack_edit(i, *edited)
-            for replayer in self.replayers:
-                reads = replayer._reads
-                while replayer._read_i < len(reads) and reads[replayer._read_i].position <= j:
-                    replayer._check_read(reads[replayer._read_i])
-                    replayer._read_i += 1
+            if j >= next_read:
+                for replayer in self.replayers:
+                    reads = replayer._reads
+                    while replayer._read_i < len(reads) and reads[replayer._read_i].position <= j:
+                        replayer._check_read(reads[replayer._read_i])
+                        replayer._read_i += 1
+                next_read = self._next_read()
             if j == n:
                 return
             op = self.ops[j]
@@ -201,6 +218,11 @@ class _Sweep:
                 note = ""
             if region is not None:  # (None: no fork's value of this op changed)
                 self._keep(op, forks, region, rows, how, note)
+
+    def _next_read(self) -> float:
+        """The position of the next data read some fork has not checked yet (inf: none)."""
+        return min((r._reads[r._read_i].position for r in self.replayers if r._read_i < len(r._reads)),
+                   default=math.inf)
 
     def _stack_of(self, ref: Any) -> _Stack | None:
         s = self.stack.get(ref.index)
@@ -383,13 +405,14 @@ class _Sweep:
             raise _Abort
         s = self.stack[j] = _checked(_Stack(base, region.axis, region.start, rows, forks))
         size = (region.axis, region.start, base.shape[region.axis])
-        for i, rows_i in zip(forks, s.rows.split(s.block, s.axis)):
+        axis, m, rows = s.axis, s.block, s.rows
+        for k, i in enumerate(forks):
             replayer = self.replayers[i]
             if how == "full":  # recomputed whole (WHOLE_ROWS): the fork holds the value itself
-                replayer._store(j, rows_i, WHOLE)
+                replayer._store(j, rows.narrow(axis, k * m, m), WHOLE)
                 replayer.log.entries.append((op.label, op.func_name, how, None, note))
                 continue
-            replayer._store(j, RowPatch(base, region.axis, region.start, rows_i), region)
+            replayer._store(j, _BlockPatch(base, region.axis, region.start, rows, k * m), region)
             replayer.log.entries.append((op.label, op.func_name, how, size, note))
 
 
