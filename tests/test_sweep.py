@@ -1,5 +1,5 @@
-"""``trace.forks`` on fresh forks whose edits change the same rows: one pass over the recorded
-graph for all forks, every op run once on their stacked rows (``torchlens.edit._sweep``).
+"""``trace.forks`` on fresh forks: one pass over the recorded graph per group of forks whose
+edits change the same rows, every op run once on their stacked rows (``torchlens.edit._sweep``).
 
 Each swept fork must recompute the same ops and rows as the same edit replayed alone, hold
 the same values there, and give the logits of a re-executed forward whose edit is a plain
@@ -48,44 +48,106 @@ def test_each_swept_fork_equals_its_edit_alone_op_by_op_and_a_hooked_forward(cas
     sites = blocks * 2  # two forks per block, each its own scale
     pairs = [(b, scale_row_edit(p, 0.5 + i)) for i, b in enumerate(sites)]
     forks, got = _swept(trace, pairs)
-    assert got is not None and len(got) == len(forks)
-    index = {op.label: op.index for op in trace.ops}
-    for i, (fork, (b, _)) in enumerate(zip(forks, pairs)):
-        k = 0.5 + i
-        alone = trace.fork().do(b, scale_row_edit(p, k))
-        want = edited_forward(case.model, b, scale_row_hook(p, k), case.args).logits
-        assert torch.allclose(fork.output.logits, want, atol=ATOL), b
-        assert torch.allclose(fork.output.logits, alone.output.logits, atol=ATOL), b
-        mine, theirs = fork.edits[-1].replay.entries, alone.edits[-1].replay.entries
-        assert [e[:4] for e in mine] == [e[:4] for e in theirs]
-        assert any(e[4] == f"stacked with {len(forks) - 1} other fork(s)" for e in mine)
-        for label, *_ in mine:  # every recomputed value, multi-output ones included
-            a, b_ = tl_leaves(fork.value(index[label])), tl_leaves(alone.value(index[label]))
-            assert len(a) == len(b_) and all(torch.allclose(x, y, atol=ATOL) for x, y in zip(a, b_)), label
+    assert got is not None and len(got) == len(forks) and all(r is not None for r in got)
+    for i, (fork, (b, edit)) in enumerate(zip(forks, pairs)):
+        _assert_like_alone(case, trace, fork, b, edit, scale_row_hook(p, 0.5 + i), len(forks) - 1)
     assert torch.equal(trace.output.logits, edited_forward(case.model, blocks[0], lambda o: o, case.args).logits)
 
 
-@pytest.mark.parametrize("first, second", [(5, 1), (1, 5), (3, 4)])
-def test_edits_changing_other_rows_restore_every_fork(tiny_gpt2, first, second):
-    trace = tl.trace(tiny_gpt2.model, *tiny_gpt2.args)
-    pairs = [("transformer.h.0", scale_row_edit(first)), ("transformer.h.1", scale_row_edit(second))]
+def _assert_like_alone(case, trace, fork, site, edit, hook, others: int) -> None:
+    """``fork`` (swept with ``others`` other forks) recomputed the same ops and rows as ``edit``
+    replayed alone, holds the same values there, and its logits are a hooked forward's."""
+    alone = trace.fork().do(site, edit)
+    want = edited_forward(case.model, site, hook, case.args).logits
+    assert torch.allclose(fork.output.logits, want, atol=ATOL), site
+    assert torch.allclose(fork.output.logits, alone.output.logits, atol=ATOL), site
+    mine, theirs = fork.edits[-1].replay.entries, alone.edits[-1].replay.entries
+    assert [e[:4] for e in mine] == [e[:4] for e in theirs]
+    if others:
+        assert any(e[4] == f"stacked with {others} other fork(s)" for e in mine)
+    index = {op.label: op.index for op in trace.ops}
+    for label, *_ in mine:  # every recomputed value, multi-output ones included
+        a, b_ = tl_leaves(fork.value(index[label])), tl_leaves(alone.value(index[label]))
+        assert len(a) == len(b_) and all(torch.allclose(x, y, atol=ATOL) for x, y in zip(a, b_)), label
+
+
+@pytest.mark.parametrize("case_name", ["tiny_gpt2", "tiny_llama"])
+def test_a_grid_of_layers_and_positions_is_swept_in_one_group_per_position(case_name, request):
+    """Forks whose edits change other rows are not stacked together: each position's forks
+    walk the graph as one group, and every fork equals its edit alone and a hooked forward."""
+    case = request.getfixturevalue(case_name)
+    trace = tl.trace(case.model, *case.args)
+    seq = case.args[0].shape[1]
+    positions = [seq - 1, 1, seq // 2]
+    blocks = _blocks(case)
+    cells = [(b, p, 0.5 + i) for i, (p, b) in enumerate((p, b) for p in positions for b in blocks)]
+    pairs = [(b, scale_row_edit(p, k)) for b, p, k in cells]
     forks, got = _swept(trace, pairs)
-    assert got is None and all(_untouched(f) for f in forks)
-    # trace.forks then replays them the general way
-    for fork, (site, _edit), p in zip(trace.forks(pairs), pairs, (first, second)):
-        want = edited_forward(tiny_gpt2.model, site, scale_row_hook(p), tiny_gpt2.args).logits
-        assert torch.allclose(fork.output.logits, want, atol=ATOL)
+    assert got is not None and all(r is not None for r in got)
+    for fork, (b, edit), (_, p, k) in zip(forks, pairs, cells):
+        _assert_like_alone(case, trace, fork, b, edit, scale_row_hook(p, k), len(blocks) - 1)
+    # trace.forks goes the same way
+    for fork, (b, p, k) in zip(trace.forks(pairs), cells):
+        want = edited_forward(case.model, b, scale_row_hook(p, k), case.args).logits
+        assert torch.allclose(fork.output.logits, want, atol=ATOL), (b, p)
 
 
-def test_an_edit_that_raises_restores_every_fork(tiny_gpt2):
+def test_an_edit_that_raises_leaves_its_fork_untouched_and_the_others_swept(tiny_gpt2):
     trace = tl.trace(tiny_gpt2.model, *tiny_gpt2.args)
 
     def broken(act, *, ctx):
         raise ValueError("edit bug")
 
-    pairs = [("transformer.h.0", scale_row_edit(5)), ("transformer.h.1", broken)]
+    pairs = [("transformer.h.0", scale_row_edit(5)), ("transformer.h.1", broken),
+             ("transformer.h.1", scale_row_edit(5))]
     forks, got = _swept(trace, pairs)
+    assert got is not None and got[0] is not None and got[1] is None and got[2] is not None
+    assert _untouched(forks[1])
+    for fork, (site, _) in zip((forks[0], forks[2]), (pairs[0], pairs[2])):
+        want = edited_forward(tiny_gpt2.model, site, scale_row_hook(5), tiny_gpt2.args).logits
+        assert torch.allclose(fork.output.logits, want, atol=ATOL)
+    with pytest.raises(ValueError, match="edit bug"):  # the general path reports it
+        trace.forks(pairs)
+
+
+def test_every_edit_raising_leaves_every_fork_untouched(tiny_gpt2):
+    trace = tl.trace(tiny_gpt2.model, *tiny_gpt2.args)
+
+    def broken(act, *, ctx):
+        raise ValueError("edit bug")
+
+    forks, got = _swept(trace, [("transformer.h.0", broken), ("transformer.h.1", broken)])
     assert got is None and all(_untouched(f) for f in forks)
+
+
+class _GatedOnFirst(torch.nn.Module):
+    """Scales its output by a number read (into Python) from the first position."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner, self.outer = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.relu(self.inner(x))
+        return self.outer(h) * float(h[0, 0].sum())
+
+
+def test_a_group_meeting_a_changed_data_read_is_restored_and_the_others_stay_swept():
+    model = _GatedOnFirst().eval()
+    x = torch.randn(1, 6, 8, generator=torch.Generator().manual_seed(1))
+    trace = tl.trace(model, x)
+    cells = [(0, 2.0), (0, 3.0), (5, 2.0), (5, -1.0)]
+    pairs = [("inner", scale_row_edit(p, k)) for p, k in cells]
+    forks, got = _swept(trace, pairs)
+    assert got is not None and [r is not None for r in got] == [False, False, True, True]
+    assert _untouched(forks[0]) and _untouched(forks[1])  # their edit changes what the forward read
+    for fork, (p, k) in zip(forks[2:], cells[2:]):
+        assert torch.allclose(fork.output, edited_forward(model, "inner", scale_row_hook(p, k), (x,)), atol=1e-6)
+    with pytest.warns(Warning):  # trace.forks re-executes the two the recorded graph cannot replay
+        done = trace.forks(pairs)
+    for fork, (p, k) in zip(done, cells):
+        assert torch.allclose(fork.output, edited_forward(model, "inner", scale_row_hook(p, k), (x,)), atol=1e-6)
 
 
 def test_only_fresh_forks_of_one_trace_are_swept(tiny_gpt2):

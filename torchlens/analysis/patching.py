@@ -178,33 +178,22 @@ class _Cells:
         self.read = _output_read(trace, metric)
         self.sites: dict[str, Any] = {}
 
-    def score_all(self, cells: Iterable[tuple[str, str, Any, Any]]) -> Iterator[float]:
-        """The score of each ``(fork name, site, edit, group)`` cell, in order, ``batch_size`` at a time."""
+    def score_all(self, cells: Iterable[tuple[str, str, Any]]) -> Iterator[float]:
+        """The score of each ``(fork name, site, edit)`` cell, in order, ``batch_size`` at a time.
+
+        The cells of a batch replay together: those whose edits change the same rows (one
+        position) in one pass over the graph (``torchlens.edit._sweep`` groups them), the rest
+        op by op in step; callers order cells position by position so a batch holds few groups.
+        """
         for chunk in _chunks(cells, self.batch_size):
-            yield from self._score_chunk(chunk)
+            yield from self._score_together(chunk)
 
-    def _score_chunk(self, cells: list[tuple[str, str, Any, Any]]) -> list[float]:
-        """Cells of one group (one position: their edits change the same rows) replay together in one
-        pass (``torchlens.edit._sweep``); the cells alone in their group replay together op by op."""
-        groups: dict[Any, list[int]] = {}
-        for k, cell in enumerate(cells):
-            groups.setdefault(cell[3], []).append(k)
-        parts = [(g, True) for g in groups.values() if len(g) > 1]
-        singles = [k for g in groups.values() if len(g) == 1 for k in g]
-        if singles:
-            parts.append((singles, False))  # their rows differ: a one-pass attempt would only be undone
-        scores = [0.0] * len(cells)
-        for part, one_pass in parts:
-            for k, score in zip(part, self._score_together([cells[k][:3] for k in part], one_pass)):
-                scores[k] = score
-        return scores
-
-    def _score_together(self, cells: list[tuple[str, str, Any]], one_pass: bool) -> list[float]:
+    def _score_together(self, cells: list[tuple[str, str, Any]]) -> list[float]:
         if self.read is None:
             forks = self.trace.forks([(site, edit) for _, site, edit in cells], names=[c[0] for c in cells])
             return [_score(self.metric, f.output) for f in forks]
         steps = [Step(self._bound(site), edit, REPLAY) for _, site, edit in cells]
-        got = replay_reads([self.trace.fork(name) for name, _, _ in cells], steps, self.read, one_pass=one_pass)
+        got = replay_reads([self.trace.fork(name) for name, _, _ in cells], steps, self.read)
         scores = []
         for (name, site, edit), value in zip(cells, got):
             if isinstance(value, GuardChangedError):  # fork.do re-executes the real forward (and warns)
@@ -369,7 +358,7 @@ def activation_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any]
     cells = [(i, layer, j, p) for j, p in enumerate(cols) for i, layer in enumerate(rows)]
     donors = {layer: clean[f"blocks.{layer}.{site}"].out for layer in rows}
     scorer = _Cells(corrupted, metric, batch_size)
-    todo = ((f"{corrupted.name}/patch[{layer}.{site}@{p}]", f"blocks.{layer}.{site}", restore_rows(donors[layer], p), p)
+    todo = ((f"{corrupted.name}/patch[{layer}.{site}@{p}]", f"blocks.{layer}.{site}", restore_rows(donors[layer], p))
             for _, layer, _, p in track(cells, desc=f"patching {site}", unit="cell", progress=progress))
     for (i, _, j, _), score in zip(cells, scorer.score_all(todo)):
         values[i, j] = score
@@ -481,7 +470,7 @@ def causal_trace(model: Any, ids: torch.Tensor, subject: Sequence[int], *, answe
             totals = [0.0] * len(chunk)
             for scorer in scorers:
                 todo = [(f"{scorer.trace.name}/restore[{layer}.{kind}@{p}]", f"blocks.{layer}.{kind}",
-                         restore_rows(donors[layer], p), p) for _, layer, p in chunk]
+                         restore_rows(donors[layer], p)) for _, layer, p in chunk]
                 for k, score in enumerate(scorer.score_all(todo)):
                     totals[k] += score
             for (i, _, p), total in zip(chunk, totals):

@@ -31,7 +31,7 @@ from ._slicing import StackedCall, collect_rows
 from ._sweep import sweep
 from .replay import REPLAY_MODES, Replayer, Target, check_against_forward, replay_step
 
-__all__ = ["RowBatch", "push_together", "replay_many"]
+__all__ = ["RowBatch", "push_all", "push_together", "replay_many"]
 
 # Each fork's queries attend to its own keys, values and mask: stacking their rows would mix forks.
 UNSTACKED = frozenset({"scaled_dot_product_attention"})
@@ -233,6 +233,25 @@ def push_together(forks: Sequence[Any], steps: Sequence[Step], *, read: Any = No
     return outcome
 
 
+def push_all(forks: Sequence[Any], steps: Sequence[Step], *, read: Any = None, one_pass: bool = True) -> list[Any]:
+    """:func:`push_together`, but fresh forks whose edits change the same rows as others first
+    go down the graph in one pass per group (:func:`torchlens.edit._sweep.sweep`); the forks no
+    sweep covers are then pushed in step. ``one_pass=False`` skips the sweep (the caller knows
+    its forks' edits all change different rows).
+
+    Returns:
+        per fork, its replayer or the exception its replay raised, as :func:`push_together`.
+    """
+    got = sweep(forks, steps, read=read) if one_pass else None
+    if got is None:
+        return push_together(forks, steps, read=read)
+    rest = [k for k, r in enumerate(got) if r is None]
+    if rest:
+        for k, r in zip(rest, push_together([forks[k] for k in rest], [steps[k] for k in rest], read=read)):
+            got[k] = r
+    return got
+
+
 def replay_many(forks: Sequence[Any], steps: Sequence[Sequence[Step]], *, rerun: Any, replay: str = "auto",
                 check: bool = False, batch_size: int | None = None) -> list[Any]:
     """Replay ``steps[i]`` (bound replay steps, in order) on ``forks[i]`` (fresh forks of one
@@ -260,9 +279,8 @@ def replay_many(forks: Sequence[Any], steps: Sequence[Sequence[Step]], *, rerun:
         chunk, chunk_steps = forks[k:k + size], steps[k:k + size]
         for r in range(max((len(s) for s in chunk_steps), default=0)):
             now = [(fork, s[r]) for fork, s in zip(chunk, chunk_steps) if len(s) > r]
-            # fresh forks first try one pass for all (_sweep), else each fork's replayer in step
-            swept = sweep([f for f, _ in now], [s for _, s in now]) if r == 0 else None
-            pushed = swept or push_together([f for f, _ in now], [s for _, s in now])
+            # fresh forks first go in one pass per group changing the same rows (_sweep), the rest in step
+            pushed = push_all([f for f, _ in now], [s for _, s in now], one_pass=r == 0)
             for (fork, step), got in zip(now, pushed):
                 if isinstance(got, GuardChangedError):
                     replay_step(fork, step, rerun=rerun, replay=replay)  # alone: falls back or raises

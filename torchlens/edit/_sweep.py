@@ -12,14 +12,16 @@ a changed value otherwise run once per fork.
 Each fork then stores its own rows of each op exactly as its own replayer would, with the
 same replay log.
 
-A fork that has not reached an op yet is not in its stack (its rows there are the recorded
-ones), so results equal each fork replayed alone to float rounding (stacking changes BLAS
-blocking, as in ``push_together``). An op reading only rows no edit changed is skipped; an
-op recomputed whole runs once per fork. Anything else the sweep does not cover (an edit
-changing a whole value, or other rows than the first edit; eager attention's corner regions;
-an in-place, guard or random op; a data read the edits reach; an error) restores every fork
-and returns None: the caller replays them the general way, which handles (and reports) each
-fork by itself.
+Every edit lands first; forks whose edits change the same rows (and value shape) form one
+group, and each group walks the graph once (a grid of layers and positions: one walk per
+position). A fork that has not reached an op yet is not in its stack (its rows there are the
+recorded ones), so results equal each fork replayed alone to float rounding (stacking
+changes BLAS blocking, as in ``push_together``). An op reading only rows no edit changed is
+skipped; an op recomputed whole runs once per fork. What the sweep does not cover restores
+the forks it concerns, which the caller then replays the general way (it handles, and
+reports, each fork by itself): an edit changing a whole value, or raising, restores its fork;
+eager attention's corner regions, an in-place, guard or random op, a data read the edits
+reach, or an error in the walk restores that fork's group.
 """
 
 from __future__ import annotations
@@ -114,9 +116,14 @@ class _Outputs(Pending):
         return [t for v in self.values for t in (v.held() if isinstance(v, RowPatch) else [v])]
 
 
-def sweep(forks: Sequence[Any], steps: Sequence[Step], *, read: Any = None) -> list[Replayer] | None:
-    """Push ``steps[i]`` (a bound replay step) down ``forks[i]`` for every fork in one pass over
-    the recorded graph, their changed rows stacked per op.
+def sweep(forks: Sequence[Any], steps: Sequence[Step], *, read: Any = None) -> list[Replayer | None] | None:
+    """Push ``steps[i]`` (a bound replay step) down ``forks[i]`` for every fork, in one pass over
+    the recorded graph per group of forks whose edits change the same rows, their changed rows
+    stacked per op.
+
+    Every edit lands first (a fresh fork's edit reads the recorded value); the forks are then
+    grouped by the rows their edit changed (a grid of layers and positions: one group per
+    position), and each group walks the graph once.
 
     Args:
         forks: fresh forks (no edits yet) of one trace, two or more.
@@ -126,7 +133,8 @@ def sweep(forks: Sequence[Any], steps: Sequence[Step], *, read: Any = None) -> l
 
     Returns:
         per fork, its :class:`~torchlens.edit.replay.Replayer` (the fork now holds its edit), or
-        None when the sweep does not cover these forks (every fork is then as it was).
+        None for a fork the sweep does not cover (that fork is as it was: its edit changes a
+        whole value, or its group met an op the sweep refuses); None when it covers none.
     """
     if len(forks) < 2:
         return None
@@ -145,6 +153,14 @@ def sweep(forks: Sequence[Any], steps: Sequence[Step], *, read: Any = None) -> l
             return None  # nothing (the general path raises) or several landing places
         records.append(found[0])
     before = [f.fork_state() for f in forks]
+    swept: list[Replayer | None] = [None] * len(forks)
+
+    def restore(members: Sequence[int]) -> None:
+        for i in members:
+            forks[i].restore_fork(before[i], forks[i].unsaved_steps)
+            swept[i] = None
+
+    landed: dict[int, tuple[int, Any]] = {}
     try:
         replayers = []
         for fork, step, record in zip(forks, steps, records):
@@ -153,40 +169,96 @@ def sweep(forks: Sequence[Any], steps: Sequence[Step], *, read: Any = None) -> l
             replayer.prepare(fork.recipe[-1], [Target(record)])
             replayers.append(replayer)
         with torch.no_grad():
-            _Sweep(parent, replayers, records, read).run()
+            for i, replayer in enumerate(replayers):
+                j = Target(records[i]).position
+                try:
+                    landed[i] = (j, _land(parent, replayer, j))
+                except Exception:  # noqa: BLE001 - that fork alone: the general path redoes (and reports) it
+                    restore([i])
+            for members in _groups(parent, landed):
+                try:
+                    _Sweep(parent, replayers, members, landed, read).run()
+                except Exception:  # noqa: BLE001 - that group: the general path redoes (and reports) it
+                    restore(members)
+                else:
+                    for i in members:
+                        swept[i] = replayers[i]
     except BaseException as exc:
-        for fork, state in zip(forks, before):
-            fork.restore_fork(state, fork.unsaved_steps)
-        if isinstance(exc, Exception):  # the general path redoes it and reports each fork's own error
+        restore(range(len(forks)))  # interrupted: no fork is left half replayed
+        if isinstance(exc, Exception):
             return None
         raise
-    return replayers
+    return swept if any(r is not None for r in swept) else None
+
+
+def _land(parent: Any, replayer: Replayer, j: int) -> tuple[int, Rows, torch.Tensor] | None:
+    """Apply a fork's edit at position ``j`` on the fork itself: the op whose value it changed,
+    the changed rows and the value readers from ``j`` on see (None: it changed nothing)."""
+    entries = replayer._steps_at[j]
+    refs = [r for _, t, _ in entries
+            for r in (t.record.out_refs if isinstance(t.record, ModuleCall) else [t.record]) if r is not None]
+    if any(getattr(r, "elem", None) is not None for r in refs):
+        raise _Abort
+    replayer._apply_steps(entries)
+    changed = [r for r in refs if replayer.regions.get(r.index) is not None]
+    if not changed:
+        return None  # the edit changed nothing
+    if len(changed) != 1:  # (a module's other outputs, e.g. attention weights, unchanged are fine)
+        raise _Abort
+    o = changed[0].index
+    region = replayer.regions[o]
+    base = parent.value(o)
+    edited = replayer.fork.seen_value(changed[0], j) if isinstance(entries[0][1].record, ModuleCall) \
+        else replayer.fork.value(o)
+    if not isinstance(region, Rows) or not isinstance(base, torch.Tensor) or not isinstance(edited, torch.Tensor) \
+            or edited.shape != base.shape or edited.dtype != base.dtype:
+        raise _Abort
+    return o, region, edited
+
+
+def _groups(parent: Any, landed: dict[int, tuple[int, Any]]) -> list[list[int]]:
+    """The landed forks grouped by the rows their edit changed and that value's shape: stacking a
+    fork changing fewer rows would recompute (and hold) rows it never changed, up to a whole
+    forward per fork on a grid of positions. Forks whose edit changed nothing join the first group."""
+    groups: dict[tuple, list[int]] = {}
+    still = []
+    for i, (_, edited) in landed.items():
+        if edited is None:
+            still.append(i)
+            continue
+        o, region, _ = edited
+        groups.setdefault((region, tuple(parent.value(o).shape)), []).append(i)
+    found = list(groups.values()) or [[]]
+    found[0] = sorted(found[0] + still)
+    return [g for g in found if g]
 
 
 class _Sweep:
-    def __init__(self, parent: Any, replayers: list[Replayer], records: list[Any], read: Any) -> None:
+    """One walk of the recorded graph for ``members`` (indices into ``replayers``), whose edits
+    have landed (``landed[i]``: position and what ``_land`` gave) and change the same rows."""
+
+    def __init__(self, parent: Any, replayers: list[Replayer], members: list[int],
+                 landed: dict[int, tuple[int, Any]], read: Any) -> None:
         self.parent = parent
         self.read = read
         self.replayers = replayers
+        self.members = [replayers[i] for i in members]
         self.ops = parent.ops
         self.stack: dict[int, Any] = {}  # op index -> _Stack, or a tuple of them (None: unchanged) per output
-        self.land_at: dict[int, list[int]] = {}
-        self.rows: tuple[Rows, tuple] | None = None  # the changed rows of the first edit, and its value's shape
-        for i, record in enumerate(records):
-            self.land_at.setdefault(Target(record).position, []).append(i)
+        self.land_at: dict[int, list[tuple[int, Any]]] = {}
+        for i in members:
+            j, edited = landed[i]
+            self.land_at.setdefault(j, []).append((i, edited))
 
     def run(self) -> None:
         n = len(self.ops)
-        # every edit first: a fresh fork's edit reads the recorded value, so they can all land before
-        # any op is replayed, and edits changing different rows abort before any work is wasted
-        landed = {j: [(i, self._land(i, j)) for i in forks] for j, forks in sorted(self.land_at.items())}
         next_read = self._next_read()
         for j in range(min(self.land_at), n + 1):
-            for i, edited in landed.get(j, ()):
+            for i, edited in self.land_at.get(j, ()):
                 if edited is not None:
                     self._stack_edit(i, *edited)
             if j >= next_read:
-                for replayer in self.replayers:
+                for replayer in self.members:
                     reads = replayer._reads
                     while replayer._read_i < len(reads) and reads[replayer._read_i].position <= j:
                         replayer._check_read(reads[replayer._read_i])
@@ -221,7 +293,7 @@ class _Sweep:
 
     def _next_read(self) -> float:
         """The position of the next data read some fork has not checked yet (inf: none)."""
-        return min((r._reads[r._read_i].position for r in self.replayers if r._read_i < len(r._reads)),
+        return min((r._reads[r._read_i].position for r in self.members if r._read_i < len(r._reads)),
                    default=math.inf)
 
     def _stack_of(self, ref: Any) -> _Stack | None:
@@ -229,37 +301,6 @@ class _Sweep:
         if isinstance(s, tuple):
             return s[ref.elem] if ref.elem is not None else None if all(x is None for x in s) else _abort()
         return s if ref.elem is None else None if s is None else _abort()
-
-    def _land(self, i: int, j: int) -> tuple[int, Rows, torch.Tensor] | None:
-        """Apply fork ``i``'s edit at position ``j`` on the fork itself: the op whose value it changed,
-        the changed rows and the value readers from ``j`` on see (None: it changed nothing)."""
-        replayer = self.replayers[i]
-        entries = replayer._steps_at[j]
-        refs = [r for _, t, _ in entries
-                for r in (t.record.out_refs if isinstance(t.record, ModuleCall) else [t.record]) if r is not None]
-        if any(getattr(r, "elem", None) is not None for r in refs):
-            raise _Abort
-        replayer._apply_steps(entries)
-        changed = [r for r in refs if replayer.regions.get(r.index) is not None]
-        if not changed:
-            return None  # the edit changed nothing
-        if len(changed) != 1:  # (a module's other outputs, e.g. attention weights, unchanged are fine)
-            raise _Abort
-        o = changed[0].index
-        region = replayer.regions[o]
-        base = self.parent.value(o)
-        edited = replayer.fork.seen_value(changed[0], j) if isinstance(entries[0][1].record, ModuleCall) \
-            else replayer.fork.value(o)
-        if not isinstance(region, Rows) or not isinstance(base, torch.Tensor) or not isinstance(edited, torch.Tensor) \
-                or edited.shape != base.shape or edited.dtype != base.dtype:
-            raise _Abort
-        # every edit must change the same rows: stacking a fork changing fewer would recompute (and hold)
-        # rows it never changed, up to a whole forward per fork on a grid of positions
-        if self.rows is None:
-            self.rows = (region, tuple(base.shape))
-        elif self.rows != (region, tuple(base.shape)):
-            raise _Abort
-        return o, region, edited
 
     def _stack_edit(self, i: int, o: int, region: Rows, edited: torch.Tensor) -> None:
         """Add fork ``i``'s edited rows of op ``o`` to the stack (readers from here on see them)."""

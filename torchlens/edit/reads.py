@@ -18,9 +18,8 @@ from ..core.records import Op, build_args
 from ..core.steps import Step
 from ..core.tree import Pending
 from ..errors import ReplayNotExactError
-from ._batch import push_together
+from ._batch import push_all
 from ._regions import WHOLE, RowPatch
-from ._sweep import sweep
 from .replay import Replayer
 
 __all__ = ["OutputRead", "replay_read", "replay_reads"]
@@ -128,11 +127,11 @@ def replay_read(fork: Any, step: Step, read: OutputRead) -> torch.Tensor:
     return got
 
 
-def replay_reads(forks: list[Any], steps: list[Step], read: OutputRead, *, one_pass: bool = True) -> list[Any]:
+def replay_reads(forks: list[Any], steps: list[Step], read: OutputRead) -> list[Any]:
     """:func:`replay_read` of ``steps[i]`` on ``forks[i]`` (fresh forks of one trace), replayed
-    together: in one pass when their edits change the same rows (``torchlens.edit._sweep``), else
-    op by op with their row recomputations stacked (``torchlens.edit._batch``). ``one_pass=False``
-    skips the one-pass attempt (the caller knows their edits change different rows).
+    together: in one pass per group of forks whose edits change the same rows
+    (``torchlens.edit._sweep``), the rest op by op with their row recomputations stacked
+    (``torchlens.edit._batch``).
 
     Returns:
         per fork, the read elements, or the exception its replay raised (that fork is left as
@@ -141,7 +140,7 @@ def replay_reads(forks: list[Any], steps: list[Step], read: OutputRead, *, one_p
     Raises:
         EmptySelectionError: a site matches nothing in the trace (no fork changed).
     """
-    got = (sweep(forks, steps, read=read) if one_pass else None) or push_together(forks, steps, read=read)
+    got = push_all(forks, steps, read=read)
     return [r if isinstance(r, BaseException) else _read_of(r, read) for r in got]
 
 
