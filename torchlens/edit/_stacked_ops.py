@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
+from ._execute import ROW_VIEWS
 from ._regions import RowPatch, Rows
 from ._slicing import ELEMENTWISE
-from .replay import ROW_VIEWS
 
 __all__ = ["ATTENTION", "MEMORY_VIEWS", "SHAPED", "STACKED_OPS", "STACKED_RULES", "PerFork", "Swept", "SweptWhole",
            "attention", "several", "shaped"]

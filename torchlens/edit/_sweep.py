@@ -35,6 +35,7 @@ import torch
 from ..core.records import EDIT, GUARD, INPLACE, INPUT, ModuleCall, build_args
 from ..core.steps import Step
 from ..core.tree import Pending
+from ._execute import ROW_VIEWS, UNINITIALISED, execute, refuse_reason
 from ._regions import WHOLE, RowPatch, Rows
 from ._slicing import collect_rows, plan_op
 from ._stacked_ops import (
@@ -49,7 +50,7 @@ from ._stacked_ops import (
     several,
     shaped,
 )
-from .replay import ROW_VIEWS, UNINITIALISED, Replayer, Target, execute, refuse_reason
+from .replay import Replayer, Target
 
 __all__ = ["sweep"]
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..core.inputs import split_inputs
-from ..core.records import EDIT, GUARD, INPLACE, INPUT, NOT_REPLAYABLE, RANDOM, ModuleCall, Op, build_args
+from ..core.records import EDIT, GUARD, INPLACE, INPUT, RANDOM, ModuleCall, Op, build_args
 from ..core.steps import Step
 from ..core.trace import DataRead
 from ..core.tree import Pending, clone_value, describe_shape, flatten, tensor_leaves
@@ -27,66 +27,17 @@ from ..errors import (
     ReplayNotExactError,
     ValueNotSavedError,
 )
+from ._execute import EVAL_REMEDY, REEXECUTE, ROW_VIEWS, UNINITIALISED, execute, refuse_reason
 from ._guards import index_leaves, recompute_read, same_value, short
 from ._regions import WHOLE, Corner, Plan, ReplayLog, RowPatch, Rows, diff_region, refine_corner, region_lookup, union
 from ._slicing import plan_op
 from .edits import AppliedEdit, EditContext, apply_edit, count_changed, land_edit
 
-__all__ = [
-    "REEXECUTE", "REPLAY_MODES", "ROW_VIEWS", "UNINITIALISED", "Replayer", "Target", "check_against_forward",
-    "execute", "refuse_reason", "replay_step",
-]
+__all__ = ["REPLAY_MODES", "Replayer", "Target", "check_against_forward", "replay_step"]
 
-REEXECUTE = "do(site, edit, model=model, inputs=x) re-executes the real forward instead."
 # How fork.do handles a changed guard: "strict" raises GuardChangedError; "fallback" re-executes
 # the real forward (the trace must hold its model); "auto" falls back when it can, else raises.
 REPLAY_MODES = ("auto", "strict", "fallback")
-EVAL_REMEDY = ("Call model.eval() before capturing if this is dropout left on by training mode; otherwise "
-               + REEXECUTE)
-
-
-# Shape ops replay applies to the new rows alone when their input is a RowPatch (see _rerun_view).
-ROW_VIEWS = frozenset({"view", "reshape", "transpose", "swapaxes", "t", "permute", "unsqueeze", "squeeze",
-                       "flatten", "unflatten"})
-# Ops whose output memory is uninitialised: re-issuing them gives arbitrary values, so replay
-# gives them the recorded contents (the model overwrites what it uses; this keeps replay exact).
-UNINITIALISED = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "empty_permuted"})
-
-
-def execute(op: Op, args: tuple, kwargs: dict) -> Any:
-    """Call an op's function; in-place ops work on a clone so recorded values stay intact."""
-    if op.func_name in UNINITIALISED:
-        fresh = op.func(*args, **kwargs)
-        if op.saved and isinstance(fresh, torch.Tensor) and isinstance(op.out, torch.Tensor) \
-                and fresh.shape == op.out.shape and fresh.dtype == op.out.dtype:
-            fresh.copy_(op.out)
-        return fresh
-    if op.flags & INPLACE:
-        if "out" in kwargs and isinstance(kwargs["out"], torch.Tensor):
-            target = kwargs["out"] = kwargs["out"].clone()
-        else:
-            target = args[0].clone()
-            args = (target, *args[1:])
-        result = op.func(*args, **kwargs)
-        return target if result is None or result is target else result
-    try:
-        return op.func(*args, **kwargs)
-    except Exception as exc:  # noqa: BLE001 - re-raised with the op and its model line
-        raise ReplayError(
-            f"re-executing op {op.label} ({op.func_name}) issued at {op.source} failed: {exc}",
-            op_label=op.label,
-            source=op.source,
-            remedy=REEXECUTE,
-        ) from exc
-
-
-def refuse_reason(op: Op) -> str | None:
-    """Why ``op`` can never be re-issued exactly from its recorded arguments (None: it can)."""
-    if op.flags & RANDOM:
-        return f"op {op.label} ({op.func_name}) at {op.source} draws random numbers"
-    if op.flags & NOT_REPLAYABLE or op.func is None:
-        return f"op {op.label} ({op.func_name}) at {op.source} cannot be re-issued from its recorded arguments"
-    return None
 
 
 class Target:

@@ -19,8 +19,8 @@ from ..core.records import GUARD, INPUT, build_args
 from ..core.trace import Trace
 from ..core.tree import tensor_leaves
 from ..errors import GuardChangedError, InvalidArgumentError, ReplayError, ValueNotSavedError
+from ._execute import execute
 from ._guards import recompute_read, same_value, short
-from .replay import execute
 
 __all__ = ["Divergence", "ValidationReport", "validate"]
 
