@@ -9,9 +9,11 @@ forward hook. Tolerance as tests/test_fork_batch.py: stacking rows changes BLAS 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-from conftest import edited_forward, hooked_forward, scale_row_edit, scale_row_hook
+from conftest import eager_copy, edited_forward, hooked_forward, scale_row_edit, scale_row_hook
 from conftest import leaves as tl_leaves
 
 import torchlens as tl
@@ -90,6 +92,26 @@ def test_a_grid_of_layers_and_positions_is_swept_in_one_group_per_position(case_
     for fork, (b, p, k) in zip(trace.forks(pairs), cells):
         want = edited_forward(case.model, b, scale_row_hook(p, k), case.args).logits
         assert torch.allclose(fork.output.logits, want, atol=ATOL), (b, p)
+
+
+@pytest.mark.parametrize("case_name", ["tiny_gpt2", "tiny_llama"])
+def test_eager_attention_is_swept_its_scores_per_fork_until_the_mask(case_name, request):
+    """Eager attention's scores ``q @ k.T`` change in a corner (later keys reach earlier
+    queries until the causal mask): each fork computes them whole, and once the mask restores
+    the corner's block its rows join the stack again, as replay alone decides."""
+    case = request.getfixturevalue(case_name)
+    case = dataclasses.replace(case, model=eager_copy(case.model))
+    trace = tl.trace(case.model, *case.args)
+    seq = case.args[0].shape[1]
+    blocks = _blocks(case)
+    cells = [(b, p, 0.5 + i) for i, (p, b) in enumerate((p, b) for p in (seq - 1, seq // 2) for b in blocks * 2)]
+    pairs = [(b, scale_row_edit(p, k)) for b, p, k in cells]
+    forks, got = _swept(trace, pairs)
+    assert got is not None and all(r is not None for r in got)
+    for fork, (b, edit), (_, p, k) in zip(forks, pairs, cells):
+        _assert_like_alone(case, trace, fork, b, edit, scale_row_hook(p, k), 2 * len(blocks) - 1)
+        kinds = {e[1] for e in fork.edits[-1].replay.entries}
+        assert b != blocks[0] or "matmul" in kinds and "softmax" in kinds  # the next block's eager attention
 
 
 def test_an_edit_that_raises_leaves_its_fork_untouched_and_the_others_swept(tiny_gpt2):

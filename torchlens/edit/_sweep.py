@@ -20,8 +20,13 @@ changes BLAS blocking, as in ``push_together``). An op reading only rows no edit
 skipped; an op recomputed whole runs once per fork. What the sweep does not cover restores
 the forks it concerns, which the caller then replays the general way (it handles, and
 reports, each fork by itself): an edit changing a whole value, or raising, restores its fork;
-eager attention's corner regions, an in-place, guard or random op, a data read the edits
-reach, or an error in the walk restores that fork's group.
+an in-place, guard or random op, a data read the edits reach, or an error in the walk
+restores that fork's group.
+
+Eager attention's scores ``q @ k.T`` change in a corner (later keys reach earlier queries):
+each fork computes them whole, kept stacked as whole values, until a causal mask restores
+the corner's block (``_regions.refine_corner``, as replay alone decides) and their rows
+join the stack again.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from ..core.records import EDIT, GUARD, INPLACE, INPUT, ModuleCall, build_args
 from ..core.steps import Step
 from ..core.tree import Pending
 from ._execute import ROW_VIEWS, UNINITIALISED, execute, refuse_reason
-from ._regions import WHOLE, RowPatch, Rows
+from ._regions import WHOLE, Corner, RowPatch, Rows, refine_corner
 from ._slicing import collect_rows, plan_op
 from ._stacked_ops import (
     ATTENTION,
@@ -65,10 +70,13 @@ class _Abort(Exception):
 class _Stack:
     """The changed rows ``start:`` along ``axis`` of op values, one block per fork of ``forks`` (in order)."""
 
-    __slots__ = ("base", "axis", "start", "rows", "forks")
+    __slots__ = ("base", "axis", "start", "rows", "forks", "corner")
 
-    def __init__(self, base: torch.Tensor, axis: int, start: int, rows: torch.Tensor, forks: tuple[int, ...]) -> None:
+    def __init__(self, base: torch.Tensor, axis: int, start: int, rows: torch.Tensor, forks: tuple[int, ...],
+                 corner: Corner | None = None) -> None:
         self.base, self.axis, self.start, self.rows, self.forks = base, axis, start, rows, forks
+        # eager attention's scores: each fork's whole value (all rows along axis 0), changed in this corner
+        self.corner = corner
 
     @property
     def block(self) -> int:
@@ -283,14 +291,15 @@ class _Sweep:
                 continue
             note = f"stacked with {len(forks) - 1} other fork(s)" if len(forks) > 1 else ""
             try:
-                if op.func_name not in STACKED_OPS:
+                if op.func_name not in STACKED_OPS or any(s.corner is not None for s in stacks):
                     raise PerFork
                 region, rows, how = self._stacked(op, forks)
+                logged = True
             except PerFork:
-                region, rows, how = self._per_fork(op, forks)
+                region, rows, how, logged = self._per_fork(op, forks)
                 note = ""
             if region is not None:  # (None: no fork's value of this op changed)
-                self._keep(op, forks, region, rows, how, note)
+                self._keep(op, forks, region, rows, how, note, logged)
 
     def _next_read(self) -> float:
         """The position of the next data read some fork has not checked yet (inf: none)."""
@@ -378,9 +387,10 @@ class _Sweep:
             raise PerFork
         return region, rows, how
 
-    def _per_fork(self, op: Any, forks: tuple[int, ...]) -> tuple[Any, Any, str]:
-        """Run ``op`` once per fork, each on its own rows, and stack what they give."""
-        j, got, kinds = op.index, [], set()
+    def _per_fork(self, op: Any, forks: tuple[int, ...]) -> tuple[Any, Any, str, bool]:
+        """Run ``op`` once per fork, each on its own rows, and stack what they give (the last item:
+        whether the replay log names the rows; not for eager attention's scores, as replay alone)."""
+        j, got, kinds, corner = op.index, [], set(), False
         for i in forks:
             regions = {}
 
@@ -388,6 +398,10 @@ class _Sweep:
                 s = self._stack_of(ref)
                 if s is None:
                     return self.parent.seen_value(ref, j)
+                if s.corner is not None:  # the fork's whole value, changed in that corner
+                    whole = s.rows_of(i)
+                    regions[id(whole)] = s.corner
+                    return whole
                 patch = RowPatch(s.base, s.axis, s.start, s.rows_of(i))
                 regions[id(patch)] = Rows(s.axis, s.start)
                 return patch
@@ -401,9 +415,18 @@ class _Sweep:
             if plan.kind == "rows" and isinstance(plan.region, Rows):
                 got.append((plan.region, plan.call()))
                 continue
-            if plan.kind != "full" or not (plan.region is WHOLE or _row_regions(plan.region)):
+            if plan.kind != "full" or not (plan.region is WHOLE or isinstance(plan.region, Corner)
+                                           or _row_regions(plan.region)):
                 raise _Abort
             built = execute(op, *build_args(op, lambda r, resolve=resolve: _whole(resolve(r))))
+            if isinstance(plan.region, Corner):  # attention scores: did a causal mask restore the corner's block?
+                corner = True
+                refined = refine_corner(self.parent.value(j), built, plan.region)
+                if not isinstance(built, torch.Tensor):
+                    raise _Abort
+                got.append((WHOLE_ROWS, built) if refined is WHOLE else (refined, built)
+                           if isinstance(refined, Corner) else (refined, _cut(built, refined)))
+                continue
             if plan.region is WHOLE:  # the whole value changed: kept as all its rows along axis 0
                 if not isinstance(built, torch.Tensor) or built.dim() == 0:
                     raise _Abort
@@ -419,17 +442,26 @@ class _Sweep:
         if any(r != region for r, _ in got):
             raise _Abort
         if region is None:
-            return None, None, "skip"
+            return None, None, "skip", True
         if several(region):
             rows = tuple(None if r is None else torch.cat([g[1][k] for g in got], r.axis) for k, r in enumerate(region))
         else:
-            rows = torch.cat([g[1] for g in got], region.axis)
-        return region, rows, "full" if region == WHOLE_ROWS else "rows" if kinds == {"rows"} else "mapped"
+            rows = torch.cat([g[1] for g in got], 0 if isinstance(region, Corner) else region.axis)
+        how = "full" if region == WHOLE_ROWS else "rows" if kinds == {"rows"} else "mapped"
+        return region, rows, how, not corner
 
-    def _keep(self, op: Any, forks: tuple[int, ...], region: Any, rows: Any, how: str, note: str) -> None:
-        """Put the stacked rows of ``op`` in the stack and give each fork its own."""
+    def _keep(self, op: Any, forks: tuple[int, ...], region: Any, rows: Any, how: str, note: str,
+              logged: bool = True) -> None:
+        """Put the stacked rows of ``op`` in the stack and give each fork its own (``logged``: the
+        replay log names the rows)."""
         j = op.index
         base = self.parent.value(j)
+        if isinstance(region, Corner):  # each fork's whole value, as all its rows along axis 0
+            s = self.stack[j] = _checked(_Stack(base, 0, 0, rows, forks, region))
+            for k, i in enumerate(forks):
+                self.replayers[i]._store(j, rows.narrow(0, k * s.block, s.block), region)
+                self.replayers[i].log.entries.append((op.label, op.func_name, how, None, note))
+            return
         if several(region):
             if not isinstance(base, (tuple, list)) or len(base) != len(region):
                 raise _Abort
@@ -446,7 +478,7 @@ class _Sweep:
         if not isinstance(base, torch.Tensor):
             raise _Abort
         s = self.stack[j] = _checked(_Stack(base, region.axis, region.start, rows, forks))
-        size = (region.axis, region.start, base.shape[region.axis])
+        size = (region.axis, region.start, base.shape[region.axis]) if logged else None
         axis, m, rows = s.axis, s.block, s.rows
         for k, i in enumerate(forks):
             replayer = self.replayers[i]
