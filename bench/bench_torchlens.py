@@ -112,6 +112,14 @@ def torchlens_cases() -> None:
     run_case(tool, "c9_gpt2_replay_h8", c9, base, close(c9(), hook_edit(model, "transformer.h.8",
                                                                               double_last, ids).logits))
 
+    model, ids = gpt2_small(attn="eager")  # what reading attention patterns needs
+    base = plain_forward(model, ids)
+    want = [hook_edit(model, b, zero_last, ids).logits[0, -1, 0] for b in blocks]
+    ok = all(torch.allclose(a, b, atol=1e-5) for a, b in zip(c8_forks(), want))
+    run_case(tool, "c8_gpt2_ablate_sweep_forks_eager", c8_forks, base, ok,
+             "c8 with trace.forks on GPT-2 small with eager attention: the scores per fork until the causal mask",
+             n=3 if "--quick" in sys.argv else 5)
+
     model, ids = minilm()
     base = plain_forward(model, input_ids=ids)
     layers = [f"encoder.layer.{i}" for i in range(6)]

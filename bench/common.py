@@ -124,11 +124,13 @@ def gpt2_tiny():
     return transformers.GPT2LMHeadModel(cfg).eval(), torch.tensor([[1, 2, 3, 4]])
 
 
-def gpt2_small():
+def gpt2_small(attn: str | None = None):
+    """GPT-2 small with random weights (``attn``: an ``attn_implementation``, default the library's)."""
     import transformers
 
     torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config()).eval(), (torch.arange(64) % 50257)[None]
+    config = transformers.GPT2Config() if attn is None else transformers.GPT2Config(attn_implementation=attn)
+    return transformers.GPT2LMHeadModel(config).eval(), (torch.arange(64) % 50257)[None]
 
 
 def minilm():

@@ -81,14 +81,9 @@ def _patched(model, ids, kind: str, layer: int, position: int, donor: torch.Tens
         handle.remove()
 
 
-@pytest.mark.parametrize("case_name", ["tiny_gpt2", "tiny_llama"])
-@pytest.mark.parametrize("kind", ["resid_pre", "attn", "mlp"])
-def test_activation_patching_equals_plain_hooks_every_cell(case_name, kind, request, monkeypatch):
-    case = request.getfixturevalue(case_name)
-    model, clean_ids = case.model, case.args[0]
-    corrupt_ids = _corrupt(clean_ids, 2, 11)
-    metric = tl.patching.logit_diff(int(clean_ids[0, 3]), 11)
-    swept = []  # the cells of one position (every layer) replay in one pass (torchlens.edit._sweep)
+def _spy_sweeps(monkeypatch) -> list[int]:
+    """How many forks each one-pass sweep (``torchlens.edit._sweep``) covered, appended as it returns."""
+    swept = []
 
     def spy(*args, **kwargs):
         got = sweep(*args, **kwargs)
@@ -96,6 +91,17 @@ def test_activation_patching_equals_plain_hooks_every_cell(case_name, kind, requ
         return got
 
     monkeypatch.setattr(_batch, "sweep", spy)
+    return swept
+
+
+@pytest.mark.parametrize("case_name", ["tiny_gpt2", "tiny_llama"])
+@pytest.mark.parametrize("kind", ["resid_pre", "attn", "mlp"])
+def test_activation_patching_equals_plain_hooks_every_cell(case_name, kind, request, monkeypatch):
+    case = request.getfixturevalue(case_name)
+    model, clean_ids = case.model, case.args[0]
+    corrupt_ids = _corrupt(clean_ids, 2, 11)
+    metric = tl.patching.logit_diff(int(clean_ids[0, 3]), 11)
+    swept = _spy_sweeps(monkeypatch)  # the cells of one position (every layer) replay in one pass
     result = tl.patching.activation_patching(clean_ids, corrupt_ids, metric, model=model, site=kind)
     n_layers = tl.arch(model).n_layers
     assert sum(swept) == n_layers * clean_ids.shape[1]  # every cell, in a group per position
@@ -136,15 +142,19 @@ def test_declared_reads_equal_a_metric_reading_the_whole_output(case_name, reque
 
 
 @pytest.mark.parametrize("case_name,proj", [("tiny_gpt2", "c_proj"), ("tiny_llama", "o_proj")])
-def test_head_patching_equals_plain_hooks_every_cell(case_name, proj, request):
+def test_head_patching_equals_plain_hooks_every_cell(case_name, proj, request, monkeypatch):
     case = request.getfixturevalue(case_name)
     model, clean_ids = case.model, case.args[0]
     corrupt_ids = _corrupt(clean_ids, 1, 7)
     metric = tl.patching.prob(int(clean_ids[0, 2]))
+    swept = _spy_sweeps(monkeypatch)
     result = tl.patching.activation_patching(tl.trace(model, clean_ids), tl.trace(model, corrupt_ids), metric,
                                              site="heads")
     view = tl.arch(model)
     assert result.dims == ("layer", "head") and result.values.shape == (view.n_layers, view.n_heads)
+    # one head at every layer replays in one pass; a later layer's patch joins the whole values
+    # the earlier layers' patches made
+    assert sum(swept) == view.n_layers * view.n_heads
     for layer in range(view.n_layers):
         out_proj = getattr(view.module(f"blocks.{layer}.attn"), proj)
         seen = {}

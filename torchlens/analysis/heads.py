@@ -287,6 +287,20 @@ def patch_head(trace: Trace, layer: Any, head: int, source: Any = None, what: st
         FusedKernelError: the edit targets an intermediate of a fused kernel (scores).
         SiteNotFoundError / InvalidArgumentError / EditShapeError: bad layer, head or value.
     """
+    label, edit = head_patch_site(trace, layer, head, source, what)
+    fork = trace.fork(name or f"{trace.name}/patch_head[{layer}.{head}.{what}]")
+    if rerun:
+        return fork.do(label, edit, model=trace.model, inputs=_named_inputs(trace))
+    return fork.do(label, edit)
+
+
+def head_patch_site(trace: Trace, layer: Any, head: int, source: Any = None,
+                    what: str = "output") -> tuple[str, HeadPatch]:
+    """The op label :func:`patch_head` edits and the edit it applies there (every argument checked).
+
+    Raises:
+        the errors of :func:`patch_head`.
+    """
     if not isinstance(trace, Trace):
         raise InvalidArgumentError(f"patch_head takes a Trace (tl.trace(model, x)), got {type(trace).__name__}")
     what = _check_what(what)
@@ -306,11 +320,7 @@ def patch_head(trace: Trace, layer: Any, head: int, source: Any = None, what: st
     if value is not None:
         ref = getattr(facets, _FACET_OF[what])
         _check_broadcast(value, ref.select(-3, head).shape, facets.label, what)
-    fork = trace.fork(name or f"{trace.name}/patch_head[{layer}.{head}.{what}]")
-    edit = HeadPatch(head, what, value)
-    if rerun:
-        return fork.do(label, edit, model=trace.model, inputs=_named_inputs(trace))
-    return fork.do(label, edit)
+    return label, HeadPatch(head, what, value)
 
 
 class HeadsPlugin:
@@ -322,4 +332,4 @@ class HeadsPlugin:
         return [HeadPatch]
 
 
-__all__ = ["HeadPatch", "HeadsPlugin", "attention_at", "head_edit", "patch_head"]
+__all__ = ["HeadPatch", "HeadsPlugin", "attention_at", "head_edit", "head_patch_site", "patch_head"]

@@ -29,7 +29,7 @@ from ..edit.edits import when
 from ..edit.reads import OutputRead, replay_reads
 from ..errors import GuardChangedError, InvalidArgumentError, SiteNotFoundError
 from . import plots
-from .heads import patch_head
+from .heads import head_patch_site
 
 __all__ = [
     "KINDS", "MetricReads", "PatchingResult", "activation_patching", "causal_trace", "logit_diff", "prob",
@@ -346,9 +346,13 @@ def activation_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any]
     if site == "heads":
         n_heads = arch(model).n_heads
         values = torch.empty(len(rows), n_heads)
-        cells = [(i, layer, h) for i, layer in enumerate(rows) for h in range(n_heads)]
-        for i, layer, h in track(cells, desc="patching heads", unit="cell", progress=progress):
-            values[i, h] = _score(metric, patch_head(corrupted, layer, h, source=clean).output)
+        # head by head: one head's patches at every layer change the same part of their values
+        cells = [(i, layer, h) for h in range(n_heads) for i, layer in enumerate(rows)]
+        scorer = _Cells(corrupted, metric, batch_size)
+        todo = ((f"{corrupted.name}/patch_head[{layer}.{h}.output]", *head_patch_site(corrupted, layer, h, clean))
+                for _, layer, h in track(cells, desc="patching heads", unit="cell", progress=progress))
+        for (i, _, h), score in zip(cells, scorer.score_all(todo)):
+            values[i, h] = score
         return PatchingResult(values, ("layer", "head"), {"layer": rows, "head": list(range(n_heads))}, name,
                               base_clean, base_corrupted)
     seq = _seq_len(corrupted)

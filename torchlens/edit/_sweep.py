@@ -321,7 +321,10 @@ class _Sweep:
                                    edited.narrow(region.axis, region.start, base.shape[region.axis] - region.start),
                                    (i,))
             return
-        if not isinstance(s, _Stack) or s.axis != region.axis or region.start != s.start:
+        # other forks reached this op first: its stack must hold every row this edit changed
+        # (the same rows or more along its axis; a whole value, from rows 0, holds anything)
+        if not isinstance(s, _Stack) or s.corner is not None \
+                or not (s.start == 0 or s.axis == region.axis and s.start <= region.start):
             raise _Abort
         mine = edited.narrow(s.axis, s.start, s.block)
         forks = tuple(sorted((*s.forks, i)))
