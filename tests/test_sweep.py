@@ -56,15 +56,19 @@ def test_each_swept_fork_equals_its_edit_alone_op_by_op_and_a_hooked_forward(cas
     assert torch.equal(trace.output.logits, edited_forward(case.model, blocks[0], lambda o: o, case.args).logits)
 
 
-def _assert_like_alone(case, trace, fork, site, edit, hook, others: int) -> None:
+def _assert_like_alone(case, trace, fork, site, edit, hook, others: int, same_ops: bool = True) -> None:
     """``fork`` (swept with ``others`` other forks) recomputed the same ops and rows as ``edit``
-    replayed alone, holds the same values there, and its logits are a hooked forward's."""
+    replayed alone (``same_ops``; a fork that joined a stack holding more rows recomputed those
+    too), holds the same values there, and its logits are a hooked forward's."""
     alone = trace.fork().do(site, edit)
     want = edited_forward(case.model, site, hook, case.args).logits
     assert torch.allclose(fork.output.logits, want, atol=ATOL), site
     assert torch.allclose(fork.output.logits, alone.output.logits, atol=ATOL), site
     mine, theirs = fork.edits[-1].replay.entries, alone.edits[-1].replay.entries
-    assert [e[:4] for e in mine] == [e[:4] for e in theirs]
+    if same_ops:
+        assert [e[:4] for e in mine] == [e[:4] for e in theirs]
+    else:
+        assert [e[0] for e in mine] == [e[0] for e in theirs]
     if others:
         assert any(e[4] == f"stacked with {others} other fork(s)" for e in mine)
     index = {op.label: op.index for op in trace.ops}
@@ -112,6 +116,34 @@ def test_eager_attention_is_swept_its_scores_per_fork_until_the_mask(case_name, 
         _assert_like_alone(case, trace, fork, b, edit, scale_row_hook(p, k), 2 * len(blocks) - 1)
         kinds = {e[1] for e in fork.edits[-1].replay.entries}
         assert b != blocks[0] or "matmul" in kinds and "softmax" in kinds  # the next block's eager attention
+
+
+def _scale_features(first: int, k: float):
+    """A forward-hook edit scaling features ``first:`` of the hidden state at every position."""
+
+    def edit(out):
+        hidden = (out[0] if isinstance(out, tuple) else out).clone()
+        hidden[..., first:] *= k  # every position: the next linear layer changes every value whole
+        return (hidden, *out[1:]) if isinstance(out, tuple) else hidden
+
+    return edit
+
+
+@pytest.mark.parametrize("case_name", ["tiny_gpt2", "tiny_llama"])
+def test_forks_changing_whole_values_run_once_on_all_of_them(case_name, request):
+    """Edits reaching every position (a head's patch) make every later value whole: the forks'
+    whole values are stacked and each op still runs once on all of them."""
+    case = request.getfixturevalue(case_name)
+    trace = tl.trace(case.model, *case.args)
+    blocks = _blocks(case)
+    cells = [(b, 0.5 + i) for i, b in enumerate(blocks * 2)]
+    pairs = [(b, lambda act, *, ctx, k=k: _scale_features(5, k)(act)) for b, k in cells]
+    forks, got = _swept(trace, pairs)
+    assert got is not None and all(r is not None for r in got)
+    for fork, (b, edit), (_, k) in zip(forks, pairs, cells):
+        # a later block's fork joins the whole values the first block's forks made there
+        _assert_like_alone(case, trace, fork, b, edit, _scale_features(5, k), len(forks) - 1, b == blocks[0])
+        assert any(e[2] == "full" for e in fork.edits[-1].replay.entries)  # whole values downstream
 
 
 def test_an_edit_that_raises_leaves_its_fork_untouched_and_the_others_swept(tiny_gpt2):

@@ -8,7 +8,9 @@ regions through ops live in :mod:`torchlens.edit._slicing`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -18,7 +20,7 @@ from ._shared_pages import page_copy
 
 __all__ = [
     "WHOLE", "Corner", "Plan", "Region", "ReplayLog", "RowPatch", "Rows", "diff_region", "normal", "refine_corner",
-    "region_lookup", "union",
+    "region_lookup", "rows_from_zero", "union",
 ]
 
 
@@ -198,8 +200,24 @@ def union(a: Region, b: Region) -> Region:
 
 
 def normal(r: Region) -> Region:
-    """``Rows(axis, 0)`` is the whole tensor."""
-    return WHOLE if isinstance(r, Rows) and r.start <= 0 else r
+    """``Rows(axis, 0)`` is the whole tensor (kept as rows while :func:`rows_from_zero` is on)."""
+    return WHOLE if isinstance(r, Rows) and r.start <= 0 and not getattr(_FROM_ZERO, "on", False) else r
+
+
+_FROM_ZERO = threading.local()
+
+
+@contextlib.contextmanager
+def rows_from_zero(on: bool = True) -> Iterator[None]:
+    """While on (in this thread), the rules keep ``Rows(axis, 0)`` as rows instead of the whole
+    tensor: a sweep planning an op on forks' whole values, stacked along an axis the op keeps,
+    learns from them which axis of the output holds each fork's block."""
+    before = getattr(_FROM_ZERO, "on", False)
+    _FROM_ZERO.on = on
+    try:
+        yield
+    finally:
+        _FROM_ZERO.on = before
 
 
 def diff_region(old: Any, new: Any) -> Region:

@@ -41,7 +41,7 @@ from ..core.records import EDIT, GUARD, INPLACE, INPUT, ModuleCall, build_args
 from ..core.steps import Step
 from ..core.tree import Pending
 from ._execute import ROW_VIEWS, UNINITIALISED, execute, refuse_reason
-from ._regions import WHOLE, Corner, RowPatch, Rows, refine_corner
+from ._regions import WHOLE, Corner, RowPatch, Rows, refine_corner, rows_from_zero
 from ._slicing import collect_rows, plan_op
 from ._stacked_ops import (
     ATTENTION,
@@ -296,8 +296,7 @@ class _Sweep:
                 region, rows, how = self._stacked(op, forks)
                 logged = True
             except PerFork:
-                region, rows, how, logged = self._per_fork(op, forks)
-                note = ""
+                region, rows, how, logged, note = self._per_fork(op, forks)
             if region is not None:  # (None: no fork's value of this op changed)
                 self._keep(op, forks, region, rows, how, note, logged)
 
@@ -346,7 +345,10 @@ class _Sweep:
             return patch
 
         args, kwargs = build_args(op, resolve)
-        plan = plan_op(op, args, kwargs, lambda t: regions.get(id(t)))
+        # forks' whole values (rows from 0): planned as rows, so an op that keeps their axis runs
+        # once on all of them (a head's patch changes every later value whole)
+        with rows_from_zero(all(r.start == 0 for r in regions.values())):
+            plan = plan_op(op, args, kwargs, lambda t: regions.get(id(t)))
         region = plan.region
         name = op.func_name
         if name in SHAPED:
@@ -390,10 +392,11 @@ class _Sweep:
             raise PerFork
         return region, rows, how
 
-    def _per_fork(self, op: Any, forks: tuple[int, ...]) -> tuple[Any, Any, str, bool]:
-        """Run ``op`` once per fork, each on its own rows, and stack what they give (the last item:
-        whether the replay log names the rows; not for eager attention's scores, as replay alone)."""
-        j, got, kinds, corner = op.index, [], set(), False
+    def _per_fork(self, op: Any, forks: tuple[int, ...]) -> tuple[Any, Any, str, bool, str]:
+        """Run ``op`` once per fork, each on its own rows, and stack what they give; then whether
+        the replay log names the rows (not for eager attention's scores) and why no rule could
+        bound the op (its log says ``fallback``), as replay alone logs them."""
+        j, got, kinds, corner, reason = op.index, [], set(), False, ""
         for i in forks:
             regions = {}
 
@@ -401,9 +404,9 @@ class _Sweep:
                 s = self._stack_of(ref)
                 if s is None:
                     return self.parent.seen_value(ref, j)
-                if s.corner is not None:  # the fork's whole value, changed in that corner
+                if s.corner is not None or s.start == 0:  # the fork's whole value (changed in that corner)
                     whole = s.rows_of(i)
-                    regions[id(whole)] = s.corner
+                    regions[id(whole)] = s.corner or WHOLE
                     return whole
                 patch = RowPatch(s.base, s.axis, s.start, s.rows_of(i))
                 regions[id(patch)] = Rows(s.axis, s.start)
@@ -412,6 +415,7 @@ class _Sweep:
             args, kwargs = build_args(op, resolve)
             plan = plan_op(op, args, kwargs, lambda t, regions=regions: regions.get(id(t)))
             kinds.add(plan.kind)
+            reason = reason or plan.reason
             if plan.kind == "skip":  # it reads only rows this fork did not change (e.g. the first token)
                 got.append((None, None))
                 continue
@@ -445,13 +449,13 @@ class _Sweep:
         if any(r != region for r, _ in got):
             raise _Abort
         if region is None:
-            return None, None, "skip", True
+            return None, None, "skip", True, ""
         if several(region):
             rows = tuple(None if r is None else torch.cat([g[1][k] for g in got], r.axis) for k, r in enumerate(region))
         else:
             rows = torch.cat([g[1] for g in got], 0 if isinstance(region, Corner) else region.axis)
-        how = "full" if region == WHOLE_ROWS else "rows" if kinds == {"rows"} else "mapped"
-        return region, rows, how, not corner
+        how = "fallback" if reason else "full" if region == WHOLE_ROWS else "rows" if kinds == {"rows"} else "mapped"
+        return region, rows, how, not corner, reason
 
     def _keep(self, op: Any, forks: tuple[int, ...], region: Any, rows: Any, how: str, note: str,
               logged: bool = True) -> None:
@@ -472,10 +476,13 @@ class _Sweep:
                            for b, r, x in zip(base, region, rows))
             self.stack[j] = stacks
             parts = [None if s is None else s.rows.split(s.block, s.axis) for s in stacks]
+            whole = all(r is not None and r.start == 0 for r in region)  # every output whole, as replay alone logs it
+            if whole and how != "fallback":
+                how = "full"
             for k, i in enumerate(forks):  # several outputs: built together when read
-                value = _Outputs(tuple(b if s is None else RowPatch(b, s.axis, s.start, p[k])
+                value = _Outputs(tuple(b if s is None else p[k] if whole else RowPatch(b, s.axis, s.start, p[k])
                                        for b, s, p in zip(base, stacks, parts)))
-                self.replayers[i]._store(j, value, region)
+                self.replayers[i]._store(j, value, WHOLE if whole else region)
                 self.replayers[i].log.entries.append((op.label, op.func_name, how, None, note))
             return
         if not isinstance(base, torch.Tensor):
@@ -483,9 +490,12 @@ class _Sweep:
         s = self.stack[j] = _checked(_Stack(base, region.axis, region.start, rows, forks))
         size = (region.axis, region.start, base.shape[region.axis]) if logged else None
         axis, m, rows = s.axis, s.block, s.rows
+        whole = region.start == 0  # every row: each fork holds its whole value, logged as replay alone logs it
+        if whole and how != "fallback":
+            how = "full"
         for k, i in enumerate(forks):
             replayer = self.replayers[i]
-            if how == "full":  # recomputed whole (WHOLE_ROWS): the fork holds the value itself
+            if whole:
                 replayer._store(j, rows.narrow(axis, k * m, m), WHOLE)
                 replayer.log.entries.append((op.label, op.func_name, how, None, note))
                 continue
