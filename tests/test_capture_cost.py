@@ -9,6 +9,7 @@ way), against plain ``register_forward_hook`` reads, and for leaving the model a
 
 from __future__ import annotations
 
+import collections
 import gc
 import sys
 import threading
@@ -431,3 +432,87 @@ def test_the_module_walk_equals_named_modules():
         got = named_modules(m)
         assert list(got.items()) == list(m.named_modules())  # same names, same order, shared modules once
     assert not any(type(m) is torch.nn.Tanh for m in named_modules(walks_itself).values())
+
+
+_Pair = collections.namedtuple("_Pair", ["first", "second"])
+
+
+class _LeafBox:
+    """A value pytree takes as a leaf until a test registers it as a node."""
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+
+def _same_flatten(got, want) -> None:
+    assert got[1] == want[1] and repr(got[1]) == repr(want[1])  # (specs with keys 1 and True are ==)
+    assert len(got[0]) == len(want[0]) and all(a is b for a, b in zip(got[0], want[0]))
+
+
+def test_module_output_specs_kept_between_captures_equal_the_pytree_walk(tiny_gpt2):
+    from torchlens.capture._calls import _flatten_output
+
+    t, u = torch.ones(2), torch.zeros(3)
+    box = _LeafBox(t)
+    values = [
+        (t, None), (None, t), (t, u, None), (t, (u, None)), (t, [u]), (),  # tuples, a nested one
+        {"a": t, "b": None}, {"b": t, "a": u}, {"a": t, "b": box}, {"a": {"b": t}},  # dicts: keys in order
+        {1: t}, {True: t}, {1.0: t}, {(1, 2): t}, {"a": [t]},  # 1, 1.0 and True: one dict key, three specs
+        (t, _Pair(t, u)), {"a": _Pair(u, None)},  # a namedtuple is a container, though no registered type
+    ]
+    with torch.no_grad():
+        out = tiny_gpt2.model(*tiny_gpt2.args)
+        values += [out, type(out)(logits=t)]  # a ModelOutput, and one of its type with other keys
+    for value in values * 2:  # the second time through the kept specs
+        _same_flatten(_flatten_output(value), pytree.tree_flatten(value))
+    # a type registered as a container after its values were leaves is walked into from then on
+    pytree.register_pytree_node(_LeafBox, lambda b: ([b.value], None), lambda xs, _: _LeafBox(xs[0]))
+    try:
+        got, spec = _flatten_output({"a": t, "b": box})
+        assert got == [t, t] and spec == pytree.tree_flatten({"a": t, "b": box})[1]
+    finally:
+        pytree._deregister_pytree_node(_LeafBox)
+    _same_flatten(_flatten_output({"a": t, "b": box}), pytree.tree_flatten({"a": t, "b": box}))
+
+
+def test_a_traced_model_output_keeps_its_spec_and_a_refilled_one_is_rebuilt(tiny_gpt2):
+    model, args = tiny_gpt2.model, tiny_gpt2.args
+    reads, out = hook_reads(model, args)
+    for _ in range(2):  # the second capture meets the specs the first one kept
+        trace = tl.trace(model, *args)
+        for call in trace.calls:
+            want = reads[call.address][call.pass_index - 1]
+            assert call.out_spec == (None if isinstance(want, torch.Tensor) else pytree.tree_flatten(want)[1])
+            assert_equal_tree(trace.module_output(call), want, what=call.key)
+        assert_equal_tree(trace.output, out)
+    # a hook refills the inner ModelOutput after it returned: the record keeps what it returned
+    inner = model.transformer
+    seen = {}
+
+    def keep_inner(module, args, output):
+        seen["inner"] = output
+
+    def refill_after(module, args, output):
+        seen["inner"]["past_key_values"] = None  # a key the inner call did not return
+        seen["inner"]["attentions"] = (output.logits,)
+
+    h1, h2 = inner.register_forward_hook(keep_inner), model.register_forward_hook(refill_after)
+    try:
+        before = hook_state(model)
+        trace = tl.trace(model, *args)
+        assert_model_clean(model, before)  # the user's hooks as they were, nothing of ours
+    finally:
+        h1.remove()
+        h2.remove()
+    got = trace.module_output(trace.calls_of("transformer")[0])
+    assert list(got.keys()) == list(reads["transformer"][0].keys())
+    assert_equal_tree(got, reads["transformer"][0])
+
+
+def test_ops_called_without_keywords_each_keep_a_dict_of_their_own(tiny_gpt2):
+    trace = tl.trace(tiny_gpt2.model, *tiny_gpt2.args)
+    ops = [op for op in trace.ops if not op.is_input]
+    assert ops and all(type(op.kwargs) is dict for op in ops)
+    empty = [op.kwargs for op in ops if not op.kwargs]
+    assert len(empty) > 10 and len({id(k) for k in empty}) == len(empty)  # no dict shared between records
+    assert _records(trace) == _records(tl.trace(tiny_gpt2.model, *tiny_gpt2.args, grad=True))

@@ -129,18 +129,27 @@ def wrap_every(named: dict[str, nn.Module], skip: Any, pre_fn: PreHook, post_fn:
         The ``(address, module)`` pairs that need hooks instead.
     """
     rest: list[tuple[str, nn.Module]] = []
+    active = ACTIVE_WRAPPERS
+    plain = _PLAIN_FORWARD
     for address, module in named.items():
-        if address in skip:
-            continue
-        if not wrappable(module):
-            rest.append((address, module))
+        if skip and address in skip:
             continue
         own = module.__dict__
         previous = own.get("forward", NO_FORWARD)
-        wrapper = _wrapper(module, address, module.forward, pre_fn, post_fn, counts, owner)
+        # ``wrappable``, inlined: this loop runs over every module of the model on every capture
+        kind = type(module)
+        found = plain.get(kind)
+        if found is None:
+            found = _plain_forward(kind)
+        if not found or module._forward_hooks or module._forward_pre_hooks or module._backward_hooks \
+                or module._backward_pre_hooks or id(previous) in active:
+            rest.append((address, module))
+            continue
+        wrapper = _wrapper(module, address, module.forward if previous is NO_FORWARD else previous, pre_fn, post_fn,
+                           counts, owner)
         slots.append((module, previous, wrapper))
         own["forward"] = wrapper
-        ACTIVE_WRAPPERS.add(id(wrapper))
+        active.add(id(wrapper))
         note_slot(wrapper, previous, NO_FORWARD)  # copies made meanwhile get ``previous`` back
     return rest
 
@@ -192,13 +201,16 @@ def wrappable(module: nn.Module) -> bool:
         return False
     kind = type(module)
     found = _PLAIN_FORWARD.get(kind)
-    if found is None:
-        # a class-level descriptor (a property) would hide the instance attribute; a custom
-        # __call__ may not go through torch's call path, where the wrapper acts
-        # (a type registering hooks its own way wants to see them)
-        found = _PLAIN_FORWARD[kind] = isinstance(inspect.getattr_static(kind, "forward", None),
-                                                  types.FunctionType) and kind.__call__ is nn.Module.__call__ \
-            and not own_registration(kind)
+    return _plain_forward(kind) if found is None else found
+
+
+def _plain_forward(kind: type) -> bool:
+    """Whether modules of type ``kind`` have a plain ``forward`` a wrapper can stand in for (cached by type)."""
+    # a class-level descriptor (a property) would hide the instance attribute; a custom
+    # __call__ may not go through torch's call path, where the wrapper acts
+    # (a type registering hooks its own way wants to see them)
+    found = _PLAIN_FORWARD[kind] = isinstance(inspect.getattr_static(kind, "forward", None), types.FunctionType) \
+        and kind.__call__ is nn.Module.__call__ and not own_registration(kind)
     return found
 
 

@@ -59,6 +59,7 @@ _PLAIN: dict[Any, Any] = {}
 # What calls return that is never recorded (``x.size()``, ``x.dtype``, ``x.dim()`` ...); a read of
 # tensor data into Python (``item``, ``__bool__``) is told apart by its function, not its result.
 _PLAIN_VALUES = frozenset({torch.Size, int, float, bool, torch.dtype, torch.device, str, type(None)})
+_getframe = sys._getframe
 
 
 def _is_plain(info) -> bool:
@@ -138,21 +139,25 @@ class Recorder(TorchFunctionMode, CopyOnWrite, ModuleCalls):
 
     # -- the hot path --------------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if kwargs is None:
-            kwargs = {}
         if self.paused:
-            return func(*args, **kwargs)
+            return func(*args) if kwargs is None else func(*args, **kwargs)
         try:
             info = _PLAIN.get(func)
         except TypeError:  # an unhashable callable: classified on each call by info_for
             info = None
-        if info is not None and "out" not in kwargs:
-            out = func(*args, **kwargs)  # the common op: none of the checks apply
+        if info is not None and (kwargs is None or "out" not in kwargs):
+            # the common op: none of the checks apply (torch passes no kwargs to most calls: no
+            # dict is made for them until a record keeps one)
+            out = func(*args) if kwargs is None else func(*args, **kwargs)
             kind = type(out)
             if kind is not Tensor and kind in _PLAIN_VALUES and not info.data_read:
                 return out  # a size, a dtype ...: nothing to record
+            if kwargs is None:
+                kwargs = {}
             flags, inplace, target = 0, False, None
         else:
+            if kwargs is None:
+                kwargs = {}
             info = info_for(func)
             flags, inplace, target = self._checks(func, info, args, kwargs)
             out = func(*args, **kwargs)
@@ -161,7 +166,7 @@ class Recorder(TorchFunctionMode, CopyOnWrite, ModuleCalls):
         if kind is Tensor and not flags and self.lean:
             # The common record, inlined: one tensor out, no flag (dropout in eval mode has none),
             # not a dispatcher's, no feature that looks at each op as it is made.
-            caller = sys._getframe(1)
+            caller = _getframe(1)
             code = caller.f_code
             internal = INTERNAL.get(id(code))
             if internal is False:  # called from the model's own line
