@@ -9,6 +9,10 @@ usage: python bench/bench_patching.py [--quick]
 - ``grid_resid_pre`` for ``plain_hooks``: the same cells, each one plain forward with a
   pre-hook writing the clean row (what TransformerLens / nnsight / baukit loops do), timed
   on a sample of cells (every cell costs one forward).
+- ``grid_heads``: activation patching of every head's output, 12 layers × 12 heads
+  (``--quick``: layers 0, 6, 11), same metric and traces; cost per cell in plain forwards,
+  each layer's cells counted against forwards timed around them; checked against plain
+  hooks writing the clean head's slice into the output projection's input on a sample.
 - ``attribution_vs_exact``: attribution patching of the same grid; ``note`` gives its Pearson
   correlation with the exact grid (the issue asks for the figure, not a target).
 Prints one JSON line per case (see ../shared/bench-spec.md).
@@ -104,6 +108,8 @@ def main() -> None:
     emit("plain_hooks", "grid_resid_pre", plain_ms / len(sample), base_ms, True,
          f"one forward per cell (timed on {len(sample)} cells; every peer re-runs each cell)")
 
+    _grid_heads(model, clean, corrupted, corrupt_ids, clean_ids, metric, base, [0, 6, 11] if quick else list(range(12)))
+
     estimate, attr_ms, base_ms = _timed(
         lambda: tl.patching.attribution_patching(clean, corrupted, metric, site="resid_pre"), base)
     a = estimate.values[:, positions].flatten() - estimate.corrupted
@@ -112,6 +118,49 @@ def main() -> None:
     emit("torchlens", "attribution_vs_exact", attr_ms, base_ms, corr == corr,
          f"Pearson r with exact patching = {corr:.3f} over {cells} cells (one forward + one backward)")
     emit_rss("torchlens")
+
+
+def _head_cell(model, ids, layer: int, head: int, donor: torch.Tensor):
+    """One plain forward whose layer-``layer`` output projection reads head ``head`` from ``donor``."""
+    cols = slice(head * 64, (head + 1) * 64)
+
+    def pre(m, args):
+        x = args[0].clone()
+        x[..., cols] = donor[..., cols]
+        return (x,)
+
+    handle = model.transformer.h[layer].attn.c_proj.register_forward_pre_hook(pre)
+    try:
+        with torch.no_grad():
+            return model(ids)
+    finally:
+        handle.remove()
+
+
+def _grid_heads(model, clean, corrupted, corrupt_ids, clean_ids, metric, base, layers: list[int]) -> None:
+    forwards = total_ms = base_total = 0.0
+    rows = []
+    for layer in layers:
+        got, ms, b = _timed(lambda layer=layer: tl.patching.activation_patching(
+            clean, corrupted, metric, site="heads", layers=[layer], progress=False), base)
+        rows.append(got.values)
+        total_ms, forwards, base_total = total_ms + ms, forwards + ms / b, base_total + b
+    values = torch.cat(rows)
+    ok = True
+    for i, layer in enumerate(layers):
+        seen = {}
+        h = model.transformer.h[layer].attn.c_proj.register_forward_pre_hook(
+            lambda m, a, seen=seen: seen.update(v=a[0].clone()))
+        with torch.no_grad():
+            model(clean_ids)
+        h.remove()
+        head = (5 * layer) % 12
+        ok &= abs(float(metric(_head_cell(model, corrupt_ids, layer, head, seen["v"]))) - float(values[i, head])) < 1e-4
+    cells = values.numel()
+    emit("torchlens", "grid_heads", total_ms / cells, base_total / len(layers), ok,
+         f"{len(layers)}x12 head cells (each head's output at every position), per-cell cost (traces made "
+         f"once for the resid grid); total {total_ms / 1000:.1f}s; plain hooks: one forward per cell",
+         ratio=forwards / cells)
 
 
 if __name__ == "__main__":
