@@ -34,6 +34,10 @@ def _swept(trace, pairs):
     return forks, sweep(forks, steps)
 
 
+def _broken(act, *, ctx):
+    raise ValueError("edit bug")
+
+
 def _untouched(fork) -> bool:
     state = fork.fork_state()
     return not state.values and not state.subst and not state.overrides and not state.recipe
@@ -148,11 +152,7 @@ def test_forks_changing_whole_values_run_once_on_all_of_them(case_name, request)
 
 def test_an_edit_that_raises_leaves_its_fork_untouched_and_the_others_swept(tiny_gpt2):
     trace = tl.trace(tiny_gpt2.model, *tiny_gpt2.args)
-
-    def broken(act, *, ctx):
-        raise ValueError("edit bug")
-
-    pairs = [("transformer.h.0", scale_row_edit(5)), ("transformer.h.1", broken),
+    pairs = [("transformer.h.0", scale_row_edit(5)), ("transformer.h.1", _broken),
              ("transformer.h.1", scale_row_edit(5))]
     forks, got = _swept(trace, pairs)
     assert got is not None and got[0] is not None and got[1] is None and got[2] is not None
@@ -166,21 +166,21 @@ def test_an_edit_that_raises_leaves_its_fork_untouched_and_the_others_swept(tiny
 
 def test_every_edit_raising_leaves_every_fork_untouched(tiny_gpt2):
     trace = tl.trace(tiny_gpt2.model, *tiny_gpt2.args)
-
-    def broken(act, *, ctx):
-        raise ValueError("edit bug")
-
-    forks, got = _swept(trace, [("transformer.h.0", broken), ("transformer.h.1", broken)])
+    forks, got = _swept(trace, [("transformer.h.0", _broken), ("transformer.h.1", _broken)])
     assert got is None and all(_untouched(f) for f in forks)
 
 
-class _GatedOnFirst(torch.nn.Module):
-    """Scales its output by a number read (into Python) from the first position."""
+class _TwoLayers(torch.nn.Module):
+    """Two position-wise layers, ``inner`` then ``outer``; subclasses say how they are used."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.inner, self.outer = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+
+class _GatedOnFirst(_TwoLayers):
+    """Scales its output by a number read (into Python) from the first position."""
 
     def forward(self, x):
         h = torch.relu(self.inner(x))
@@ -270,13 +270,8 @@ def test_other_decoders_sweep_and_equal_their_edits_alone_and_hooks(kind):
         assert not alone.edits[-1].replay.fallbacks
 
 
-class _FirstAndLast(torch.nn.Module):
+class _FirstAndLast(_TwoLayers):
     """Reads the first and the last position after two position-wise layers."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.inner, self.outer = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
 
     def forward(self, x):
         h = self.outer(torch.relu(self.inner(x)))
