@@ -18,6 +18,7 @@ from conftest import leaves as tl_leaves
 
 import torchlens as tl
 from torchlens.core.steps import REPLAY, Step
+from torchlens.edit import _sweep
 from torchlens.edit._sweep import sweep
 
 ATOL = 1e-5
@@ -102,11 +103,15 @@ def test_a_grid_of_layers_and_positions_is_swept_in_one_group_per_position(case_
         assert torch.allclose(fork.output.logits, want, atol=ATOL), (b, p)
 
 
+@pytest.mark.parametrize("batched", [True, False])
 @pytest.mark.parametrize("case_name", ["tiny_gpt2", "tiny_llama"])
-def test_eager_attention_is_swept_its_scores_per_fork_until_the_mask(case_name, request):
+def test_eager_attention_is_swept_its_scores_whole_until_the_mask(case_name, batched, request, monkeypatch):
     """Eager attention's scores ``q @ k.T`` change in a corner (later keys reach earlier
-    queries until the causal mask): each fork computes them whole, and once the mask restores
-    the corner's block its rows join the stack again, as replay alone decides."""
+    queries until the causal mask): they are computed whole (every fork one batch entry of one
+    call; or, where that does not apply, once per fork), and once the mask restores the
+    corner's block their rows join the stack again, as replay alone decides."""
+    if not batched:
+        monkeypatch.setattr(_sweep._Sweep, "_scores", lambda self, op, forks, stacks: None)
     case = request.getfixturevalue(case_name)
     case = dataclasses.replace(case, model=eager_copy(case.model))
     trace = tl.trace(case.model, *case.args)
@@ -118,8 +123,10 @@ def test_eager_attention_is_swept_its_scores_per_fork_until_the_mask(case_name, 
     assert got is not None and all(r is not None for r in got)
     for fork, (b, edit), (_, p, k) in zip(forks, pairs, cells):
         _assert_like_alone(case, trace, fork, b, edit, scale_row_hook(p, k), 2 * len(blocks) - 1)
-        kinds = {e[1] for e in fork.edits[-1].replay.entries}
-        assert b != blocks[0] or "matmul" in kinds and "softmax" in kinds  # the next block's eager attention
+        entries = fork.edits[-1].replay.entries
+        if b == blocks[0]:  # the next block's eager attention: its scores computed for every fork at once
+            assert "softmax" in {e[1] for e in entries}
+            assert any(e[1] == "matmul" and e[3] is None and e[4].startswith("stacked") for e in entries) == batched
 
 
 def _scale_features(first: int, k: float):

@@ -19,8 +19,8 @@ from ..core.tree import Pending
 from ._shared_pages import page_copy
 
 __all__ = [
-    "WHOLE", "Corner", "Plan", "Region", "ReplayLog", "RowPatch", "Rows", "diff_region", "normal", "refine_corner",
-    "region_lookup", "rows_from_zero", "union",
+    "WHOLE", "Corner", "Plan", "Region", "ReplayLog", "RowPatch", "Rows", "as_built", "corner_restored", "diff_region",
+    "normal", "refine_corner", "region_lookup", "rows_from_zero", "union",
 ]
 
 
@@ -58,11 +58,15 @@ def refine_corner(old: Any, new: Any, corner: Corner) -> Any:
     if not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor)) or old.shape != new.shape \
             or old.dtype != new.dtype or old.dim() < 2:
         return corner
+    return normal(Rows(old.dim() - 2, corner.row)) if corner_restored(old, new, corner) else corner
+
+
+def corner_restored(old: torch.Tensor, new: torch.Tensor, corner: Corner) -> bool:
+    """Whether ``new`` equals ``old`` bit for bit on the corner's extra block (see
+    :func:`refine_corner`); ``new`` may hold several values of ``old``'s shape along leading dims."""
     a, b = old[..., : corner.row, corner.col:], new[..., : corner.row, corner.col:]
     same = (a == b) | (a.isnan() & b.isnan()) if a.is_floating_point() else a == b
-    if bool(same.all()) and bool((torch.signbit(a) == torch.signbit(b)).all() if a.is_floating_point() else True):
-        return normal(Rows(old.dim() - 2, corner.row))
-    return corner
+    return bool(same.all()) and bool((torch.signbit(a) == torch.signbit(b)).all() if a.is_floating_point() else True)
 
 
 class RowPatch(Pending):
@@ -109,6 +113,11 @@ class RowPatch(Pending):
             new = self.base.clone()
         new.narrow(self.axis, self.start, new.shape[self.axis] - self.start).copy_(self.rows)
         return new
+
+
+def as_built(value: Any) -> Any:
+    """``value`` whole: built if it is a :class:`RowPatch`, else as it is."""
+    return value.resolve() if isinstance(value, RowPatch) else value
 
 
 class _Whole:

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ._regions import WHOLE, Corner, Plan, Region, RowPatch, Rows, normal, union
+from ._regions import WHOLE, Corner, Plan, Region, RowPatch, Rows, as_built, normal, union
 from ._shape_rules import (
     cat_rule,
     expand_rule,
@@ -83,11 +83,6 @@ def _narrow(t: torch.Tensor | RowPatch, axis: int, start: int) -> torch.Tensor:
     if axes is not None:
         axes[id(cut)] = axis
     return cut
-
-
-def _built(t: torch.Tensor | RowPatch) -> torch.Tensor:
-    """An argument a rule passes whole (attention's keys and values): built if it is a RowPatch."""
-    return t.resolve() if isinstance(t, RowPatch) else t
 
 
 # -- the rules -------------------------------------------------------------------------------
@@ -367,7 +362,7 @@ def _both_changed(call: _Call, regions: dict[int, Rows], a: Any, b: Any, out_sha
     if not bool((block == 0).all()) or not bool(torch.isfinite(_narrow(b, rb.axis, rb.start)).all()):
         return Plan("full", WHOLE, reason=f"{name}: both factors changed and earlier rows read the changed ones")
     return _rows_plan(call, Rows(len(out_shape) - 2, ra.start), out_shape,
-                      lambda: call.run((_narrow(a, ra.axis, ra.start), _built(b), *call.args[2:])))
+                      lambda: call.run((_narrow(a, ra.axis, ra.start), as_built(b), *call.args[2:])))
 
 
 def _corner(name: str, changed, out_shape: Any) -> Plan:
@@ -440,7 +435,7 @@ def _sdpa(call: _Call, changed, out_shape: tuple) -> Plan:
         kwargs.update(attn_mask=m, dropout_p=0.0, is_causal=False, scale=a["scale"])
         if a["enable_gqa"]:
             kwargs["enable_gqa"] = True
-        return call.run((_narrow(q, seq, s), _built(k), _built(v)), kwargs)
+        return call.run((_narrow(q, seq, s), as_built(k), as_built(v)), kwargs)
 
     return Plan("rows", start, build)
 

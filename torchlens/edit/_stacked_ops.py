@@ -12,6 +12,7 @@ import torch
 from ._execute import ROW_VIEWS
 from ._regions import RowPatch, Rows
 from ._slicing import ELEMENTWISE
+from ._stack import forks_batch
 
 __all__ = ["ATTENTION", "MEMORY_VIEWS", "SHAPED", "STACKED_OPS", "STACKED_RULES", "PerFork", "Swept", "SweptWhole",
            "attention", "several", "shaped"]
@@ -138,11 +139,7 @@ def attention(call: Any, args: tuple, kwargs: dict, n: int, want: list[int]) -> 
             return t.unsqueeze(0).expand(n, *t.shape).reshape(n * b, *t.shape[1:])
         if s.axis != 2:
             raise PerFork
-        mk = t.shape[2] - s.start
-        # each fork's keys: the recorded rows before ``start``, then its own (one copy, written once)
-        changed = s.rows.reshape(b, t.shape[1], n, mk, t.shape[3]).permute(2, 0, 1, 3, 4)
-        kept = t[..., : s.start, :].unsqueeze(0).expand(n, *t.shape[:2], s.start, t.shape[3])
-        return torch.cat([kept, changed], 3).reshape(n * b, *t.shape[1:])
+        return forks_batch(t, s.axis, s.start, s.rows, n)  # each fork's keys: recorded ones, then its own
 
     mask = call.kwargs.get("attn_mask")
     extra = dict(call.kwargs)

@@ -1,32 +1,22 @@
 """Replaying a sweep of fresh forks as one pass: every fork's changed rows of an op in one tensor.
 
-:func:`torchlens.edit._batch.push_together` walks one replayer per fork in step and stacks
-their row recomputations op by op; each fork still plans, builds and stores every op it
-reaches. A sweep (zero each block at the last position; twelve forks) therefore pays the
-Python of one replay per fork. :func:`sweep` walks the recorded graph once for all forks:
-an op some forks changed holds one :class:`_Stack`, the rows ``start:`` along ``axis`` of each
-of those forks, one block per fork; a row rule (``linear``, ``addmm``, norms, elementwise
-ops ...), a shape op (``view``, ``transpose``, ``split``, ``cat``, ``stack``, ``getitem``) and
-attention (one batch entry per fork) run once on the stacked rows; only ops whose rule reads
-a changed value otherwise run once per fork.
-Each fork then stores its own rows of each op exactly as its own replayer would, with the
-same replay log.
-
-Every edit lands first; forks whose edits change the same rows (and value shape) form one
-group, and each group walks the graph once (a grid of layers and positions: one walk per
-position). A fork that has not reached an op yet is not in its stack (its rows there are the
-recorded ones), so results equal each fork replayed alone to float rounding (stacking
-changes BLAS blocking, as in ``push_together``). An op reading only rows no edit changed is
-skipped; an op recomputed whole runs once per fork. What the sweep does not cover restores
-the forks it concerns, which the caller then replays the general way (it handles, and
-reports, each fork by itself): an edit changing a whole value, or raising, restores its fork;
-an in-place, guard or random op, a data read the edits reach, or an error in the walk
-restores that fork's group.
+:func:`torchlens.edit._batch.push_together` walks one replayer per fork in step; each fork
+still plans, builds and stores every op it reaches, so twelve forks pay the Python of twelve
+replays. :func:`sweep` lands every edit first, groups the forks whose edits change the same
+rows (a grid of layers and positions: one group per position), and walks the recorded graph
+once per group: an op some forks changed holds one :class:`~torchlens.edit._stack.Stack`,
+the rows ``start:`` along ``axis`` of each fork, one block per fork (rows from 0: whole
+values); row rules, shape ops and attention (one batch entry per fork) run once on it, other
+ops once per fork. Each fork then stores its own rows of each op as its own replayer would,
+with the same replay log. A fork that has not reached an op yet is not in its stack, so
+results equal each fork replayed alone to float rounding (stacking changes BLAS blocking).
 
 Eager attention's scores ``q @ k.T`` change in a corner (later keys reach earlier queries):
-each fork computes them whole, kept stacked as whole values, until a causal mask restores
-the corner's block (``_regions.refine_corner``, as replay alone decides) and their rows
-join the stack again.
+they are computed whole, one batch entry per fork, until a causal mask restores the corner's
+block (``_regions.refine_corner``, as replay alone decides). What the sweep does not cover
+restores the forks it concerns, which the caller replays the general way: an edit changing
+a whole value (or raising) restores its fork; an in-place, guard or random op, a data read
+the edits reach, or an error in the walk restores that fork's group.
 """
 
 from __future__ import annotations
@@ -39,10 +29,10 @@ import torch
 
 from ..core.records import EDIT, GUARD, INPLACE, INPUT, ModuleCall, build_args
 from ..core.steps import Step
-from ..core.tree import Pending
 from ._execute import ROW_VIEWS, UNINITIALISED, execute, refuse_reason
-from ._regions import WHOLE, Corner, RowPatch, Rows, refine_corner, rows_from_zero
-from ._slicing import collect_rows, plan_op
+from ._regions import WHOLE, Corner, RowPatch, Rows, as_built, refine_corner, rows_from_zero
+from ._slicing import ELEMENTWISE, collect_rows, plan_op
+from ._stack import WHOLE_ROWS, BlockPatch, Outputs, Stack, forks_batch, refine_forks
 from ._stacked_ops import (
     ATTENTION,
     MEMORY_VIEWS,
@@ -59,70 +49,8 @@ from .replay import Replayer, Target
 
 __all__ = ["sweep"]
 
-# A value recomputed whole, kept in the stack as all its rows along axis 0 (one block per fork).
-WHOLE_ROWS = Rows(0, 0)
-
-
 class _Abort(Exception):
     """The sweep does not cover this: every fork is restored and replayed the general way."""
-
-
-class _Stack:
-    """The changed rows ``start:`` along ``axis`` of op values, one block per fork of ``forks`` (in order)."""
-
-    __slots__ = ("base", "axis", "start", "rows", "forks", "corner")
-
-    def __init__(self, base: torch.Tensor, axis: int, start: int, rows: torch.Tensor, forks: tuple[int, ...],
-                 corner: Corner | None = None) -> None:
-        self.base, self.axis, self.start, self.rows, self.forks = base, axis, start, rows, forks
-        # eager attention's scores: each fork's whole value (all rows along axis 0), changed in this corner
-        self.corner = corner
-
-    @property
-    def block(self) -> int:
-        return self.base.shape[self.axis] - self.start
-
-    def rows_of(self, fork: int) -> torch.Tensor:
-        """Fork ``fork``'s rows (the recorded ones if it has not changed this value)."""
-        m = self.block
-        if fork in self.forks:
-            return self.rows.narrow(self.axis, self.forks.index(fork) * m, m)
-        return self.base.narrow(self.axis, self.start, m)
-
-    def aligned(self, forks: tuple[int, ...]) -> torch.Tensor:
-        """The rows of ``forks`` (a superset of this stack's), one block each, in order."""
-        if forks == self.forks:
-            return self.rows
-        return torch.cat([self.rows_of(f) for f in forks], self.axis)
-
-
-class _BlockPatch(RowPatch):
-    """A fork's :class:`RowPatch` of a stacked op: its rows are the block at ``offset`` of the
-    stack's rows, cut when read (most recomputed values of a sweep are never read by anyone)."""
-
-    __slots__ = ("stacked", "offset")
-
-    def __init__(self, base: torch.Tensor, axis: int, start: int, stacked: torch.Tensor, offset: int) -> None:
-        self.base, self.axis, self.start, self.stacked, self.offset = base, axis, start, stacked, offset
-
-    @property
-    def rows(self) -> torch.Tensor:  # (the slot RowPatch declares stays empty)
-        return self.stacked.narrow(self.axis, self.offset, self.base.shape[self.axis] - self.start)
-
-
-class _Outputs(Pending):
-    """Several outputs of one op on one fork, each the recorded tensor or a :class:`RowPatch`, built when read."""
-
-    __slots__ = ("values",)
-
-    def __init__(self, values: tuple) -> None:
-        self.values = values
-
-    def resolve(self) -> tuple:
-        return tuple(v.resolve() if isinstance(v, RowPatch) else v for v in self.values)
-
-    def held(self) -> list[Any]:
-        return [t for v in self.values for t in (v.held() if isinstance(v, RowPatch) else [v])]
 
 
 def sweep(forks: Sequence[Any], steps: Sequence[Step], *, read: Any = None) -> list[Replayer | None] | None:
@@ -253,7 +181,7 @@ class _Sweep:
         self.replayers = replayers
         self.members = [replayers[i] for i in members]
         self.ops = parent.ops
-        self.stack: dict[int, Any] = {}  # op index -> _Stack, or a tuple of them (None: unchanged) per output
+        self.stack: dict[int, Any] = {}  # op index -> Stack, or a tuple of them (None: unchanged) per output
         self.land_at: dict[int, list[tuple[int, Any]]] = {}
         for i in members:
             j, edited = landed[i]
@@ -296,7 +224,11 @@ class _Sweep:
                 region, rows, how = self._stacked(op, forks)
                 logged = True
             except PerFork:
-                region, rows, how, logged, note = self._per_fork(op, forks)
+                done = self._scores(op, forks, stacks)
+                if done is None:
+                    region, rows, how, logged, note = self._per_fork(op, forks)
+                else:
+                    region, rows, how, logged = done
             if region is not None:  # (None: no fork's value of this op changed)
                 self._keep(op, forks, region, rows, how, note, logged)
 
@@ -305,7 +237,7 @@ class _Sweep:
         return min((r._reads[r._read_i].position for r in self.members if r._read_i < len(r._reads)),
                    default=math.inf)
 
-    def _stack_of(self, ref: Any) -> _Stack | None:
+    def _stack_of(self, ref: Any) -> Stack | None:
         s = self.stack.get(ref.index)
         if isinstance(s, tuple):
             return s[ref.elem] if ref.elem is not None else None if all(x is None for x in s) else _abort()
@@ -316,13 +248,13 @@ class _Sweep:
         base = self.parent.value(o)
         s = self.stack.get(o)
         if s is None:
-            self.stack[o] = _Stack(base, region.axis, region.start,
+            self.stack[o] = Stack(base, region.axis, region.start,
                                    edited.narrow(region.axis, region.start, base.shape[region.axis] - region.start),
                                    (i,))
             return
         # other forks reached this op first: its stack must hold every row this edit changed
         # (the same rows or more along its axis; a whole value, from rows 0, holds anything)
-        if not isinstance(s, _Stack) or s.corner is not None \
+        if not isinstance(s, Stack) or s.corner is not None \
                 or not (s.start == 0 or s.axis == region.axis and s.start <= region.start):
             raise _Abort
         mine = edited.narrow(s.axis, s.start, s.block)
@@ -392,28 +324,65 @@ class _Sweep:
             raise PerFork
         return region, rows, how
 
+    def _fork_plan(self, op: Any, i: int) -> tuple[Any, Any]:
+        """How fork ``i`` alone would recompute ``op`` (``plan_op`` on its own values), and the
+        resolver giving its arguments (a changed one as a RowPatch, or whole)."""
+        j, regions = op.index, {}
+
+        def resolve(ref):
+            s = self._stack_of(ref)
+            if s is None:
+                return self.parent.seen_value(ref, j)
+            if s.corner is not None or s.start == 0:  # the fork's whole value (changed in that corner)
+                whole = s.rows_of(i)
+                regions[id(whole)] = s.corner or WHOLE
+                return whole
+            patch = RowPatch(s.base, s.axis, s.start, s.rows_of(i))
+            regions[id(patch)] = Rows(s.axis, s.start)
+            return patch
+
+        args, kwargs = build_args(op, resolve)
+        return plan_op(op, args, kwargs, lambda t: regions.get(id(t))), resolve
+
+    def _scores(self, op: Any, forks: tuple[int, ...], stacks: list[Any]) -> tuple[Any, Any, str, bool] | None:
+        """Eager attention's scores for every fork in one call, each fork one batch entry:
+        ``q @ k.T`` of stacked rows, or an elementwise op (scale, mask) of scores kept whole;
+        then each fork's block refined as replay alone does (None: this does not apply)."""
+        if op.func_name != "matmul" and op.func_name not in ELEMENTWISE \
+                or any(s.forks != forks for s in stacks):
+            return None
+        plan, _ = self._fork_plan(op, forks[0])  # every fork of the stacks changed the same rows
+        base = self.parent.value(op.index)
+        if plan.kind != "full" or not isinstance(plan.region, Corner) or not isinstance(base, torch.Tensor):
+            return None
+        n, changed = len(forks), set()
+
+        def resolve(ref):
+            s = self._stack_of(ref)
+            if s is None:
+                return self.parent.seen_value(ref, op.index)
+            v = s.rows if s.corner is not None else forks_batch(s.base, s.axis, s.start, s.rows, n)
+            changed.add(id(v))
+            return v
+
+        args, kwargs = build_args(op, resolve)
+        # an unchanged tensor as many dims as the scores must broadcast over the forks' batch entries
+        if any(isinstance(t, torch.Tensor) and id(t) not in changed and t.dim() >= base.dim()
+               and t.shape[t.dim() - base.dim()] != 1 for t in (*args, *kwargs.values())):
+            return None
+        out = execute(op, args, kwargs)
+        got = refine_forks(base, out, plan.region, n) if isinstance(out, torch.Tensor) else None
+        if got is None:
+            return None
+        return got[0], got[1], "full" if got[0] == WHOLE_ROWS else "mapped", False
+
     def _per_fork(self, op: Any, forks: tuple[int, ...]) -> tuple[Any, Any, str, bool, str]:
         """Run ``op`` once per fork, each on its own rows, and stack what they give; then whether
         the replay log names the rows (not for eager attention's scores) and why no rule could
         bound the op (its log says ``fallback``), as replay alone logs them."""
         j, got, kinds, corner, reason = op.index, [], set(), False, ""
         for i in forks:
-            regions = {}
-
-            def resolve(ref, i=i, regions=regions):
-                s = self._stack_of(ref)
-                if s is None:
-                    return self.parent.seen_value(ref, j)
-                if s.corner is not None or s.start == 0:  # the fork's whole value (changed in that corner)
-                    whole = s.rows_of(i)
-                    regions[id(whole)] = s.corner or WHOLE
-                    return whole
-                patch = RowPatch(s.base, s.axis, s.start, s.rows_of(i))
-                regions[id(patch)] = Rows(s.axis, s.start)
-                return patch
-
-            args, kwargs = build_args(op, resolve)
-            plan = plan_op(op, args, kwargs, lambda t, regions=regions: regions.get(id(t)))
+            plan, resolve = self._fork_plan(op, i)
             kinds.add(plan.kind)
             reason = reason or plan.reason
             if plan.kind == "skip":  # it reads only rows this fork did not change (e.g. the first token)
@@ -425,7 +394,7 @@ class _Sweep:
             if plan.kind != "full" or not (plan.region is WHOLE or isinstance(plan.region, Corner)
                                            or _row_regions(plan.region)):
                 raise _Abort
-            built = execute(op, *build_args(op, lambda r, resolve=resolve: _whole(resolve(r))))
+            built = execute(op, *build_args(op, lambda r, resolve=resolve: as_built(resolve(r))))
             if isinstance(plan.region, Corner):  # attention scores: did a causal mask restore the corner's block?
                 corner = True
                 refined = refine_corner(self.parent.value(j), built, plan.region)
@@ -464,7 +433,7 @@ class _Sweep:
         j = op.index
         base = self.parent.value(j)
         if isinstance(region, Corner):  # each fork's whole value, as all its rows along axis 0
-            s = self.stack[j] = _checked(_Stack(base, 0, 0, rows, forks, region))
+            s = self.stack[j] = _checked(Stack(base, 0, 0, rows, forks, region))
             for k, i in enumerate(forks):
                 self.replayers[i]._store(j, rows.narrow(0, k * s.block, s.block), region)
                 self.replayers[i].log.entries.append((op.label, op.func_name, how, None, note))
@@ -472,7 +441,7 @@ class _Sweep:
         if several(region):
             if not isinstance(base, (tuple, list)) or len(base) != len(region):
                 raise _Abort
-            stacks = tuple(None if r is None else _checked(_Stack(b, r.axis, r.start, x, forks))
+            stacks = tuple(None if r is None else _checked(Stack(b, r.axis, r.start, x, forks))
                            for b, r, x in zip(base, region, rows))
             self.stack[j] = stacks
             parts = [None if s is None else s.rows.split(s.block, s.axis) for s in stacks]
@@ -480,14 +449,14 @@ class _Sweep:
             if whole and how != "fallback":
                 how = "full"
             for k, i in enumerate(forks):  # several outputs: built together when read
-                value = _Outputs(tuple(b if s is None else p[k] if whole else RowPatch(b, s.axis, s.start, p[k])
+                value = Outputs(tuple(b if s is None else p[k] if whole else RowPatch(b, s.axis, s.start, p[k])
                                        for b, s, p in zip(base, stacks, parts)))
                 self.replayers[i]._store(j, value, WHOLE if whole else region)
                 self.replayers[i].log.entries.append((op.label, op.func_name, how, None, note))
             return
         if not isinstance(base, torch.Tensor):
             raise _Abort
-        s = self.stack[j] = _checked(_Stack(base, region.axis, region.start, rows, forks))
+        s = self.stack[j] = _checked(Stack(base, region.axis, region.start, rows, forks))
         size = (region.axis, region.start, base.shape[region.axis]) if logged else None
         axis, m, rows = s.axis, s.block, s.rows
         whole = region.start == 0  # every row: each fork holds its whole value, logged as replay alone logs it
@@ -499,7 +468,7 @@ class _Sweep:
                 replayer._store(j, rows.narrow(axis, k * m, m), WHOLE)
                 replayer.log.entries.append((op.label, op.func_name, how, None, note))
                 continue
-            replayer._store(j, _BlockPatch(base, region.axis, region.start, rows, k * m), region)
+            replayer._store(j, BlockPatch(base, region.axis, region.start, rows, k * m), region)
             replayer.log.entries.append((op.label, op.func_name, how, size, note))
 
 
@@ -513,17 +482,13 @@ def _row_regions(region: Any) -> bool:
     return isinstance(region, Rows)
 
 
-def _whole(value: Any) -> Any:
-    return value.resolve() if isinstance(value, RowPatch) else value
-
-
 def _cut(value: Any, region: Rows) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise _Abort
     return value.narrow(region.axis, region.start, value.shape[region.axis] - region.start)
 
 
-def _checked(s: _Stack) -> _Stack:
+def _checked(s: Stack) -> Stack:
     """``s`` if its rows are one block of the recorded shape per fork, else abort."""
     want = list(s.base.shape)
     want[s.axis] = s.block * len(s.forks)
