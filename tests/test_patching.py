@@ -179,6 +179,41 @@ def test_head_patching_equals_plain_hooks_every_cell(case_name, proj, request, m
             assert abs(float(result.values[layer, h]) - want) < ATOL, (layer, h)
 
 
+@pytest.mark.parametrize("case_name,proj", [("tiny_gpt2", "c_proj"), ("tiny_llama", "o_proj")])
+def test_attribution_patching_of_heads_equals_gradients_read_with_hooks(case_name, proj, request):
+    """Each head's estimate is ``(clean - corrupted) · d metric / d head output`` over its slice of
+    the output projection's input, the gradient read with plain hooks and autograd."""
+    case = request.getfixturevalue(case_name)
+    model, clean_ids = case.model, case.args[0]
+    corrupt_ids = _corrupt(clean_ids, 1, 7)
+    metric = tl.patching.logit_diff(int(clean_ids[0, 2]), 7)
+    result = tl.patching.attribution_patching(clean_ids, corrupt_ids, metric, model=model, site="heads")
+    view = tl.arch(model)
+    assert result.dims == ("layer", "head") and result.values.shape == (view.n_layers, view.n_heads)
+    projs = [getattr(view.module(f"blocks.{layer}.attn"), proj) for layer in range(view.n_layers)]
+
+    def inputs(ids, grad: bool) -> tuple[dict, torch.Tensor]:
+        seen = {}
+        handles = [p.register_forward_pre_hook(lambda m, a, i=i: seen.__setitem__(i, a[0]))
+                   for i, p in enumerate(projs)]
+        try:
+            with torch.set_grad_enabled(grad):
+                value = metric(model(ids))
+        finally:
+            for h in handles:
+                h.remove()
+        return seen, value
+
+    assert all(p.grad is None for p in model.parameters())  # autograd.grad: no parameter's .grad touched
+    clean_in, _ = inputs(clean_ids, False)
+    corrupt_in, value = inputs(corrupt_ids, True)
+    grads = torch.autograd.grad(value, [corrupt_in[i] for i in range(len(projs))])
+    assert abs(result.corrupted - float(value.detach())) < ATOL
+    for i, g in enumerate(grads):
+        per_head = ((clean_in[i] - corrupt_in[i].detach()) * g).unflatten(-1, (view.n_heads, view.head_dim))
+        assert torch.allclose(result.values[i] - result.corrupted, per_head.sum((0, 1, 3)), atol=1e-5), i
+
+
 def _baukit_causal_trace(model, ids, subject, answer, noise, samples, seed, kind, layer, position, clean_value):
     """ROME's trace_with_patch, written with plain hooks: sample s of a batch gets noise row s."""
     view = tl.arch(model)
@@ -296,7 +331,10 @@ def test_bad_inputs_raise_named_errors_and_change_nothing(tiny_gpt2):
         tl.patching.attribution_patching(clean, corrupted, lambda out: 1.0)  # not differentiable
     assert_model_clean(model, before)
     with pytest.raises(InvalidArgumentError):
-        tl.patching.attribution_patching(clean, corrupted, metric, site="heads")
+        tl.patching.attribution_patching(clean, corrupted, lambda out: 1.0, site="heads")
+    assert_model_clean(model, before)
+    with pytest.raises(InvalidArgumentError):
+        tl.patching.attribution_patching(clean, corrupted, metric, site="resid_mid")
     with pytest.raises(InvalidArgumentError):
         tl.patching.causal_trace(model, ids[0], [1])
     with pytest.raises(InvalidArgumentError):

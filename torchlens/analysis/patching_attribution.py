@@ -17,14 +17,16 @@ from typing import Any
 
 import torch
 
+from ..api import trace as capture
 from ..arch.resolve import arch
 from ..core.tree import first_tensor, flatten, unflatten
 from ..errors import InvalidArgumentError
+from .heads import attention_at
 from .patching import PatchingResult, _as_trace, _check_pair, _layers, _model_of, _score
 
 __all__ = ["ATTRIBUTION_KINDS", "attribution_patching"]
 
-ATTRIBUTION_KINDS = ("resid_pre", "resid_post", "attn", "mlp")
+ATTRIBUTION_KINDS = ("resid_pre", "resid_post", "attn", "mlp", "heads")
 
 
 def attribution_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any], *, model: Any = None,
@@ -37,24 +39,29 @@ def attribution_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any
         metric: ``metric(model_output) -> scalar tensor`` (differentiable, e.g.
             :func:`~torchlens.analysis.patching.logit_diff`).
         model: the model (default: the traces').
-        site: ``resid_pre``, ``resid_post``, ``attn`` or ``mlp``.
+        site: ``resid_pre``, ``resid_post``, ``attn`` or ``mlp`` (a layer × position grid),
+            or ``heads`` (a layer × head grid: each head's output at every position, read
+            from a ``grad=True`` trace of the corrupted run through the attention facets).
         layers: which blocks (default: all).
 
     Returns:
         a :class:`~torchlens.analysis.patching.PatchingResult` over ``("layer", "position")``
-        whose values estimate ``metric(patched) - metric(corrupted)`` (``notes["estimate"]``).
+        (``("layer", "head")`` for heads) whose values estimate ``metric(patched)`` (the
+        corrupted run's metric plus the first-order change; ``notes["estimate"]``).
 
     Raises:
         InvalidArgumentError: an unsupported ``site``, a metric that is not a differentiable scalar.
     """
     if site not in ATTRIBUTION_KINDS:
         raise InvalidArgumentError(f"attribution patching supports site= {ATTRIBUTION_KINDS}, got {site!r}",
-                                   remedy="Use activation_patching for resid_mid and heads.")
+                                   remedy="Use activation_patching for resid_mid.")
     clean, corrupted = _as_trace(model, clean, "clean"), _as_trace(model, corrupted, "corrupted")
     _check_pair(clean, corrupted)
     model = model if model is not None else _model_of(corrupted, clean)
     rows = _layers(model, site, layers)
     view = arch(model)
+    if site == "heads":
+        return _heads(clean, corrupted, metric, model, rows, view)
     donors = [first_tensor(clean[f"blocks.{layer}.{site}"].out) for layer in rows]
     seen: dict[int, torch.Tensor] = {}
     handles = []
@@ -69,14 +76,8 @@ def attribution_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any
                 seen[i] = value
         return hook
 
-    def leaf(module, args, output):  # the graph starts at the embeddings, whatever requires_grad says
-        leaves, spec = flatten(output)
-        return unflatten([t.detach().requires_grad_(True) if isinstance(t, torch.Tensor) and t.is_floating_point()
-                          else t for t in leaves], spec)
-
     try:
-        if "embed" in view.names():
-            handles.append(view.module("embed").register_forward_hook(leaf))
+        handles.extend(_graph_from_embeddings(view))
         for i, layer in enumerate(rows):
             if site == "resid_pre":
                 handles.append(view.module(f"blocks.{layer}").register_forward_pre_hook(keep(i, True),
@@ -85,12 +86,7 @@ def attribution_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any
                 handles.append(view.module(f"blocks.{layer}.{site}").register_forward_hook(keep(i, False)))
         with torch.enable_grad():
             output = model(*corrupted.args, **corrupted.kwargs)
-            value = metric(output)
-            if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.requires_grad:
-                raise InvalidArgumentError("attribution patching needs a metric that returns a differentiable "
-                                           "scalar tensor of the model output",
-                                           remedy="Compute the metric with torch ops on the logits "
-                                           "(e.g. tl.patching.logit_diff).")
+            value = _differentiable(metric(output))
             missing = [rows[i] for i in range(len(rows)) if i not in seen]
             if missing:
                 raise InvalidArgumentError(f"blocks {missing} did not produce a {site} value in the forward")
@@ -109,3 +105,52 @@ def attribution_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any
     return PatchingResult(values + base_corrupted, ("layer", "position"), {"layer": rows, "position": list(range(seq))},
                           getattr(metric, "__name__", "metric"), base_clean, base_corrupted,
                           {"estimate": "first-order (attribution patching)"})
+
+
+def _heads(clean: Any, corrupted: Any, metric: Callable[[Any], Any], model: Any, rows: list[int],
+           view: Any) -> PatchingResult:
+    """Attribution of each head's output: ``(clean - corrupted) · d metric / d output`` summed over
+    that head's slice at every position, the gradient read from a ``grad=True`` trace."""
+    handles = _graph_from_embeddings(view)
+    try:
+        with torch.enable_grad():
+            traced = capture(model, *corrupted.args, grad=True, **corrupted.kwargs)
+            value = _differentiable(metric(traced.output))
+            labels = [attention_at(traced, layer).target("output") for layer in rows]
+            outs = [traced[label].out for label in labels]
+            grads = torch.autograd.grad(value, outs, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    n_heads = outs[0].shape[-3]
+    values = torch.zeros(len(rows), n_heads)
+    for i, (layer, g, out) in enumerate(zip(rows, grads, outs)):
+        if g is None:
+            continue
+        donor = clean[attention_at(clean, layer).target("output")].out  # [batch, heads, positions, head_dim]
+        values[i] = ((donor - out.detach()) * g).transpose(0, -3).flatten(1).sum(1).detach().float()
+    base_clean, base_corrupted = _score(metric, clean.output), float(value.detach())
+    return PatchingResult(values + base_corrupted, ("layer", "head"), {"layer": rows, "head": list(range(n_heads))},
+                          getattr(metric, "__name__", "metric"), base_clean, base_corrupted,
+                          {"estimate": "first-order (attribution patching)"})
+
+
+def _graph_from_embeddings(view: Any) -> list[Any]:
+    """Hooks making the backward graph start at the embeddings, whatever ``requires_grad`` says
+    (a frozen model); the caller removes them."""
+
+    def leaf(module, args, output):
+        leaves, spec = flatten(output)
+        return unflatten([t.detach().requires_grad_(True) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                          else t for t in leaves], spec)
+
+    return [view.module("embed").register_forward_hook(leaf)] if "embed" in view.names() else []
+
+
+def _differentiable(value: Any) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.requires_grad:
+        raise InvalidArgumentError("attribution patching needs a metric that returns a differentiable "
+                                   "scalar tensor of the model output",
+                                   remedy="Compute the metric with torch ops on the logits "
+                                   "(e.g. tl.patching.logit_diff).")
+    return value
