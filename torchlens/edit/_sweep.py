@@ -50,7 +50,7 @@ from .replay import Replayer, Target
 __all__ = ["sweep"]
 
 class _Abort(Exception):
-    """The sweep does not cover this: every fork is restored and replayed the general way."""
+    """The sweep does not cover this: the forks concerned are restored and replayed the general way."""
 
 
 def sweep(forks: Sequence[Any], steps: Sequence[Step], *, read: Any = None) -> list[Replayer | None] | None:
@@ -248,9 +248,7 @@ class _Sweep:
         base = self.parent.value(o)
         s = self.stack.get(o)
         if s is None:
-            self.stack[o] = Stack(base, region.axis, region.start,
-                                   edited.narrow(region.axis, region.start, base.shape[region.axis] - region.start),
-                                   (i,))
+            self.stack[o] = Stack(base, region.axis, region.start, _cut(edited, region), (i,))
             return
         # other forks reached this op first: its stack must hold every row this edit changed
         # (the same rows or more along its axis; a whole value, from rows 0, holds anything)
@@ -366,7 +364,7 @@ class _Sweep:
             return v
 
         args, kwargs = build_args(op, resolve)
-        # an unchanged tensor as many dims as the scores must broadcast over the forks' batch entries
+        # an unchanged tensor with as many dims as the scores must broadcast over the forks' batch entries
         if any(isinstance(t, torch.Tensor) and id(t) not in changed and t.dim() >= base.dim()
                and t.shape[t.dim() - base.dim()] != 1 for t in (*args, *kwargs.values())):
             return None
@@ -396,10 +394,10 @@ class _Sweep:
                 raise _Abort
             built = execute(op, *build_args(op, lambda r, resolve=resolve: as_built(resolve(r))))
             if isinstance(plan.region, Corner):  # attention scores: did a causal mask restore the corner's block?
-                corner = True
-                refined = refine_corner(self.parent.value(j), built, plan.region)
                 if not isinstance(built, torch.Tensor):
                     raise _Abort
+                corner = True
+                refined = refine_corner(self.parent.value(j), built, plan.region)
                 got.append((WHOLE_ROWS, built) if refined is WHOLE else (refined, built)
                            if isinstance(refined, Corner) else (refined, _cut(built, refined)))
                 continue
@@ -445,9 +443,8 @@ class _Sweep:
                            for b, r, x in zip(base, region, rows))
             self.stack[j] = stacks
             parts = [None if s is None else s.rows.split(s.block, s.axis) for s in stacks]
-            whole = all(r is not None and r.start == 0 for r in region)  # every output whole, as replay alone logs it
-            if whole and how != "fallback":
-                how = "full"
+            whole = all(r is not None and r.start == 0 for r in region)  # every output whole
+            how = _as_whole(how) if whole else how
             for k, i in enumerate(forks):  # several outputs: built together when read
                 value = Outputs(tuple(b if s is None else p[k] if whole else RowPatch(b, s.axis, s.start, p[k])
                                        for b, s, p in zip(base, stacks, parts)))
@@ -459,9 +456,8 @@ class _Sweep:
         s = self.stack[j] = _checked(Stack(base, region.axis, region.start, rows, forks))
         size = (region.axis, region.start, base.shape[region.axis]) if logged else None
         axis, m, rows = s.axis, s.block, s.rows
-        whole = region.start == 0  # every row: each fork holds its whole value, logged as replay alone logs it
-        if whole and how != "fallback":
-            how = "full"
+        whole = region.start == 0  # every row: each fork holds its whole value
+        how = _as_whole(how) if whole else how
         for k, i in enumerate(forks):
             replayer = self.replayers[i]
             if whole:
@@ -480,6 +476,11 @@ def _row_regions(region: Any) -> bool:
     if several(region):
         return all(r is None or isinstance(r, Rows) for r in region) and any(r is not None for r in region)
     return isinstance(region, Rows)
+
+
+def _as_whole(how: str) -> str:
+    """How the log names a value recomputed whole, as replay alone names it (a fallback stays one)."""
+    return how if how == "fallback" else "full"
 
 
 def _cut(value: Any, region: Rows) -> torch.Tensor:
