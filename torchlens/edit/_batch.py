@@ -236,8 +236,8 @@ def push_together(forks: Sequence[Any], steps: Sequence[Step], *, read: Any = No
 def push_all(forks: Sequence[Any], steps: Sequence[Step], *, read: Any = None, one_pass: bool = True) -> list[Any]:
     """:func:`push_together`, but fresh forks whose edits change the same rows as others first
     go down the graph in one pass per group (:func:`torchlens.edit._sweep.sweep`); the forks no
-    sweep covers are then pushed in step. ``one_pass=False`` skips the sweep (the caller knows
-    its forks' edits all change different rows).
+    sweep covers are then pushed in step. ``one_pass=False`` skips the sweep (forks that
+    already hold edits: a sweep takes fresh forks only).
 
     Returns:
         per fork, its replayer or the exception its replay raised, as :func:`push_together`.
