@@ -25,7 +25,13 @@ activation peak (``plain_activation_mb``: the warm-up forward's peak above the c
   offload_copy   ... and with the materialised weights left in the recorded arguments (the second copy
                  the references avoid)
 
-    python bench/bench_memory.py [--quick] [--cases trace_all,store,...]
+    python bench/bench_memory.py [--quick] [--steady-malloc] [--cases trace_all,store,...]
+
+glibc raises its mmap threshold as big blocks are freed, so a freed activation may stay in the heap
+and count in RSS: on some machines the plain forward's own repeat peak then varies by 100 MB and
+more between runs (288-420 MB seen on one AMD machine). ``--steady-malloc`` runs each child with
+``MALLOC_MMAP_THRESHOLD_=65536`` (big blocks always mapped, so unmapped when freed): the peaks
+then measure live memory and repeat to a tenth of a MB (plain 271 MB, save_block 275 MB there).
 """
 
 from __future__ import annotations
@@ -163,9 +169,10 @@ def main() -> None:
     results: dict[str, dict] = {}
     cases = sys.argv[sys.argv.index("--cases") + 1].split(",") if "--cases" in sys.argv else CASES
     for case in cases:
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536") if "--steady-malloc" in sys.argv else None
         with tempfile.TemporaryDirectory() as tmp:
             proc = subprocess.run([sys.executable, os.path.join(here, "bench_memory.py"), "--child", case, str(seq),
-                                   tmp], capture_output=True, text=True, cwd=here)
+                                   tmp], capture_output=True, text=True, cwd=here, env=env)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("{")), None)
         if line is None:
             print(json.dumps({"tool": "torchlens", "case": f"mem_{case}", "ok": False, "note": proc.stderr[-800:]}))
