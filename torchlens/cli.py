@@ -22,18 +22,20 @@ import torchlens as tl
 from .demo import TinyLM
 from .errors import InvalidArgumentError, TorchLensError
 
-__all__ = ["EXIT_CHECK_FAILED", "EXIT_ERROR", "EXIT_OK", "EXIT_USAGE", "demo", "main"]
+__all__ = ["EXIT_CHECK_FAILED", "EXIT_ERROR", "EXIT_NOT_FULLY_CHECKED", "EXIT_OK", "EXIT_USAGE", "demo", "main"]
 
 EXIT_OK = 0  # the command did what was asked (validate: the trace reproduces; diff: no differences)
 EXIT_CHECK_FAILED = 1  # validate found divergences / diff found differences / the demo's checks failed
 EXIT_USAGE = 2  # bad command line (argparse's own code)
 EXIT_ERROR = 3  # a TorchLens error (message and remedy printed) or a file that cannot be read or written
+EXIT_NOT_FULLY_CHECKED = 4  # validate: nothing disagreed, but some ops could not be re-issued (listed with why)
 
 EPILOG = """exit codes:
   0  success (validate: the trace reproduces; diff: no differences)
   1  a check failed (validate found divergences, diff found differences)
   2  bad command line
   3  error: a TorchLens error (its message and remedy are printed, no traceback) or an unreadable file
+  4  validate: nothing disagreed, but not fully checked (ops that could not be re-issued are listed)
 """
 
 
@@ -177,7 +179,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     trace = _load_trace(args.path)
     report = tl.validate(trace, atol=args.atol, rerun=False)
     print(report.summary())
-    ok = report.ok
+    agrees = report.agrees
     if args.model:
         factory = _factory(args.model)
         if args.seed is not None:
@@ -189,8 +191,10 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         result = tl.debug.compare(trace, fresh, atol=args.atol, rtol=0.0)
         print("\nsaved trace vs the model's real forward on the saved inputs:")
         print(result.summary())
-        ok = ok and result.same
-    return EXIT_OK if ok else EXIT_CHECK_FAILED
+        agrees = agrees and result.same
+    if not agrees:
+        return EXIT_CHECK_FAILED
+    return EXIT_OK if report.fully_checked else EXIT_NOT_FULLY_CHECKED
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
@@ -255,7 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("validate", "replay a saved trace and check it reproduces",
                 "Replay every op of a saved trace from its saved inputs and compare with the saved values. "
                 "With --model, also build the model and compare the saved trace with its real forward on the "
-                "saved inputs. Exit code 1 when anything diverges.")
+                "saved inputs. Exit code 1 when anything diverges, 4 when nothing diverges but some ops could not be "
+                "re-issued (each listed with its reason).")
     p.add_argument("path", help="a directory written by trace.save(path)")
     p.add_argument("--model", metavar="MODULE:CALLABLE", default=None,
                    help="a factory that returns the model, e.g. my_pkg.models:build or path/to/file.py:build")

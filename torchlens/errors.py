@@ -13,7 +13,7 @@ __all__ = [
     "AmbiguousSiteError", "CaptureError", "CaptureMemoryError", "DatasetError", "DatasetFormatError",
     "DatasetRowError", "EditError",
     "EditHadNoEffect", "EditHadNoEffectError", "EditNotAppliedError", "EditShapeError", "EmptySelectionError",
-    "FacetReadOnlyError", "FingerprintMismatchError", "FormatVersionError", "FusedKernelError",
+    "FacetReadOnlyError", "FingerprintMismatchError", "FormatVersionError", "FunctionsNotResolved", "FusedKernelError",
     "GraphvizNotFoundError", "GuardChangedError", "InvalidArgumentError", "JobMismatchError",
     "LegacyArgumentError", "NotPortableError", "OptionalDependencyError", "OutOfOrderError",
     "PickleNotAllowedError", "PluginError", "RecipeError", "RecipeExistsError", "RecipeFormatError",
@@ -246,6 +246,10 @@ class PickleNotAllowedError(RecipeError):
     """The recipe holds pickled code; loading it would run that code, so it needs consent."""
 
     remedy = "Only if you trust its author: tl.load_intervention(path, allow_pickle=True)."
+
+
+class FunctionsNotResolved(UserWarning):
+    """Warning: a loaded trace names functions not on the allow-list; those ops are readable, not replayable."""
 
 
 class RecipeExistsError(RecipeError, FileExistsError):

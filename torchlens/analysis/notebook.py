@@ -147,17 +147,25 @@ def call_html(call: ModuleCall) -> str:
 
 def validation_html(report: Any) -> str:
     """The notebook display of a ValidationReport."""
-    state = '<span class="tl-ok">OK</span>' if report.ok else '<span class="tl-bad">NOT OK</span>'
+    state = f'<span class="{"tl-ok" if report.ok else "tl-bad"}">{report.status}</span>'
     facts = [("result", state), ("ops replayed", f"{report.n_checked:,} of {report.n_ops:,}"),
              ("tolerance", f"{report.atol:g}")]
+    missing = [u for u in report.unchecked if not u.by_design]
     if report.output_max_abs_error is not None:
         facts.append(("output vs real forward", f"max abs error {report.output_max_abs_error:.3g}"))
+    if report.output_not_compared:
+        facts.append(("output vs real forward", f"not compared: {escape(report.output_not_compared)}"))
     parts = []
     if report.divergences:
         rows = [f"<tr><td>{escape(d.label)}</td><td>{escape(d.func_name)}</td><td>{d.max_abs_error:.3g}</td>"
                 f"<td>{escape(_short(d.source))}</td></tr>" for d in report.divergences[:MAX_ROWS]]
         parts.append(f"<details open><summary>{len(report.divergences)} diverging op(s)</summary>"
                      f"{_table(('op', 'func', 'max abs error', 'source'), rows)}</details>")
+    if missing:
+        rows = [f"<tr><td>{escape(u.label)}</td><td>{escape(u.kind)}</td><td>{escape(u.reason)}</td></tr>"
+                for u in missing[:MAX_ROWS]]
+        parts.append(f"<details open><summary>{len(missing)} op(s) not checked</summary>"
+                     f"{_table(('op', 'kind', 'reason'), rows)}</details>")
     for title, items in (("unstable", report.unstable), ("errors", report.errors)):
         if items:
             lis = "".join(f"<li>{escape(x)}</li>" for x in items)

@@ -3,7 +3,8 @@
 A saved op names its function (``torch.nn.functional.relu``); loading looks the name up
 in a table built from torch's own overridable-function list plus a few tensor factories,
 minus anything that touches storage, files, hooks or pickling. An unknown name leaves
-the op readable but not replayable.
+the op readable but not replayable: its function is an :class:`UnresolvedFunction` that
+refuses when called and keeps the saved name (so a re-save writes it back unchanged).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import get_overridable_functions
 
-__all__ = ["function_name", "function_table"]
+from ..errors import ReplayNotExactError
+
+__all__ = ["UnresolvedFunction", "function_name", "function_table"]
 
 _FACTORIES = {
     "torch": frozenset({
@@ -76,7 +79,29 @@ def function_table() -> tuple[dict[str, Any], dict[Any, str]]:
     return _FUNCS
 
 
+class UnresolvedFunction:
+    """The function of a loaded op whose saved name is not on the allow-list: never imported, refuses a call."""
+
+    __name__ = "unresolved"
+
+    def __init__(self, name: str | None) -> None:
+        self.name = name  # the saved qualified name (None: the save named no function)
+        # why the op cannot be re-issued (tl.validate lists it as not checked with this reason)
+        self.refusal = (f"its function {name!r} is not on the allow-list of torch functions a loaded trace may "
+                        "call, so it was not resolved" if name is not None else
+                        "its function was not on the allow-list when the trace was saved, so no name was saved")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise ReplayNotExactError(
+            f"a loaded op cannot be re-issued: {self.refusal}",
+            remedy="Re-execute with the model instead: fork.do(site, edit, model=model, inputs=x).",
+        )
+
+
 def function_name(fn: Any) -> str | None:
+    """The allow-listed name of ``fn`` (an unresolved loaded function keeps its saved name); None if unknown."""
+    if isinstance(fn, UnresolvedFunction):
+        return fn.name
     try:
         return function_table()[1].get(fn)
     except TypeError:

@@ -3,12 +3,14 @@
 Every field is checked before it is used: op and call indices must point backwards,
 references must name stored tensors of the right shape, functions are looked up in the
 allowlist (never imported), and a capture-time edit whose code was not saved gets a
-stand-in that refuses to replay.
+stand-in that refuses to replay. A function name not on the allowlist gets a refusing
+stand-in too, and loading warns ``FunctionsNotResolved`` naming those ops at once.
 """
 
 from __future__ import annotations
 
 import re
+import warnings
 import weakref
 from typing import Any
 
@@ -20,11 +22,11 @@ from ..capture._recorder import EditApplier
 from ..core.records import EDIT, INPUT, NOT_REPLAYABLE, ModuleCall, Op, Ref
 from ..core.trace import DataRead, Fork, ForkState, Trace
 from ..core.tree import flatten
-from ..edit.edits import AppliedEdit, EditContext
-from ..errors import ReplayNotExactError
+from ..edit.edits import AppliedEdit, EditContext, _caller_stacklevel
+from ..errors import FunctionsNotResolved, ReplayNotExactError
 from ._checks import check_int, fail
 from ._fingerprints import check_fingerprint_dict
-from ._fn_allowlist import function_table
+from ._fn_allowlist import UnresolvedFunction, function_table
 from ._value_codec import Decoder, Opaque
 from .recipes import decode_steps
 
@@ -50,10 +52,12 @@ class UnavailableEdit:
 
     def __init__(self, ctx: Any) -> None:
         self.ctx = ctx
+        # why the op cannot be re-issued (tl.validate lists it as not checked with this reason)
+        self.refusal = f"the capture-time edit at {ctx.site} was not saved with the trace (a plain function edit)"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise ReplayNotExactError(
-            f"the capture-time edit at {self.ctx.site} was not saved with the trace (a plain function edit)",
+            self.refusal,
             remedy="Re-capture with the model (trace.run(model)), or use named helpers so the edit is saved.",
         )
 
@@ -139,6 +143,7 @@ def build_trace(m: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Any:
         saved_tensor_names={id(t): k for k, t in tensors.items() if k.startswith(("param/", "buffer/"))},
     )
     _check_refs(base)
+    _warn_unresolved(base)
     if m["fork"] is None:
         dec.check_all_used()
         return base
@@ -163,6 +168,22 @@ def build_trace(m: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Any:
                                 _edits(fork_json["edits"])), unsaved)
     dec.check_all_used()
     return fork
+
+
+def _warn_unresolved(base: Any) -> None:
+    """Say at load time which ops name a function that is not on the allowlist (their replay refuses)."""
+    found = [op for op in base.ops if isinstance(op.func, UnresolvedFunction)]
+    if not found:
+        return
+    named = ", ".join(f"{op.label} ({op.func.name or 'no name saved'})" for op in found[:10])
+    more = f" and {len(found) - 10} more" if len(found) > 10 else ""
+    warnings.warn(
+        f"this saved trace names {len(found)} function(s) that are not on TorchLens's allow-list of torch functions, "
+        f"so those ops can be read but not re-issued: {named}{more}. A fork whose replay reaches them raises "
+        "ReplayNotExactError and tl.validate lists them as not checked; re-execute with the model instead "
+        "(fork.do(site, edit, model=model, inputs=x)).",
+        FunctionsNotResolved, stacklevel=_caller_stacklevel(),
+    )
 
 
 def _check_refs(base: Any) -> None:
@@ -245,6 +266,7 @@ def _decode_op(i: int, entry: Any, dec: Decoder) -> Op:
         func = function_table()[0].get(name)
     if func is None and not flags & (INPUT | EDIT):
         flags |= NOT_REPLAYABLE
+        func = UnresolvedFunction(name)
     code, lineno = _source(entry, where)
     op = Op(i, label, func, _str(entry, "func_name", where, 200), None, _str(entry, "module", where, 1000),
             check_int(entry["pass"], f"{where}: pass", 1, 1 << 31), code, lineno, None, None, flags)
