@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ import torch
 import torchlens as tl
 
 from .demo import TinyLM
-from .errors import InvalidArgumentError, TorchLensError
+from .errors import FunctionsNotResolved, InvalidArgumentError, TorchLensError
 
 __all__ = ["EXIT_CHECK_FAILED", "EXIT_ERROR", "EXIT_NOT_FULLY_CHECKED", "EXIT_OK", "EXIT_USAGE", "demo", "main"]
 
@@ -176,7 +177,14 @@ def _cmd_draw(args: argparse.Namespace) -> int:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    trace = _load_trace(args.path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", FunctionsNotResolved)
+        trace = _load_trace(args.path)
+    for w in caught:  # said once, plainly: the report below lists the same ops as not checked
+        if issubclass(w.category, FunctionsNotResolved):
+            print(f"torchlens validate: warning: {w.message}", file=sys.stderr)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     report = tl.validate(trace, atol=args.atol, rerun=False)
     print(report.summary())
     agrees = report.agrees
