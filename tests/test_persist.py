@@ -30,6 +30,7 @@ import torchlens as tl
 from torchlens.core.records import NOT_REPLAYABLE
 from torchlens.errors import (
     FormatVersionError,
+    FunctionsNotResolved,
     NotPortableError,
     RecipeError,
     RecipeExistsError,
@@ -40,6 +41,7 @@ from torchlens.errors import (
 )
 from torchlens.store import _ondisk as ondisk
 from torchlens.store import traces as persist
+from torchlens.store._fn_allowlist import UnresolvedFunction
 from torchlens.store._safetensors import read_safetensors
 
 ROUND_TRIP_ZOO = ["tiny_gpt2", "tiny_llama", "minilm", "cnn", "shared_twice", "inplace_net", "control_flow",
@@ -397,12 +399,15 @@ def test_trace_specific_hostility(saved):
         m["ops"][linear].update(changes)
         rewrite(path, m)
 
-    # a function outside the allowlist loads as a readable but non-replayable op, never resolved
+    # a function outside the allowlist loads as a readable but non-replayable op, never resolved, and says so
     for name in ("os.system", "builtins.eval", "torch.load", "subprocess.Popen"):
         with_op(func=name)
-        loaded = load(path)
+        with pytest.warns(FunctionsNotResolved, match=f"{good['ops'][linear]['label']} \\({name}\\)"):
+            loaded = load(path)
         op = loaded.ops[linear]
-        assert op.func is None and op.flags & NOT_REPLAYABLE
+        assert type(op.func) is UnresolvedFunction and op.func.name == name and op.flags & NOT_REPLAYABLE
+        with pytest.raises(ReplayNotExactError, match="not on the allow-list"):
+            op.func(torch.ones(1))
         with pytest.raises(ReplayNotExactError):
             loaded.parent.fork().do(loaded.input_layers[0], tl.scale(2.0))
     for bad in ({"func": "os/system"}, {"func": "__import__('os')"}, {"flags": 1 << 30}, {"label": 3},
