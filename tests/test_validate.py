@@ -254,3 +254,33 @@ def test_uninitialised_memory_is_left_out_by_design():
     assert report.ok and report.status == "OK" and report.output_max_abs_error == 0.0
     assert [(u.label, u.kind) for u in report.unchecked] == [("input_0", "input"), ("empty_1", "uninitialised")]
     assert report.n_checked == len(trace.ops) - 2
+
+
+def test_dropout_left_on_by_training_mode_is_named_with_model_eval(tiny_gpt2):
+    model, (ids,) = tiny_gpt2.model, tiny_gpt2.args
+    model.train()
+    try:
+        trace = tl.trace(model, ids)
+    finally:
+        model.eval()
+    report = tl.validate(trace)
+    random = [u for u in report.unchecked if u.kind == "random"]
+    assert [u.label for u in random] == [op.label for op in trace.ops if op.func_name in (
+        "dropout", "scaled_dot_product_attention")]
+    assert len(random) == 7 and all("call model.eval() before capturing" in u.reason for u in random)
+    assert report.divergences == [] and report.agrees and report.status == "NOT FULLY CHECKED"
+    assert report.n_checked == len(trace.ops) - 8 and report.output_max_abs_error is None
+
+
+def test_a_capture_time_edit_validates_against_the_edited_forward_and_unsaved_it_is_not_checked(
+        small_mlp, mlp_input, tmp_path):
+    trace = tl.trace(small_mlp, mlp_input, intervene=tl.when("fc1", lambda out: out * 2))  # a plain function
+    report = tl.validate(trace)
+    assert report.ok and report.output_max_abs_error == 0.0 and report.n_checked == len(trace.ops) - 1
+    trace.save(tmp_path / "t")
+    loaded = tl.load_trace(tmp_path / "t")
+    report = tl.validate(loaded)
+    assert report.status == "NOT FULLY CHECKED" and report.agrees
+    (edit,) = [u for u in report.unchecked if not u.by_design]
+    assert (edit.label, edit.kind) == ("edit_1", "edit not saved") and "was not saved with the trace" in edit.reason
+    assert report.n_checked == len(loaded.ops) - 2

@@ -18,6 +18,7 @@ import torch
 
 from .._progress import track
 from ..analysis.notebook import validation_html
+from ..capture._classify import RANDOM_NAMES
 from ..core.records import EDIT, GUARD, INPUT, NOT_REPLAYABLE, RANDOM, Op, Ref, build_args
 from ..core.trace import Trace
 from ..core.tree import tensor_leaves
@@ -260,8 +261,8 @@ def _validate(trace, *, atol: float, rerun: bool, progress: bool | None = None) 
             report.output_not_compared = (f"the model draws random numbers ({', '.join(random[:3])}"
                                           + (", ..." if len(random) > 3 else "") + "), so a new forward differs")
         else:
-            with torch.no_grad():
-                real = trace.model(*trace.args, **trace.kwargs)
+            with torch.no_grad():  # a capture-time edit is part of the run: the real forward applies it too
+                real = trace.run().output if trace.steps else trace.model(*trace.args, **trace.kwargs)
             got, want = tensor_leaves(trace.output), tensor_leaves(real)
             if any(t.is_meta for t in got + want):
                 report.errors.append("the model output holds a meta tensor: no data to compare")
@@ -274,9 +275,11 @@ def _not_reissued(op: Op) -> tuple[str, str] | None:
     """``(kind, reason)`` when validation does not re-issue ``op`` (see :class:`Unchecked`), else None."""
     where = f"{op.func_name} at {op.source}"
     if op.flags & RANDOM:
-        return "random", (f"{where} draws random numbers (the model's own randomness): a replay would draw new "
-                          "ones, so fork.do refuses through it (if this is dropout left on by training mode, call "
-                          "model.eval() before capturing)")
+        if op.func_name in RANDOM_NAMES:
+            return "random", (f"{where} draws random numbers (the model's own randomness): a replay would draw "
+                              "new ones, so fork.do refuses through it")
+        return "random", (f"{where} draws random numbers: dropout left on by training mode (call model.eval() "
+                          "before capturing)")
     refusal = getattr(op.func, "refusal", None)  # a loaded op's stand-in says why it cannot be called
     if refusal is not None:
         return ("edit not saved" if op.flags & EDIT else "unresolved"), f"{where}: {refusal}"
