@@ -98,7 +98,8 @@ def check(name: str, model, ids, block: str, device: str, dtype) -> dict:
     row["replay_err"] = float((got.float() - want.float()).abs().max())
     row["replay"] = "ok" if row["replay_err"] <= atol * 10 else "DIFFERS"
     moved = tl.trace(model, ids, offload_values="cpu")
-    row["offload_values"] = "ok" if tl.validate(moved, atol=atol).ok else "NOT OK"
+    moved_report = tl.validate(moved, atol=atol)
+    row["offload_values"] = "ok" if moved_report.ok else moved_report.status  # NOT OK or NOT FULLY CHECKED
     with torch.no_grad():
         base = _ms(lambda: model(ids), device)
     row["trace_ratio"] = round(_ms(lambda: tl.trace(model, ids), device) / base, 2)

@@ -103,10 +103,12 @@ class ValidationReport:
 
     @property
     def ok(self) -> bool:
+        """The capture is exact and fully checked (``status == "OK"``)."""
         return self.agrees and self.fully_checked
 
     @property
     def status(self) -> str:
+        """``"OK"``, ``"NOT FULLY CHECKED"`` (nothing disagreed, some op was not re-issued) or ``"NOT OK"``."""
         return "NOT OK" if not self.agrees else "NOT FULLY CHECKED" if not self.fully_checked else "OK"
 
     @property
