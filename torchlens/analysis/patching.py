@@ -46,7 +46,8 @@ KINDS = ("resid_pre", "resid_mid", "resid_post", "attn", "mlp", "heads")
 
 @dataclass
 class PatchingResult:
-    """A labelled result tensor: ``values[i, j]`` for ``labels[dims[0]][i]``, ``labels[dims[1]][j]``.
+    """A labelled result tensor: ``values[i, j, ...]`` for ``labels[dims[0]][i]``, ``labels[dims[1]][j]`` ...
+    (one axis per dim; three for heads at each position: ``("layer", "head", "position")``).
 
     ``clean`` and ``corrupted`` are the metric on the unpatched runs, so
     ``normalized()`` gives the share of the clean–corrupted gap a patch restores.
