@@ -275,12 +275,12 @@ def activation_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any]
     rows = _layers(model, site, layers)
     name = getattr(metric, "__name__", "metric")
     base_clean, base_corrupted = score(metric, clean.output), score(metric, corrupted.output)
-    cols = _positions(positions, _seq_len(corrupted))
     scorer = _Cells(corrupted, metric, batch_size)
-    if site == "heads":
-        values, dims, labels = _head_grid(clean, corrupted, scorer, rows, None if positions is None else cols,
-                                          progress)
+    if site == "heads":  # without positions=, each head at every position (no sequence length needed)
+        at = None if positions is None else _positions(positions, _seq_len(corrupted))
+        values, dims, labels = _head_grid(clean, corrupted, scorer, rows, arch(model).n_heads, at, progress)
         return PatchingResult(values, dims, labels, name, base_clean, base_corrupted)
+    cols = _positions(positions, _seq_len(corrupted))
     values = torch.empty(len(rows), len(cols))
     # position by position: the cells of one position change the same rows, and replay in one pass
     cells = [(i, layer, j, p) for j, p in enumerate(cols) for i, layer in enumerate(rows)]
@@ -293,12 +293,12 @@ def activation_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any]
                           base_corrupted)
 
 
-def _head_grid(clean: Trace, corrupted: Trace, scorer: _Cells, rows: list[int], positions: list[int] | None,
-               progress: bool | None) -> tuple[torch.Tensor, tuple[str, ...], dict[str, list[int]]]:
+def _head_grid(clean: Trace, corrupted: Trace, scorer: _Cells, rows: list[int], n_heads: int,
+               positions: list[int] | None, progress: bool | None,
+               ) -> tuple[torch.Tensor, tuple[str, ...], dict[str, list[int]]]:
     """The layer × head grid (each head's output at every position), or the layer × head ×
     position grid when ``positions`` are given (one head's output at one position): values,
     dims and labels."""
-    n_heads = arch(corrupted.model or clean.model).n_heads
     heads = list(range(n_heads))
     at = [None] if positions is None else positions
     values = torch.empty(len(rows), n_heads, len(at))
