@@ -390,3 +390,33 @@ def test_minilm_real_weights_padding_mask_by_canonical_layer():
     close(patch_head(trace, 3, 5, rerun=True).output.last_hidden_state, hooked(fused))
     # real weights: the SDPA and eager kernels already differ by ~1.6e-5 without any edit
     close(got, hooked(eager), atol=1e-4)
+
+
+def test_negative_layer_counts_from_the_end_and_positions_patch_one_row(spec, traces):
+    """``patch_head(trace, -1, h)`` is the last block's head (as ``layers=[-1]`` everywhere); out of
+    range is refused naming the blocks; ``positions=`` sets only those rows of the head, as a
+    plain pre-hook on the output projection writing that row of the head's slice."""
+    trace = traces["fused"]
+    close(patch_head(trace, -1, 2).output.logits, patch_head(trace, 1, 2).output.logits, atol=0)
+    assert mechinterp.attention_at(trace, -2).label == mechinterp.attention_at(trace, 0).label
+    for bad in (2, -3):
+        with pytest.raises(SiteNotFoundError, match="has 2 blocks"):
+            patch_head(trace, bad, 1)
+    with pytest.raises(InvalidArgumentError, match="6 query positions"):
+        patch_head(trace, 0, 1, positions=[6])
+    lo, hi = 2 * spec.head_dim, 3 * spec.head_dim
+    donor = head_input_read(spec, 1, 2, spec.b)
+
+    def pre(module, args):
+        x = args[0].clone()
+        x[:, [3, 5], lo:hi] = donor[:, [3, 5]]
+        return (x,)
+
+    handle = spec.eager.get_submodule(spec.proj.format(1)).register_forward_pre_hook(pre)
+    try:
+        want = spec.logits(spec.eager, spec.a)
+    finally:
+        handle.remove()
+    for kind in ("fused", "eager"):
+        got = patch_head(traces[kind], -1, 2, source=traces[f"{kind}_b"], positions=[3, -1])
+        close(got.output.logits, want)

@@ -13,6 +13,7 @@ import torch
 from conftest import assert_model_clean, hook_state
 
 import torchlens as tl
+from torchlens.analysis.patching import _output_read
 from torchlens.edit import _batch
 from torchlens.edit._sweep import sweep
 from torchlens.errors import InvalidArgumentError, SiteNotFoundError
@@ -352,3 +353,227 @@ def test_result_plot_and_normalized(tiny_gpt2):
     assert torch.allclose(norm, (result.values - result.corrupted) / (result.clean - result.corrupted))
     fig = result.plot(normalized=True)
     assert len(fig.axes[0].images) == 1
+
+
+# -- arguments that must not change meaning silently (issue 28) -----------------------------------
+
+
+def test_positions_outside_the_prompt_raise_and_negative_ones_count_from_the_end(tiny_gpt2):
+    """``positions=[6]`` on a 6-token prompt used to patch position 0 (and ``-7`` position 5):
+    each is refused naming the prompt length; ``-1`` is the last position, as in Python."""
+    model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    clean, corrupted = tl.trace(model, ids), tl.trace(model, _corrupt(ids, 2, 11))
+    logits_before = corrupted.output.logits.clone()
+    metric = tl.patching.logit_diff(3, 11)
+    before = hook_state(model)
+    for bad in ([6], [-7], [1, 10]):
+        for site in ("resid_pre", "heads"):
+            with pytest.raises(InvalidArgumentError, match="the prompt has 6 positions") as err:
+                tl.patching.activation_patching(clean, corrupted, metric, site=site, positions=bad)
+            assert err.value.length == 6 and err.value.position == [p for p in bad if not -6 <= p < 6]
+            assert err.value.remedy
+        with pytest.raises(InvalidArgumentError, match="the prompt has 6 positions"):
+            tl.patching.causal_trace(model, ids, subject=bad)
+    with pytest.raises(InvalidArgumentError, match="the output has 6 positions"):
+        tl.patching.activation_patching(clean, corrupted, tl.patching.logit_diff(3, 11, position=6))
+    with pytest.raises(InvalidArgumentError, match="the output has 6 positions"):
+        tl.patching.prob(3, position=-7)(corrupted.output)
+    assert_model_clean(model, before)
+    assert torch.equal(corrupted.output.logits, logits_before) and not corrupted.edits
+    last = tl.patching.activation_patching(clean, corrupted, metric, positions=[-1, -4])
+    assert last.labels["position"] == [5, 2]
+    assert torch.equal(last.values, tl.patching.activation_patching(clean, corrupted, metric, positions=[5, 2]).values)
+    by_end = tl.patching.causal_trace(model, ids, subject=[-5, -4], samples=1, kinds=["mlp"])["mlp"]
+    assert by_end.notes["subject"] == [1, 2]
+    assert torch.equal(by_end.values, tl.patching.causal_trace(model, ids, subject=[1, 2], samples=1,
+                                                               kinds=["mlp"])["mlp"].values)
+
+
+@pytest.mark.parametrize("case_name,proj", [("tiny_gpt2", "c_proj"), ("tiny_llama", "o_proj")])
+def test_head_patching_per_position_equals_plain_hooks_every_cell(case_name, proj, request):
+    """``site="heads", positions=[...]``: a layer × head × position grid, each cell one head's output
+    at one position restored — its slice of the output projection's input, that row, written with a
+    plain pre-hook."""
+    case = request.getfixturevalue(case_name)
+    model, clean_ids = case.model, case.args[0]
+    corrupt_ids = _corrupt(clean_ids, 1, 7)
+    metric = tl.patching.prob(int(clean_ids[0, 2]))
+    seq = clean_ids.shape[1]
+    positions = [0, 1, -1]
+    result = tl.patching.activation_patching(tl.trace(model, clean_ids), tl.trace(model, corrupt_ids), metric,
+                                             site="heads", positions=positions)
+    view = tl.arch(model)
+    assert result.dims == ("layer", "head", "position")
+    assert result.values.shape == (view.n_layers, view.n_heads, len(positions))
+    assert result.labels == {"layer": list(range(view.n_layers)), "head": list(range(view.n_heads)),
+                             "position": [0, 1, seq - 1]}
+    # position 0 is before the corrupted token: both runs agree there, restoring it changes nothing
+    assert torch.allclose(result.values[..., 0], torch.full_like(result.values[..., 0], result.corrupted), atol=ATOL)
+    for layer in range(view.n_layers):
+        out_proj = getattr(view.module(f"blocks.{layer}.attn"), proj)
+        seen = {}
+        handle = out_proj.register_forward_pre_hook(lambda m, a, seen=seen: _keep(seen, a[0]))
+        with torch.no_grad():
+            model(clean_ids)
+        handle.remove()
+        for h in range(view.n_heads):
+            cols = slice(h * view.head_dim, (h + 1) * view.head_dim)
+            for j, p in enumerate(result.labels["position"]):
+                def write(m, a, cols=cols, p=p, seen=seen):
+                    x = a[0].clone()
+                    x[:, p, cols] = seen["v"][:, p, cols]
+                    return (x,)
+
+                handle = out_proj.register_forward_pre_hook(write)
+                try:
+                    with torch.no_grad():
+                        want = float(metric(model(corrupt_ids)))
+                finally:
+                    handle.remove()
+                assert abs(float(result.values[layer, h, j]) - want) < ATOL, (layer, h, p)
+
+
+def _hand_mlp_attribution(model, clean_ids, corrupt_ids, hand_metric, layer: int) -> torch.Tensor:
+    """``(clean - corrupted) · d metric / d mlp output`` at each position, summed over rows and
+    features, the gradient read with a plain forward hook and autograd."""
+    module = tl.arch(model).module(f"blocks.{layer}.mlp")
+    clean_out = _read(model, clean_ids, "mlp", layer)
+    seen = {}
+    handle = module.register_forward_hook(lambda m, a, o: seen.__setitem__("v", o))
+    try:
+        with torch.enable_grad():
+            value = hand_metric(model(corrupt_ids))
+    finally:
+        handle.remove()
+    (grad,) = torch.autograd.grad(value, [seen["v"]])
+    return ((clean_out - seen["v"].detach()) * grad).sum((0, 2)) + float(value.detach())
+
+
+def test_negative_layers_mean_the_last_blocks_in_every_workflow(tiny_gpt2):
+    """``layers=[-1]`` is the last block in activation patching (positions and heads), causal
+    tracing, attribution patching and the logit lens; out of range (either sign) is refused naming
+    the number of blocks, and a canonical name with a negative index says what it would mean."""
+    model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    corrupt_ids = _corrupt(ids, 2, 11)
+    clean, corrupted = tl.trace(model, ids), tl.trace(model, corrupt_ids)
+    metric = tl.patching.logit_diff(3, 11)
+    patch = tl.patching.activation_patching
+    for site in ("resid_pre", "mlp", "heads"):
+        got = patch(clean, corrupted, metric, site=site, layers=[-1, -2])
+        assert got.labels["layer"] == [1, 0]
+        assert torch.equal(got.values, patch(clean, corrupted, metric, site=site, layers=[1, 0]).values)
+    for site in ("resid_pre", "heads"):
+        got = tl.patching.attribution_patching(clean, corrupted, metric, site=site, layers=[-1])
+        assert got.labels["layer"] == [1]
+        want = tl.patching.attribution_patching(clean, corrupted, metric, site=site, layers=[1])
+        assert torch.equal(got.values, want.values)
+    traced = tl.patching.causal_trace(model, ids, [1], samples=1, layers=[-1], kinds=["attn"])["attn"]
+    assert traced.labels["layer"] == [1]
+    assert torch.equal(traced.values, tl.patching.causal_trace(model, ids, [1], samples=1, layers=[1],
+                                                               kinds=["attn"])["attn"].values)
+    lens = tl.logit_lens(clean, layers=[-1])
+    assert lens.layers == [1] and torch.equal(lens.logits, tl.logit_lens(clean, layers=[1]).logits)
+
+    before = hook_state(model)
+    logits_before = corrupted.output.logits.clone()
+    calls = {
+        "activation_patching": lambda bad: patch(clean, corrupted, metric, layers=bad),
+        "heads": lambda bad: patch(clean, corrupted, metric, site="heads", layers=bad),
+        "attribution_patching": lambda bad: tl.patching.attribution_patching(clean, corrupted, metric, layers=bad),
+        "causal_trace": lambda bad: tl.patching.causal_trace(model, ids, [1], layers=bad),
+        "logit_lens": lambda bad: tl.logit_lens(clean, layers=bad),
+    }
+    for name, call in calls.items():
+        for bad in ([2], [-3]):
+            with pytest.raises(SiteNotFoundError, match="has 2 blocks") as err:
+                call(bad)
+            assert err.value.length == 2 and err.value.layer == bad, name
+    assert_model_clean(model, before)
+    assert torch.equal(corrupted.output.logits, logits_before) and not corrupted.edits
+    with pytest.raises(SiteNotFoundError, match="count blocks from 0") as err:
+        clean["blocks.-1.mlp"]
+    assert "'blocks.1.mlp'" in err.value.remedy and "layers=[-1]" in err.value.remedy
+
+
+def _answer_batch(tiny_gpt2):
+    """A batch of two prompts (the IOI shape: one answer pair per prompt) and their corruptions."""
+    ids = tiny_gpt2.args[0]
+    clean_ids = torch.cat([ids, ids.flip(1)])
+    corrupt_ids = clean_ids.clone()
+    corrupt_ids[0, 2], corrupt_ids[1, 2] = 11, 12
+    return clean_ids, corrupt_ids
+
+
+def test_per_row_answers_equal_logits_differenced_by_hand(tiny_gpt2):
+    """``logit_diff(correct=[a0, a1], wrong=[b0, b1])``: row ``i`` reads its own pair, on a plain
+    output, through the declared reads, in activation patching (fast and plain metric) and in
+    attribution patching — each checked against logits read from a plain forward by hand."""
+    model = tiny_gpt2.model
+    clean_ids, corrupt_ids = _answer_batch(tiny_gpt2)
+    correct, wrong = [7, 30], [11, 12]
+    metric = tl.patching.logit_diff(correct=torch.tensor(correct), wrong=wrong)
+    p_metric = tl.patching.prob(torch.tensor(correct))
+
+    def by_hand(output):
+        logits = output.logits[:, -1]
+        return ((logits[0, 7] - logits[0, 11]) + (logits[1, 30] - logits[1, 12])) / 2
+
+    def p_by_hand(output):
+        probs = output.logits[:, -1].softmax(-1)
+        return (probs[0, 7] + probs[1, 30]) / 2
+
+    with torch.no_grad():
+        out = model(clean_ids)
+    assert abs(float(metric(out)) - float(by_hand(out))) < 1e-6
+    assert abs(float(p_metric(out)) - float(p_by_hand(out))) < 1e-6
+    for m, hand in ((metric, by_hand), (p_metric, p_by_hand)):  # the declared reads score the same
+        read = out.logits[:, -1] if m.reads.columns is None else out.logits[:, -1][:, list(m.reads.columns)]
+        assert abs(float(m.reads.score(read)) - float(hand(out))) < 1e-6
+
+    clean, corrupted = tl.trace(model, clean_ids), tl.trace(model, corrupt_ids)
+    assert _output_read(corrupted, metric) is not None  # the cells below read two logits per row, not the head
+    fast = tl.patching.activation_patching(clean, corrupted, metric, site="resid_pre")
+    plain = tl.patching.activation_patching(clean, corrupted, by_hand, site="resid_pre")
+    assert fast.values.shape == (2, 6) and torch.allclose(fast.values, plain.values, atol=ATOL)
+    with torch.no_grad():
+        assert abs(fast.clean - float(by_hand(model(clean_ids)))) < ATOL
+        assert abs(fast.corrupted - float(by_hand(model(corrupt_ids)))) < ATOL
+    for layer in range(2):
+        donor = _read(model, clean_ids, "resid_pre", layer)
+        for p in range(6):
+            want = float(by_hand(_patched(model, corrupt_ids, "resid_pre", layer, p, donor)))
+            assert abs(float(fast.values[layer, p]) - want) < ATOL, (layer, p)
+    probs = tl.patching.activation_patching(clean, corrupted, p_metric, site="mlp", positions=[2, -1])
+    donor = _read(model, clean_ids, "mlp", 1)
+    assert abs(float(probs.values[1, 1]) - float(p_by_hand(_patched(model, corrupt_ids, "mlp", 1, 5, donor)))) < ATOL
+
+    estimate = tl.patching.attribution_patching(clean, corrupted, metric, site="mlp")
+    for layer in range(2):
+        want = _hand_mlp_attribution(model, clean_ids, corrupt_ids, by_hand, layer)
+        assert torch.allclose(estimate.values[layer], want, atol=ATOL), layer
+
+
+def test_ambiguous_or_mismatched_answers_raise_named_errors(tiny_gpt2):
+    model = tiny_gpt2.model
+    clean_ids, corrupt_ids = _answer_batch(tiny_gpt2)
+    clean, corrupted = tl.trace(model, clean_ids), tl.trace(model, corrupt_ids)
+    logits_before = corrupted.output.logits.clone()
+    for correct, wrong in ((torch.tensor([[7, 30]]), 11), ([[7], [30]], [11, 12]), (torch.tensor([7.0, 30.0]), 11),
+                           ([7, 30], [11, 12, 13]), ([], 11), (True, 11), ([7, -1], 11)):
+        with pytest.raises(InvalidArgumentError):
+            tl.patching.logit_diff(correct, wrong)
+    with pytest.raises(InvalidArgumentError):
+        tl.patching.prob(torch.tensor([[7, 30]]))
+    before = hook_state(model)
+    three = tl.patching.logit_diff([7, 30, 2], [11, 12, 13])  # three answers, two rows
+    for metric in (three, tl.patching.prob([7, 30, 2]), tl.patching.logit_diff([7, 64], 11)):  # 64: past the vocab
+        with pytest.raises(InvalidArgumentError):
+            metric(clean.output)
+        for call in (tl.patching.activation_patching, tl.patching.attribution_patching):
+            with pytest.raises(InvalidArgumentError) as err:
+                call(clean, corrupted, metric)
+            assert err.value.remedy
+    with pytest.raises(InvalidArgumentError, match="lists 3 answer"):
+        tl.patching.activation_patching(clean, corrupted, three, site="heads")
+    assert_model_clean(model, before)
+    assert torch.equal(corrupted.output.logits, logits_before) and not corrupted.edits

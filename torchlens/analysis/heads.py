@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from ..arch.resolve import resolve_canonical
+from ..arch.resolve import resolve_canonical, view_or_none
+from ..core.indices import python_indices
 from ..core.records import Op
 from ..core.sites import Site
 from ..core.trace import Fork, Trace
@@ -45,12 +46,15 @@ class HeadPatch(Helper):
     ``what='pattern'`` sets its attention pattern and recomputes the head as ``pattern @ v``
     from the op's recorded v. On any other op (an eager softmax or matmul) the head's slice
     of that op is set. ``value``: None (zeros), a tensor broadcasting to the slice, or a
-    trace whose same op supplies it.
+    trace whose same op supplies it. ``positions``: the query positions (dim -2 of the slice)
+    set, the rest of the head left as it is (None: every position; negative ones count from
+    the end).
     """
 
     name = "patch_head"
 
-    def __init__(self, head: int, what: str = "output", value: Any = None) -> None:
+    def __init__(self, head: int, what: str = "output", value: Any = None,
+                 positions: list[int] | None = None) -> None:
         self.head = _check_head_index(head)
         self.what = _check_what(what)
         if value is not None and not isinstance(value, (torch.Tensor, Trace)):
@@ -58,9 +62,14 @@ class HeadPatch(Helper):
                 f"a head patch's value is None (zero-ablate), a tensor or a trace; got {type(value).__name__}"
             )
         self.value = value
+        self.positions = None if positions is None else [positions] if isinstance(positions, int) \
+            else list(positions)
 
     def params(self) -> dict[str, Any]:
-        return {"head": self.head, "what": self.what, "value": self.value}
+        found = {"head": self.head, "what": self.what, "value": self.value}
+        if self.positions is not None:  # recipes saved before positions existed stay equal
+            found["positions"] = self.positions
+        return found
 
     def __call__(self, activation: Any, *, ctx: Any) -> torch.Tensor:
         op = ctx.op
@@ -87,7 +96,12 @@ class HeadPatch(Helper):
         else:
             new = torch.zeros_like(slot) if value is None else value
         _check_broadcast(new, slot.shape, ctx.label, self.what)
-        slot.copy_(new)
+        if self.positions is None:
+            slot.copy_(new)
+        else:
+            rows = python_indices(self.positions, slot.size(-2), what="position",
+                                  axis=f"{ctx.label} has {slot.size(-2)} query positions")
+            slot[..., rows, :] = new.expand(slot.shape)[..., rows, :]
         return out
 
     def _value(self, ctx: Any) -> torch.Tensor | None:
@@ -102,14 +116,15 @@ class HeadPatch(Helper):
         return self.value
 
 
-def head_edit(head: int, source: Any = None, what: str = "output") -> HeadPatch:
+def head_edit(head: int, source: Any = None, what: str = "output", positions: list[int] | None = None) -> HeadPatch:
     """The edit ``patch_head`` applies, for ``tl.when`` (capture time) or ``fork.do``.
 
     Select the attention op itself: the ``scaled_dot_product_attention`` op of a fused model
     (for ``what='output'`` or ``'pattern'``), or on an eager model the op that holds the
-    tensor (the matmul for outputs, the softmax for patterns).
+    tensor (the matmul for outputs, the softmax for patterns). ``positions``: only these query
+    positions of the head (None: all).
     """
-    return HeadPatch(head, what, source)
+    return HeadPatch(head, what, source, positions)
 
 
 def _head_from_pattern(ctx: Any, op: Op, activation: torch.Tensor, head: int, pattern: Any) -> torch.Tensor:
@@ -182,7 +197,7 @@ def _donor_slice(facets: _Facets, what: str, head: int) -> torch.Tensor:
 
 def attention_at(trace: Trace, layer: Any) -> _Facets:
     """The attention of ``layer``: an int (``blocks.{layer}.attn`` through the adapter, else the
-    layer-th attention op of the trace), an op label / module address, or a Site.
+    layer-th attention op of the trace; ``-1`` is the last), an op label / module address, or a Site.
 
     Raises:
         SiteNotFoundError: no such layer, or no attention inside it.
@@ -192,17 +207,15 @@ def attention_at(trace: Trace, layer: Any) -> _Facets:
     elif isinstance(layer, str):
         site = trace[layer]
     elif isinstance(layer, int) and not isinstance(layer, bool):
+        view = view_or_none(trace.model)
+        if view is not None and view.n_layers:  # -1: the last block, as in every workflow's layers=
+            layer = view.layer_indices([layer])[0]
         site = _canonical_attention(trace, layer)
         if site is None:
             found = attention_facets(trace)
-            if not 0 <= layer < len(found):
-                raise SiteNotFoundError(
-                    f"layer {layer} does not exist: this trace has {len(found)} attention ops "
-                    f"({[f.label for f in found][:6]})",
-                    site=str(layer),
-                    remedy=f"Pick a layer between 0 and {len(found) - 1}, or pass an op label / module address.",
-                )
-            return found[layer]
+            labels = [f.label for f in found][:6]
+            return found[python_indices(layer, len(found), what="layer", error=SiteNotFoundError, site=str(layer),
+                                        axis=f"this trace has {len(found)} attention ops ({labels})")[0]]
     else:
         raise InvalidArgumentError(f"layer is an int, an op label, a module address or a Site; got "
                                    f"{type(layer).__name__}")
@@ -262,7 +275,7 @@ def _named_inputs(trace: Trace) -> Any:
 
 
 def patch_head(trace: Trace, layer: Any, head: int, source: Any = None, what: str = "output", *,
-               name: str | None = None, rerun: bool = False) -> Fork:
+               positions: list[int] | None = None, name: str | None = None, rerun: bool = False) -> Fork:
     """Ablate, patch or set one attention head, on a new fork of ``trace``.
 
     Args:
@@ -276,6 +289,8 @@ def patch_head(trace: Trace, layer: Any, head: int, source: Any = None, what: st
             head_dim]) or ``'pattern'`` (its attention weights, [batch, q, k]; on a fused
             model the head is recomputed as ``pattern @ v``). ``'scores'`` works on eager
             models only.
+        positions: only these query positions of the head are set (its output rows, or its
+            pattern rows); None: every position. Negative ones count from the end.
         name: the fork's name.
         rerun: re-execute the real forward with the edit applied during capture instead of
             replaying the recorded graph.
@@ -287,15 +302,16 @@ def patch_head(trace: Trace, layer: Any, head: int, source: Any = None, what: st
         FusedKernelError: the edit targets an intermediate of a fused kernel (scores).
         SiteNotFoundError / InvalidArgumentError / EditShapeError: bad layer, head or value.
     """
-    label, edit = head_patch_site(trace, layer, head, source, what)
-    fork = trace.fork(name or f"{trace.name}/patch_head[{layer}.{head}.{what}]")
+    label, edit = head_patch_site(trace, layer, head, source, what, positions=positions)
+    at = "" if positions is None else f"@{positions}"
+    fork = trace.fork(name or f"{trace.name}/patch_head[{layer}.{head}.{what}{at}]")
     if rerun:
         return fork.do(label, edit, model=trace.model, inputs=_named_inputs(trace))
     return fork.do(label, edit)
 
 
-def head_patch_site(trace: Trace, layer: Any, head: int, source: Any = None,
-                    what: str = "output") -> tuple[str, HeadPatch]:
+def head_patch_site(trace: Trace, layer: Any, head: int, source: Any = None, what: str = "output", *,
+                    positions: list[int] | None = None) -> tuple[str, HeadPatch]:
     """The op label :func:`patch_head` edits and the edit it applies there (every argument checked).
 
     Raises:
@@ -317,10 +333,14 @@ def head_patch_site(trace: Trace, layer: Any, head: int, source: Any = None,
     else:
         raise InvalidArgumentError(
             f"source= is None (zero-ablate), a trace or a tensor; got {type(source).__name__}")
-    if value is not None:
-        ref = getattr(facets, _FACET_OF[what])
-        _check_broadcast(value, ref.select(-3, head).shape, facets.label, what)
-    return label, HeadPatch(head, what, value)
+    if value is not None or positions is not None:
+        ref = getattr(facets, _FACET_OF[what]).select(-3, head)
+        if value is not None:
+            _check_broadcast(value, ref.shape, facets.label, what)
+        if positions is not None:
+            positions = python_indices(positions, ref.size(-2), what="position",
+                                       axis=f"{facets.label} has {ref.size(-2)} query positions")
+    return label, HeadPatch(head, what, value, positions)
 
 
 class HeadsPlugin:

@@ -22,14 +22,16 @@ import torch
 from .._progress import track
 from ..api import trace as capture
 from ..arch.resolve import arch
+from ..core.indices import python_indices
 from ..core.steps import REPLAY, Step
 from ..core.trace import Trace
 from ..core.tree import first_tensor, flatten, unflatten
 from ..edit.edits import when
 from ..edit.reads import OutputRead, replay_reads
-from ..errors import GuardChangedError, InvalidArgumentError, SiteNotFoundError
+from ..errors import GuardChangedError, InvalidArgumentError
 from . import plots
 from .heads import head_patch_site
+from .patching_metrics import MetricReads, logit_diff, logits_of, metric_position, prob, score
 
 __all__ = [
     "KINDS", "MetricReads", "PatchingResult", "activation_patching", "causal_trace", "logit_diff", "prob",
@@ -44,7 +46,8 @@ KINDS = ("resid_pre", "resid_mid", "resid_post", "attn", "mlp", "heads")
 
 @dataclass
 class PatchingResult:
-    """A labelled result tensor: ``values[i, j]`` for ``labels[dims[0]][i]``, ``labels[dims[1]][j]``.
+    """A labelled result tensor: ``values[i, j, ...]`` for ``labels[dims[0]][i]``, ``labels[dims[1]][j]`` ...
+    (one axis per dim; three for heads at each position: ``("layer", "head", "position")``).
 
     ``clean`` and ``corrupted`` are the metric on the unpatched runs, so
     ``normalized()`` gives the share of the clean–corrupted gap a patch restores.
@@ -91,80 +94,7 @@ class PatchingResult:
         return f"<PatchingResult {self.metric} over {' × '.join(self.dims)} {tuple(self.values.shape)}>"
 
 
-# -- metrics ---------------------------------------------------------------------------------
-
-
-def _logits(output: Any) -> torch.Tensor:
-    logits = getattr(output, "logits", None)
-    if isinstance(logits, torch.Tensor):
-        return logits
-    t = first_tensor(output)
-    if t is None:
-        raise InvalidArgumentError("the model output holds no tensor to read logits from",
-                                   remedy="Pass metric= a function of the model output.")
-    return t
-
-
-@dataclass(frozen=True)
-class MetricReads:
-    """What a metric reads of the logits, so patching computes only that: the row at
-    ``position`` and the vocabulary ``columns`` (None: all); ``score(t)`` is the metric's value
-    from ``t = logits[:, position][:, columns]``. :func:`logit_diff` and :func:`prob` declare it
-    as ``metric.reads``; a metric without it gets the whole output of every cell."""
-
-    position: int
-    columns: tuple[int, ...] | None
-    score: Callable[[torch.Tensor], torch.Tensor]
-
-
-def logit_diff(correct: int, wrong: int, *, position: int = -1) -> Callable[[Any], torch.Tensor]:
-    """A metric: ``logits[:, position, correct] - logits[:, position, wrong]``, averaged over the batch.
-
-    Args:
-        correct: the token id that should win.
-        wrong: the token id it competes with.
-        position: the sequence position read.
-
-    Returns:
-        ``metric(model_output) -> scalar tensor``, declaring what it reads (``metric.reads``, a
-        :class:`MetricReads`): patching then computes two logits per cell, not the whole LM head.
-    """
-    def metric(output: Any) -> torch.Tensor:
-        logits = _logits(output)[:, position]
-        return (logits[:, correct] - logits[:, wrong]).mean()
-
-    metric.__name__ = f"logit_diff({correct}, {wrong})"
-    metric.reads = MetricReads(position, (correct, wrong), lambda t: (t[:, 0] - t[:, 1]).mean())
-    return metric
-
-
-def prob(token: int, *, position: int = -1) -> Callable[[Any], torch.Tensor]:
-    """A metric: the softmax probability of ``token`` at ``position``, averaged over the batch.
-
-    Args:
-        token: the token id.
-        position: the sequence position read.
-
-    Returns:
-        ``metric(model_output) -> scalar tensor``, declaring what it reads (``metric.reads``):
-        patching then computes one row of the LM head per cell.
-    """
-    def metric(output: Any) -> torch.Tensor:
-        return _logits(output)[:, position].float().softmax(-1)[:, token].mean()
-
-    metric.__name__ = f"prob({token})"
-    metric.reads = MetricReads(position, None, lambda t: t.float().softmax(-1)[:, token].mean())
-    return metric
-
-
-def _score(metric: Callable[[Any], Any], output: Any) -> float:
-    value = metric(output)
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise InvalidArgumentError(f"the metric returned a tensor of shape {tuple(value.shape)}, not a scalar",
-                                       remedy="Reduce it to one number (e.g. .mean()).")
-        return float(value)
-    return float(value)
+# -- scoring cells ---------------------------------------------------------------------------
 
 
 class _Cells:
@@ -191,17 +121,17 @@ class _Cells:
     def _score_together(self, cells: list[tuple[str, str, Any]]) -> list[float]:
         if self.read is None:
             forks = self.trace.forks([(site, edit) for _, site, edit in cells], names=[c[0] for c in cells])
-            return [_score(self.metric, f.output) for f in forks]
+            return [score(self.metric, f.output) for f in forks]
         steps = [Step(self._bound(site), edit, REPLAY) for _, site, edit in cells]
         got = replay_reads([self.trace.fork(name) for name, _, _ in cells], steps, self.read)
         scores = []
         for (name, site, edit), value in zip(cells, got):
             if isinstance(value, GuardChangedError):  # fork.do re-executes the real forward (and warns)
-                scores.append(_score(self.metric, self.trace.fork(name).do(site, edit).output))
+                scores.append(score(self.metric, self.trace.fork(name).do(site, edit).output))
             elif isinstance(value, BaseException):
                 raise value
             else:
-                scores.append(_score(self.metric.reads.score, value))
+                scores.append(score(self.metric.reads.score, value))
         return scores
 
     def _bound(self, site: str) -> Any:
@@ -215,12 +145,12 @@ def _output_read(trace: Trace, metric: Callable[[Any], Any]) -> OutputRead | Non
     reads = getattr(metric, "reads", None)
     if not isinstance(reads, MetricReads) or not trace.has_op_graph:
         return None
-    logits = _logits(trace.output)
+    logits = logits_of(trace.output)
     if logits.dim() != 3:
         return None
     for ref in trace.output_refs:
         if ref is not None and ref.elem is None and trace.value(ref.index) is logits:
-            return OutputRead(ref.index, 1, reads.position % logits.shape[1], reads.columns)
+            return OutputRead(ref.index, 1, metric_position(reads.position, logits.shape[1]), reads.columns)
     return None
 
 
@@ -249,7 +179,7 @@ def restore_rows(donor: Any, positions: Sequence[int] | int | None, *, axis: int
         if index is None:
             out.copy_(source)
         else:
-            idx = torch.tensor(index, device=out.device)
+            idx = torch.tensor(_positions(index, out.shape[axis]), device=out.device)
             out.index_copy_(axis, idx, source.index_select(axis, idx))
         leaves[k] = out
         return unflatten(leaves, spec)
@@ -279,19 +209,15 @@ def _model_of(*traces: Trace) -> Any:
 
 
 def _layers(model: Any, kind: str, layers: Sequence[int] | None) -> list[int]:
-    view = arch(model)
-    if kind == "heads":
-        names = view.names("attn")
-    else:
-        names = view.names(kind)
-    have = [int(n.split(".")[1]) for n in names]
-    if layers is None:
-        return have
-    missing = [i for i in layers if i not in have]
-    if missing:
-        raise SiteNotFoundError(f"blocks {missing} have no {kind} site (this model has {view.n_layers} blocks)",
-                                site=kind, remedy=f"Pick layers among {have}.")
-    return list(layers)
+    """The blocks a workflow covers (``ArchView.layer_indices``: ``-1`` is the last block)."""
+    return arch(model).layer_indices(layers, "attn" if kind == "heads" else kind)
+
+
+def _positions(positions: Sequence[int] | int | None, seq: int) -> list[int]:
+    """Sequence positions, ``-1`` the last; outside the prompt refused, never wrapped."""
+    if positions is None:
+        return list(range(seq))
+    return python_indices(positions, seq, what="position", axis=f"the prompt has {seq} positions")
 
 
 def _check_pair(clean: Trace, corrupted: Trace) -> None:
@@ -307,7 +233,7 @@ def activation_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any]
                         site: str = "resid_pre", layers: Sequence[int] | None = None,
                         positions: Sequence[int] | None = None, progress: bool | None = None,
                         batch_size: int = DEFAULT_BATCH) -> PatchingResult:
-    """Patch each (layer, position) — or each (layer, head) — from the clean run into the corrupted one.
+    """Patch each (layer, position) — or each (layer, head [, position]) — from the clean run into the corrupted one.
 
     Each cell is a fork of ``corrupted`` with one clean value restored and replayed on the
     rows it reaches; ``values[cell]`` is ``metric`` of that fork's output.
@@ -318,20 +244,26 @@ def activation_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any]
         metric: ``metric(model_output) -> scalar`` (e.g. :func:`logit_diff`, :func:`prob`).
         model: the model, when ``clean``/``corrupted`` are inputs.
         site: one of ``resid_pre``, ``resid_mid``, ``resid_post``, ``attn``, ``mlp`` (a layer ×
-            position grid) or ``heads`` (a layer × head grid; each head's output at every position).
-        layers: which blocks (default: all).
-        positions: which positions (default: all).
+            position grid) or ``heads``: a layer × head grid (each head's output at every
+            position), or with ``positions=`` a layer × head × position grid (one head's output
+            at one position: its slice of the output projection's input, that row).
+        layers: which blocks (default: all); negative ones count from the end (``-1``: the last).
+        positions: which positions (default: all; for ``heads``, every position at once);
+            negative ones count from the end.
         progress: show a progress bar (None: when stderr is a terminal).
         batch_size: how many cells replay together (``Trace.forks``: one read of each weight per
             batch instead of per cell). Each cell of a batch holds its recomputed rows until the
             batch is scored — at most one trace's values per cell — so this bounds the memory.
 
     Returns:
-        a :class:`PatchingResult` with dims ``("layer", "position")`` or ``("layer", "head")``.
+        a :class:`PatchingResult` with dims ``("layer", "position")``, ``("layer", "head")`` or
+        (heads with ``positions=``) ``("layer", "head", "position")``, ``values`` of that shape,
+        ``labels`` giving each axis' block indices, heads and positions (non-negative).
 
     Raises:
-        InvalidArgumentError: unknown ``site``, traces without a model, inputs of different lengths.
-        SiteNotFoundError: a layer without that site.
+        InvalidArgumentError: unknown ``site``, traces without a model, inputs of different
+            lengths, a position outside the prompt.
+        SiteNotFoundError: a layer out of range or without that site.
     """
     if site not in KINDS:
         raise InvalidArgumentError(f"site= is one of {KINDS}, got {site!r}")
@@ -342,32 +274,49 @@ def activation_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any]
     corrupted.ensure_graph()  # once here, not once per fork
     rows = _layers(model, site, layers)
     name = getattr(metric, "__name__", "metric")
-    base_clean, base_corrupted = _score(metric, clean.output), _score(metric, corrupted.output)
-    if site == "heads":
-        n_heads = arch(model).n_heads
-        values = torch.empty(len(rows), n_heads)
-        # head by head: one head's patches at every layer change the same part of their values
-        cells = [(i, layer, h) for h in range(n_heads) for i, layer in enumerate(rows)]
-        scorer = _Cells(corrupted, metric, batch_size)
-        todo = ((f"{corrupted.name}/patch_head[{layer}.{h}.output]", *head_patch_site(corrupted, layer, h, clean))
-                for _, layer, h in track(cells, desc="patching heads", unit="cell", progress=progress))
-        for (i, _, h), score in zip(cells, scorer.score_all(todo)):
-            values[i, h] = score
-        return PatchingResult(values, ("layer", "head"), {"layer": rows, "head": list(range(n_heads))}, name,
-                              base_clean, base_corrupted)
-    seq = _seq_len(corrupted)
-    cols = list(range(seq)) if positions is None else [p % seq for p in positions]
+    base_clean, base_corrupted = score(metric, clean.output), score(metric, corrupted.output)
+    scorer = _Cells(corrupted, metric, batch_size)
+    if site == "heads":  # without positions=, each head at every position (no sequence length needed)
+        at = None if positions is None else _positions(positions, _seq_len(corrupted))
+        values, dims, labels = _head_grid(clean, corrupted, scorer, rows, arch(model).n_heads, at, progress)
+        return PatchingResult(values, dims, labels, name, base_clean, base_corrupted)
+    cols = _positions(positions, _seq_len(corrupted))
     values = torch.empty(len(rows), len(cols))
     # position by position: the cells of one position change the same rows, and replay in one pass
     cells = [(i, layer, j, p) for j, p in enumerate(cols) for i, layer in enumerate(rows)]
     donors = {layer: clean[f"blocks.{layer}.{site}"].out for layer in rows}
-    scorer = _Cells(corrupted, metric, batch_size)
     todo = ((f"{corrupted.name}/patch[{layer}.{site}@{p}]", f"blocks.{layer}.{site}", restore_rows(donors[layer], p))
             for _, layer, _, p in track(cells, desc=f"patching {site}", unit="cell", progress=progress))
-    for (i, _, j, _), score in zip(cells, scorer.score_all(todo)):
-        values[i, j] = score
+    for (i, _, j, _), got in zip(cells, scorer.score_all(todo)):
+        values[i, j] = got
     return PatchingResult(values, ("layer", "position"), {"layer": rows, "position": cols}, name, base_clean,
                           base_corrupted)
+
+
+def _head_grid(clean: Trace, corrupted: Trace, scorer: _Cells, rows: list[int], n_heads: int,
+               positions: list[int] | None, progress: bool | None,
+               ) -> tuple[torch.Tensor, tuple[str, ...], dict[str, list[int]]]:
+    """The layer × head grid (each head's output at every position), or the layer × head ×
+    position grid when ``positions`` are given (one head's output at one position): values,
+    dims and labels."""
+    heads = list(range(n_heads))
+    at = [None] if positions is None else positions
+    values = torch.empty(len(rows), n_heads, len(at))
+    # position by position, head by head: one head's patches at every layer change the same part of their values
+    cells = [(i, layer, h, j, p) for j, p in enumerate(at) for h in heads for i, layer in enumerate(rows)]
+
+    def cell(layer: int, h: int, p: int | None) -> tuple[str, str, Any]:
+        label, edit = head_patch_site(corrupted, layer, h, clean, positions=None if p is None else [p])
+        edit.may_change_nothing = True  # restoring a head (row) where both runs agree is a legitimate no-op
+        return f"{corrupted.name}/patch_head[{layer}.{h}.output{'' if p is None else f'@{p}'}]", label, edit
+
+    todo = (cell(layer, h, p) for _, layer, h, _, p in track(cells, desc="patching heads", unit="cell",
+                                                             progress=progress))
+    for (i, _, h, j, _), got in zip(cells, scorer.score_all(todo)):
+        values[i, h, j] = got
+    if positions is None:
+        return values[..., 0], ("layer", "head"), {"layer": rows, "head": heads}
+    return values, ("layer", "head", "position"), {"layer": rows, "head": heads, "position": positions}
 
 
 def _check_batch(batch_size: Any) -> None:
@@ -414,13 +363,13 @@ def causal_trace(model: Any, ids: torch.Tensor, subject: Sequence[int], *, answe
     Args:
         model: a causal language model with an architecture adapter.
         ids: token ids ``[1, positions]``.
-        subject: the positions of the subject tokens.
+        subject: the positions of the subject tokens (negative ones count from the end).
         answer: the token whose probability is traced (default: the clean run's top token).
         kinds: which sites to restore: ``resid_post`` (block outputs), ``attn``, ``mlp``.
         noise: the noise scale (default: 3 × the standard deviation of the token embeddings, as in ROME).
         samples: how many noised runs to average.
         seed: the seed of the noise.
-        layers: which blocks (default: all).
+        layers: which blocks (default: all); negative ones count from the end.
         progress: show a progress bar.
         batch_size: how many cells of one noised run replay together (as in :func:`activation_patching`).
 
@@ -429,23 +378,25 @@ def causal_trace(model: Any, ids: torch.Tensor, subject: Sequence[int], *, answe
         probability and ``corrupted`` the noised one (``notes["answer"]`` the traced token).
 
     Raises:
-        InvalidArgumentError: bad ``ids``, ``subject`` or ``kinds``.
+        InvalidArgumentError: bad ``ids``, ``subject`` (a position outside the prompt) or ``kinds``.
+        SiteNotFoundError: a layer out of range.
     """
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1:
         raise InvalidArgumentError("causal_trace takes token ids of shape [1, positions]")
     seq = ids.shape[1]
-    subject = [int(p) % seq for p in subject]
+    subject = _positions(subject, seq)
     if not subject:
         raise InvalidArgumentError("subject= lists at least one position")
     _check_batch(batch_size)
     bad = [k for k in kinds if k not in KINDS or k == "heads"]
     if bad:
         raise InvalidArgumentError(f"kinds {bad} are not among {KINDS[:-1]}")
+    rows_of = {kind: _layers(model, kind, layers) for kind in kinds}  # checked before any capture
     view = arch(model)
     embed = view.module("embed")
     clean = capture(model, ids)
     if answer is None:
-        answer = int(_logits(clean.output)[0, -1].argmax())
+        answer = int(logits_of(clean.output)[0, -1].argmax())
     if noise is None:
         noise = 3 * float(embed.weight.detach().std())
     draws = torch.randn(samples, len(subject), view.d_model, generator=torch.Generator().manual_seed(seed))
@@ -461,12 +412,12 @@ def causal_trace(model: Any, ids: torch.Tensor, subject: Sequence[int], *, answe
         noised.append(capture(model, ids, intervene=when("embed", noisy)))
         noised[-1].ensure_graph()
     metric = prob(answer)
-    base_clean = _score(metric, clean.output)
-    base_noised = sum(_score(metric, t.output) for t in noised) / samples
+    base_clean = score(metric, clean.output)
+    base_noised = sum(score(metric, t.output) for t in noised) / samples
     scorers = [_Cells(t, metric, batch_size) for t in noised]
     results = {}
     for kind in kinds:
-        rows = _layers(model, kind, layers)
+        rows = rows_of[kind]
         donors = {layer: clean[f"blocks.{layer}.{kind}"].out for layer in rows}
         values = torch.zeros(len(rows), seq)
         cells = [(i, layer, p) for p in range(seq) for i, layer in enumerate(rows)]  # one position at a time (one pass)
@@ -475,8 +426,8 @@ def causal_trace(model: Any, ids: torch.Tensor, subject: Sequence[int], *, answe
             for scorer in scorers:
                 todo = [(f"{scorer.trace.name}/restore[{layer}.{kind}@{p}]", f"blocks.{layer}.{kind}",
                          restore_rows(donors[layer], p)) for _, layer, p in chunk]
-                for k, score in enumerate(scorer.score_all(todo)):
-                    totals[k] += score
+                for k, got in enumerate(scorer.score_all(todo)):
+                    totals[k] += got
             for (i, _, p), total in zip(chunk, totals):
                 values[i, p] = total / samples
         results[kind] = PatchingResult(values, ("layer", "position"), {"layer": rows, "position": list(range(seq))},

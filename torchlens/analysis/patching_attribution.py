@@ -22,7 +22,8 @@ from ..arch.resolve import arch
 from ..core.tree import first_tensor, flatten, unflatten
 from ..errors import InvalidArgumentError
 from .heads import attention_at
-from .patching import PatchingResult, _as_trace, _check_pair, _layers, _model_of, _score
+from .patching import PatchingResult, _as_trace, _check_pair, _layers, _model_of
+from .patching_metrics import score
 
 __all__ = ["ATTRIBUTION_KINDS", "attribution_patching"]
 
@@ -42,7 +43,7 @@ def attribution_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any
         site: ``resid_pre``, ``resid_post``, ``attn`` or ``mlp`` (a layer × position grid),
             or ``heads`` (a layer × head grid: each head's output at every position, read
             from a ``grad=True`` trace of the corrupted run through the attention facets).
-        layers: which blocks (default: all).
+        layers: which blocks (default: all); negative ones count from the end (``-1``: the last).
 
     Returns:
         a :class:`~torchlens.analysis.patching.PatchingResult` over ``("layer", "position")``
@@ -51,6 +52,7 @@ def attribution_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any
 
     Raises:
         InvalidArgumentError: an unsupported ``site``, a metric that is not a differentiable scalar.
+        SiteNotFoundError: a layer out of range.
     """
     if site not in ATTRIBUTION_KINDS:
         raise InvalidArgumentError(f"attribution patching supports site= {ATTRIBUTION_KINDS}, got {site!r}",
@@ -101,7 +103,7 @@ def attribution_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any
             continue
         delta = donor.detach() - seen[i].detach()
         values[i] = (delta * g).sum(-1).sum(0).detach().float()
-    base_clean, base_corrupted = _score(metric, clean.output), float(value.detach())
+    base_clean, base_corrupted = score(metric, clean.output), float(value.detach())
     return PatchingResult(values + base_corrupted, ("layer", "position"), {"layer": rows, "position": list(range(seq))},
                           getattr(metric, "__name__", "metric"), base_clean, base_corrupted,
                           {"estimate": "first-order (attribution patching)"})
@@ -129,7 +131,7 @@ def _heads(clean: Any, corrupted: Any, metric: Callable[[Any], Any], model: Any,
             continue
         donor = clean[attention_at(clean, layer).target("output")].out  # [batch, heads, positions, head_dim]
         values[i] = ((donor - out.detach()) * g).transpose(0, -3).flatten(1).sum(1).detach().float()
-    base_clean, base_corrupted = _score(metric, clean.output), float(value.detach())
+    base_clean, base_corrupted = score(metric, clean.output), float(value.detach())
     return PatchingResult(values + base_corrupted, ("layer", "head"), {"layer": rows, "head": list(range(n_heads))},
                           getattr(metric, "__name__", "metric"), base_clean, base_corrupted,
                           {"estimate": "first-order (attribution patching)"})

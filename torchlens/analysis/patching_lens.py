@@ -107,7 +107,7 @@ def logit_lens(trace: Any, inputs: Any = None, *, layers: Sequence[int] | None =
     Args:
         trace: a trace (``tl.trace(model, ids)``), or a model with ``inputs``.
         inputs: the model's input ids when ``trace`` is a model.
-        layers: which blocks (default: all).
+        layers: which blocks (default: all); negative ones count from the end (``-1``: the last).
         norm: True finds the final norm from the trace (:func:`find_final_norm`); a module
             address names it; False applies none.
         tokenizer: decodes token ids in ``top_tokens`` and plots.
@@ -117,7 +117,7 @@ def logit_lens(trace: Any, inputs: Any = None, *, layers: Sequence[int] | None =
 
     Raises:
         InvalidArgumentError: a model without inputs, or a bad ``norm``.
-        SiteNotFoundError: no unembedding, or a missing block.
+        SiteNotFoundError: no unembedding, or a layer out of range.
     """
     if not isinstance(trace, Trace):
         if inputs is None:
@@ -126,7 +126,7 @@ def logit_lens(trace: Any, inputs: Any = None, *, layers: Sequence[int] | None =
         trace = _as_trace(trace, inputs, "inputs")
     model = _model_of(trace)
     view = arch(model)
-    rows = list(range(view.n_layers)) if layers is None else list(layers)
+    rows = view.layer_indices(layers)
     if norm is True:
         norm = find_final_norm(trace)
     elif norm is False:

@@ -21,12 +21,14 @@ from ..errors import PluginError, SiteNotFoundError, TorchLensError, Unsupported
 from ..plugins import adapter_with_owner, generation, report_failure
 from .views import ADAPTER_REMEDY, ArchView, is_canonical
 
-__all__ = ["arch", "arch_view", "bind", "canonical_selector", "real_address", "resolve_canonical"]
+__all__ = ["arch", "arch_view", "bind", "canonical_selector", "real_address", "resolve_canonical", "view_or_none"]
 
 # model -> (plugin generation, structure token, ArchView): canonical names are resolved on every
 # lookup that misses a real address, and building a view walks the model.
 _views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # How op labels look (``linear_3``, ``scaled_dot_product_attention_1``, ``input_0``, ``input_ids``).
+# A canonical name with a negative block index (``blocks.-1.mlp``): refused, saying what it would mean.
+_NEGATIVE_BLOCK = re.compile(r"^blocks\.(-\d+)(?=\.|$)")
 _OP_LABEL = re.compile(r"^(?:[A-Za-z0-9_]+_\d+|input_.+)$")
 
 
@@ -68,10 +70,39 @@ def canonical_selector(model: Any, path: str) -> Selector | None:
         SiteNotFoundError: the name is canonical but this model has no such site (a block
         index out of range, GPT-NeoX's parallel residual has no ``resid_mid`` ...).
     """
-    if model is None or not is_canonical(split_pass(path)[0]):
+    if model is None:
+        return None
+    base = split_pass(path)[0]
+    if not is_canonical(base):
+        if _NEGATIVE_BLOCK.match(base):
+            _refuse_negative_block(model, base, path)
         return None
     view = _cached_view(model)
     return None if view is None else view.selector(path)
+
+
+def _refuse_negative_block(model: Any, base: str, path: str) -> None:
+    """A canonical name is an address (``blocks.11.mlp``); ``-1`` counts from the end only in
+    ``layers=`` arguments (``ArchView.layer_indices``), so a name saying ``blocks.-1`` is refused
+    with what it would have meant."""
+    view = _cached_view(model)
+    if view is None or not view.n_layers:
+        return
+    found = _NEGATIVE_BLOCK.match(base)
+    index, rest = int(found.group(1)), base[found.end():]
+    meant = f"blocks.{view.n_layers + index}" if -view.n_layers <= index < 0 else None
+    raise SiteNotFoundError(
+        f"{base!r}: canonical names count blocks from 0 (blocks.0 .. blocks.{view.n_layers - 1}, this model has "
+        f"{view.n_layers}); negative indices count from the end only in layers= arguments",
+        site=path,
+        remedy=(f"Name {meant + rest!r}, or pass layers=[{index}] to the workflow." if meant else
+                f"Pick a block between 0 and {view.n_layers - 1}."),
+    )
+
+
+def view_or_none(model: Any) -> ArchView | None:
+    """The serving adapter's view of ``model``, or None (no model, or no adapter serves it)."""
+    return None if model is None else _cached_view(model)
 
 
 def resolve_canonical(model: Any, path: str) -> str | None:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..core.indices import python_indices
 from ..core.names import nearest
 from ..core.records import ModuleCall, Op
 from ..core.selectors import ModuleOutput, Selector, split_pass
@@ -368,6 +369,35 @@ class ArchView:
         suffix = "" if kind == "block" else f".{kind}"
         return [f"blocks.{i}{suffix}" for i in range(self.n_layers)
                 if not isinstance(self.targets.get(f"blocks.{i}{suffix}"), str)]
+
+    def layer_indices(self, layers: Iterable[int] | int | None = None, kind: str | None = None) -> list[int]:
+        """Block indices as every workflow reads them: Python's meaning (``-1`` is the last block).
+
+        The one owner of what a ``layers=`` argument means (patching grids, causal tracing,
+        attribution, logit lens, head patching by index).
+
+        Args:
+            layers: block indices, negative ones counting from the end; None: every block
+                (that has ``kind``).
+            kind: a canonical site kind (``"mlp"``, ``"attn"`` ...) the blocks must have.
+
+        Returns:
+            non-negative block indices, in the order given.
+
+        Raises:
+            SiteNotFoundError: an index outside ``-n_layers .. n_layers-1``, or a block without ``kind``.
+            InvalidArgumentError: an index that is not an int.
+        """
+        have = [int(n.split(".")[1]) for n in self.names(kind or "block")]
+        if layers is None:
+            return have
+        rows = python_indices(layers, self.n_layers, what="layer", error=SiteNotFoundError, site="layers",
+                              axis=f"this {self.adapter} model has {self.n_layers} blocks")
+        missing = [i for i in rows if i not in have]
+        if missing:
+            raise SiteNotFoundError(f"blocks {missing} have no {kind} site (this model has {self.n_layers} blocks)",
+                                    site=kind, remedy=f"Pick layers among {have}.")
+        return rows
 
     def selector(self, name: str) -> Selector:
         """The selector a canonical name (optionally ``name:pass``) stands for in this model.
