@@ -19,6 +19,7 @@ import torch
 
 import torchlens as tl
 
+from .analysis.display import selected_ops
 from .demo import TinyLM
 from .errors import InvalidArgumentError, TorchLensError
 
@@ -142,18 +143,22 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             print(f"  {i}. {step.site.describe()}: {step.edit!r}")
         return EXIT_OK
     trace = tl.load_trace(args.path)
-    model = (trace.fingerprint or {}).get("class", "unknown model")
-    kind = "fork" if getattr(trace, "parent", None) is not None else "trace"
-    print(f"{kind} {trace.name!r} of {model}: {len(trace.ops)} ops, {len(trace.calls)} module calls, "
-          f"outputs {', '.join(trace.output_layers) or '-'}")
-    for e in trace.edits:
-        print(f"  edit at {e.label}: {e.n_changed} elements changed ({e.how})")
-    print()
-    print(trace.summary())
-    print()
     limit = None if args.all else args.limit
-    print(trace.table(args.select, limit))
-    shown = len(trace.find_sites(args.select)) if args.select else len(trace.ops)
+    # The table first: a selector that matches nothing raises (nearest names in its message) before
+    # anything is printed, and a selection prints only its own ops, not the whole trace's summary.
+    table = trace.table(args.select, limit)
+    if args.select is None:
+        model = (trace.fingerprint or {}).get("class", "unknown model")
+        kind = "fork" if getattr(trace, "parent", None) is not None else "trace"
+        print(f"{kind} {trace.name!r} of {model}: {len(trace.ops)} ops, {len(trace.calls)} module calls, "
+              f"outputs {', '.join(trace.output_layers) or '-'}")
+        for e in trace.edits:
+            print(f"  edit at {e.label}: {e.n_changed} elements changed ({e.how})")
+        print()
+        print(trace.summary())
+        print()
+    print(table)
+    shown = len(selected_ops(trace, args.select)) if args.select else len(trace.ops)
     if limit is not None and shown > limit:
         print(f"... {shown - limit} more op(s); pass --all to list every op")
     return EXIT_OK
