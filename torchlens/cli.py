@@ -226,7 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("inspect", "summarise a saved trace or .tlspec recipe",
                 "Print a saved trace's summary (per module: ops, parameters, output shape, memory) and its op "
-                "table, or a saved recipe's steps.")
+                "table, or a saved recipe's steps. With --select, print only the selected ops; a name that does "
+                "not exist prints the nearest names (exit code 3).")
     p.add_argument("path", help="a directory written by trace.save(path) or trace.save_intervention(path)")
     p.add_argument("--select", metavar="SELECTOR", default=None,
                    help="list only the ops of this op label or module address (e.g. transformer.h.0)")
