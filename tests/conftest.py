@@ -260,14 +260,32 @@ def _seeded(builder: Callable[[], nn.Module], seed: int = 0) -> nn.Module:
     return builder().eval()
 
 
+def tiny_gpt2_config(n_layer: int = 2) -> Any:
+    """The tiny GPT-2's config (width 32, 2 heads, 64 tokens), with ``n_layer`` blocks."""
+    import transformers
+
+    return transformers.GPT2Config(n_layer=n_layer, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+
+
 @pytest.fixture(scope="session")
 def tiny_gpt2() -> Case:
     import transformers
 
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    config = tiny_gpt2_config()
     model = _seeded(lambda: transformers.GPT2LMHeadModel(config))
     ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
     return Case("tiny_gpt2", model, (ids,), block="transformer.h.0", inputs_for_do=ids)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2_12() -> Case:
+    """The tiny GPT-2 with 12 blocks, as many as GPT-2 small (every op of it: a very tall graph)."""
+    import transformers
+
+    config = tiny_gpt2_config(12)
+    model = _seeded(lambda: transformers.GPT2LMHeadModel(config))
+    ids = torch.tensor([[1, 2, 3]])
+    return Case("tiny_gpt2_12", model, (ids,), block="transformer.h.11", inputs_for_do=ids)
 
 
 @pytest.fixture(scope="session")

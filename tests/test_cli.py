@@ -148,3 +148,21 @@ def test_errors_print_message_and_remedy_not_a_traceback(capsys, saved):
 def test_demo_runs(capsys):
     code, out, _ = run(capsys, "demo")
     assert code == 0 and "validate: OK" in out and "replayed fork == real forward with the edit: True" in out
+
+
+def test_inspect_select_prints_only_the_selection_or_the_nearest_names(capsys, saved, tiny_gpt2, tmp_path):
+    path, trace = saved
+    code, out, err = run(capsys, "inspect", path / "a", "--select", "fc1")
+    fc1_ops = [op.label for op in trace.ops if op.module == "fc1"]
+    listed = [line.split()[0] for line in out.splitlines()[2:]]
+    assert code == 0 and listed == fc1_ops and "memory held" not in out and "SmallMLP" not in out
+    code, out, err = run(capsys, "inspect", path / "a", "--select", "fc9")
+    assert code == 3 and out == "" and "nearest" in err and "'fc1'" in err and "'fc2'" in err
+    # a module selection counts its ops, not its one site, when the listing is cut
+    gpt = tl.trace(tiny_gpt2.model, *tiny_gpt2.args)
+    gpt.save(tmp_path / "g")
+    block_ops = [op.label for op in gpt.ops if (op.module or "").startswith(("transformer.h.0.", "transformer.h.0:"))
+                 or op.module == "transformer.h.0"]
+    code, out, _ = run(capsys, "inspect", tmp_path / "g", "--select", "transformer.h.0", "--limit", "2")
+    assert code == 0 and f"... {len(block_ops) - 2} more op(s)" in out
+    assert [line.split()[0] for line in out.splitlines()[2:4]] == block_ops[:2]

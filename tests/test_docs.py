@@ -200,6 +200,40 @@ def test_fence_headers_are_valid() -> None:
         assert "RESULT" in fence.code, f"{fence.id} never sets RESULT"
 
 
+# -- what the pages say TorchLens has ------------------------------------------------------------
+
+
+def _table_rows(text: str) -> list[list[str]]:
+    return [[cell.strip() for cell in line.strip().strip("|").split(" | ")]
+            for line in text.splitlines() if line.startswith("| ") and not line.startswith("| ---")]
+
+
+def test_api_page_documents_patching_and_the_logit_lens() -> None:
+    api = (DOCS / "api.md").read_text(encoding="utf-8")
+    import torchlens as tl
+
+    for name in tl.patching.__all__:
+        if name not in ("KINDS", "logit_lens"):
+            assert f"::: torchlens.patching.{name}\n" in api, f"tl.patching.{name} is missing from docs/api.md"
+    assert "::: torchlens.logit_lens\n" in api
+
+
+def test_transformerlens_page_maps_the_patching_grids_and_accumulated_resid() -> None:
+    import torchlens as tl
+
+    page = (DOCS / "coming-from-transformerlens.md").read_text(encoding="utf-8")
+    rows = {row[0]: row[1] for row in _table_rows(page) if len(row) == 3}
+    ours = {first: second for first, second in rows.items() if "get_act_patch" in first or "accumulated_resid" in first}
+    assert any("get_act_patch_resid_pre" in k for k in ours) and any("accumulated_resid" in k for k in ours)
+    for theirs, mapped in ours.items():
+        assert mapped != "No equivalent", f"{theirs} has an equivalent: {mapped}"
+    for name in re.findall(r"tl\.patching\.(\w+)", page):  # every name the page uses exists
+        assert hasattr(tl.patching, name), f"the TransformerLens page names tl.patching.{name}, which does not exist"
+    lacks = page.split("## What TransformerLens does that TorchLens does not", 1)[1].split("\n## ", 1)[0]
+    assert "accumulated_resid" not in lacks and "the patching grids" not in lacks
+    assert "get_act_patch_resid_pre" not in lacks  # the grids TorchLens has are not listed as missing
+
+
 # -- the seed examples are on the migration pages, verbatim ---------------------------------
 
 SEEDS = ROOT.parent / "shared" / "acceptance" / "seed_fences"
@@ -299,5 +333,7 @@ def test_built_api_page_documents_the_entry_points(built_site) -> None:
         pytest.skip("the site did not build; test_mkdocs_build_strict says why")
     html = (site / "api" / "index.html").read_text(encoding="utf-8")
     for name in ("torchlens.trace", "torchlens.extract", "torchlens.Trace", "torchlens.Fork",
-                 "torchlens.when", "torchlens.validate"):
+                 "torchlens.when", "torchlens.validate", "torchlens.patching.activation_patching",
+                 "torchlens.patching.causal_trace", "torchlens.patching.attribution_patching",
+                 "torchlens.patching.PatchingResult", "torchlens.logit_lens"):
         assert f'id="{name}"' in html, f"{name} is missing from the API reference"

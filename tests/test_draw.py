@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import shutil
 import struct
+import warnings
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -19,7 +20,7 @@ from conftest import SmallMLP
 import torchlens as tl
 from torchlens.analysis.draw import AUTO_MAX_NODES
 from torchlens.demo import TinyLM
-from torchlens.errors import EmptySelectionError, GraphvizNotFoundError, InvalidArgumentError
+from torchlens.errors import DrawingScaledDown, EmptySelectionError, GraphvizNotFoundError, InvalidArgumentError
 
 NODE = re.compile(r'^\s*"((?:[^"\\]|\\.)*)" \[(.*)\];$')
 EDGE = re.compile(r'^\s*"((?:[^"\\]|\\.)*)" -> "((?:[^"\\]|\\.)*)";$')
@@ -225,6 +226,23 @@ def test_renders_well_formed_svg_and_png(lm12, tmp_path):
     width, height = struct.unpack(">II", data[16:24])
     assert width > 200 and height > 200 and len(data) > 10_000
     assert drawing._repr_svg_().lstrip().startswith(("<?xml", "<svg", "<!--"))
+
+
+@needs_dot
+def test_a_png_graphviz_scales_down_warns_and_names_svg_or_depth(tiny_gpt2_12, tmp_path, capfd):
+    trace = tl.trace(tiny_gpt2_12.model, *tiny_gpt2_12.args)
+    with pytest.warns(DrawingScaledDown) as caught:
+        trace.draw(tmp_path / "all.png", depth=None)  # every op of 12 blocks: taller than a bitmap may be
+    (warning,) = caught
+    message = str(warning.message)
+    assert "SVG" in message and "depth=" in message and warning.filename == __file__
+    width, height = struct.unpack(">II", (tmp_path / "all.png").read_bytes()[16:24])
+    assert max(width, height) <= 32767  # what Graphviz shrank it to, as the warning says
+    assert "too large" not in capfd.readouterr().err  # said once, as the warning, not also by dot
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DrawingScaledDown)
+        trace.draw(tmp_path / "all.svg", depth=None)  # vector formats are not scaled
+        trace.draw(tmp_path / "blocks.png", depth=1)
 
 
 def test_draw_leaves_the_trace_unchanged(small_mlp, mlp_input):

@@ -7,6 +7,7 @@ nbytes computed by hand, and values the figures must show computed directly with
 from __future__ import annotations
 
 import io
+import os
 import sys
 from html.parser import HTMLParser
 
@@ -15,7 +16,7 @@ import torch
 
 import torchlens as tl
 from torchlens import _progress
-from torchlens.analysis.summary import memory_held
+from torchlens.analysis.summary import memory_held, package_path
 from torchlens.errors import InvalidArgumentError, OptionalDependencyError
 
 
@@ -126,13 +127,47 @@ def test_to_pandas_one_row_per_op(small_mlp, mlp_input):
     trace = tl.trace(small_mlp, mlp_input)
     df = trace.to_pandas()
     assert isinstance(df, pd.DataFrame)
-    assert list(df.columns) == ["label", "func", "module", "pass", "shape", "dtype", "source", "parents"]
+    assert list(df.columns) == ["label", "func", "module", "pass", "shape", "dtype", "source", "source_path",
+                                "parents"]
     assert list(df["label"]) == ["input_0", "linear_1", "relu_1", "linear_2"]
     shapes = hooked_shapes(small_mlp, mlp_input)
     assert df.set_index("label").loc["linear_2", "shape"] == shapes["fc2"]
     assert df.set_index("label").loc["linear_2", "parents"] == ["relu_1"]
     assert df.set_index("label").loc["relu_1", "module"] == "act"
     assert set(df["dtype"]) == {"float32"}
+
+
+def test_to_pandas_pass_is_an_integer_and_source_reads_from_the_package(tiny_gpt2):
+    pd = pytest.importorskip("pandas", reason="pandas is the optional [pandas] extra")
+    import transformers
+    from transformers.models.gpt2 import modeling_gpt2
+
+    trace = tl.trace(tiny_gpt2.model, *tiny_gpt2.args)
+    df = trace.to_pandas()
+    assert df["pass"].dtype == pd.Int64Dtype()  # the input row has no pass: nullable integers
+    inputs = [op.index for op in trace.ops if op.is_input]
+    assert df["pass"].isna().tolist() == [op.index in inputs for op in trace.ops]
+    assert df["pass"].dropna().tolist() == [op.module_pass for op in trace.ops if not op.is_input]
+    site_packages = os.path.dirname(os.path.dirname(transformers.__file__))
+    attn = [op for op in trace.ops if op.module == "transformer.h.0.attn"]
+    paths = [op.source.rpartition(":")[0] for op in attn]
+    want = [os.path.relpath(p, site_packages).replace(os.sep, "/") + ":" + op.source.rpartition(":")[2]
+            for p, op in zip(paths, attn)]
+    block_ops = df[df["module"] == "transformer.h.0.attn"]
+    assert block_ops["source_path"].tolist() == paths and block_ops["source"].tolist() == want
+    assert modeling_gpt2.__file__ in paths and all(w.startswith("transformers/") for w in want)
+    assert not any(s.startswith("/") for s in df["source"])
+
+
+def test_package_path_starts_at_the_top_package(tmp_path):
+    for folder in ("pkg", "pkg/sub"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "__init__.py").write_text("")
+    module, script = tmp_path / "pkg" / "sub" / "mod.py", tmp_path / "tools" / "run.py"
+    assert package_path(str(module), roots=[]) == "pkg/sub/mod.py"  # outside every import folder
+    assert package_path(str(module), roots=[str(tmp_path / "pkg" / "sub")]) == "pkg/sub/mod.py"  # a folder in it
+    assert package_path(str(script), roots=[str(tmp_path)]) == "tools/run.py"
+    assert package_path("<string>", roots=[]) == "<string>"
 
 
 def test_to_pandas_without_pandas_raises_the_typed_error(monkeypatch, small_mlp, mlp_input):

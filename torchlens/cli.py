@@ -20,6 +20,7 @@ import torch
 
 import torchlens as tl
 
+from .analysis.display import selected_ops
 from .demo import TinyLM
 from .errors import FunctionsNotResolved, InvalidArgumentError, TorchLensError
 
@@ -145,18 +146,22 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             print(f"  {i}. {step.site.describe()}: {step.edit!r}")
         return EXIT_OK
     trace = tl.load_trace(args.path)
-    model = (trace.fingerprint or {}).get("class", "unknown model")
-    kind = "fork" if getattr(trace, "parent", None) is not None else "trace"
-    print(f"{kind} {trace.name!r} of {model}: {len(trace.ops)} ops, {len(trace.calls)} module calls, "
-          f"outputs {', '.join(trace.output_layers) or '-'}")
-    for e in trace.edits:
-        print(f"  edit at {e.label}: {e.n_changed} elements changed ({e.how})")
-    print()
-    print(trace.summary())
-    print()
     limit = None if args.all else args.limit
-    print(trace.table(args.select, limit))
-    shown = len(trace.find_sites(args.select)) if args.select else len(trace.ops)
+    # The table first: a selector that matches nothing raises (nearest names in its message) before
+    # anything is printed, and a selection prints only its own ops, not the whole trace's summary.
+    table = trace.table(args.select, limit)
+    if args.select is None:
+        model = (trace.fingerprint or {}).get("class", "unknown model")
+        kind = "fork" if getattr(trace, "parent", None) is not None else "trace"
+        print(f"{kind} {trace.name!r} of {model}: {len(trace.ops)} ops, {len(trace.calls)} module calls, "
+              f"outputs {', '.join(trace.output_layers) or '-'}")
+        for e in trace.edits:
+            print(f"  edit at {e.label}: {e.n_changed} elements changed ({e.how})")
+        print()
+        print(trace.summary())
+        print()
+    print(table)
+    shown = len(selected_ops(trace, args.select)) if args.select else len(trace.ops)
     if limit is not None and shown > limit:
         print(f"... {shown - limit} more op(s); pass --all to list every op")
     return EXIT_OK
@@ -233,7 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("inspect", "summarise a saved trace or .tlspec recipe",
                 "Print a saved trace's summary (per module: ops, parameters, output shape, memory) and its op "
-                "table, or a saved recipe's steps.")
+                "table, or a saved recipe's steps. With --select, print only the selected ops; a name that does "
+                "not exist prints the nearest names (exit code 3).")
     p.add_argument("path", help="a directory written by trace.save(path) or trace.save_intervention(path)")
     p.add_argument("--select", metavar="SELECTOR", default=None,
                    help="list only the ops of this op label or module address (e.g. transformer.h.0)")

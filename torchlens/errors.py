@@ -11,7 +11,7 @@ from typing import Any
 
 __all__ = [
     "AmbiguousSiteError", "CaptureError", "CaptureMemoryError", "DatasetError", "DatasetFormatError",
-    "DatasetRowError", "EditError",
+    "DatasetRowError", "DrawingScaledDown", "EditError",
     "EditHadNoEffect", "EditHadNoEffectError", "EditNotAppliedError", "EditShapeError", "EmptySelectionError",
     "FacetReadOnlyError", "FingerprintMismatchError", "FormatVersionError", "FunctionsNotResolved", "FusedKernelError",
     "GraphvizNotFoundError", "GuardChangedError", "InvalidArgumentError", "JobMismatchError",
@@ -272,6 +272,13 @@ class GraphvizNotFoundError(OptionalDependencyError):
 
     remedy = ("Install Graphviz: apt-get install graphviz (Debian/Ubuntu), brew install graphviz (macOS) or "
               "conda install graphviz; or render trace.to_dot() with any Graphviz viewer.")
+
+
+class DrawingScaledDown(UserWarning):
+    """Warning: Graphviz shrank a bitmap picture (PNG) to fit its size limit, so its labels may be unreadable."""
+
+    remedy = ("Write an SVG or PDF, which are not scaled (trace.draw('graph.svg')), or draw fewer nodes: a "
+              "smaller depth= (depth='auto' keeps the picture readable) or focus= on one region.")
 
 
 # -- activation datasets (tl.cache_activations / tl.map_dataset) -------------------------

@@ -19,7 +19,12 @@ module call ``"module:<address>:<pass>"`` (rolled: ``"module:<address>"``), the 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import re
+import sys
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +32,8 @@ from typing import Any
 
 from ..core.records import EDIT, INPUT, ModuleCall, Op
 from ..core.trace import Fork, Trace
-from ..errors import GraphvizNotFoundError, InvalidArgumentError, OptionalDependencyError
+from ..edit.edits import _caller_stacklevel
+from ..errors import DrawingScaledDown, GraphvizNotFoundError, InvalidArgumentError, OptionalDependencyError
 from .summary import call_tree, encloses
 
 __all__ = ["AUTO_MAX_NODES", "Drawing", "draw", "render", "to_dot"]
@@ -453,6 +459,9 @@ def render(dot: str, fmt: str = "svg") -> bytes:
         OptionalDependencyError: the ``graphviz`` Python package is not installed.
         GraphvizNotFoundError: Graphviz's ``dot`` program is not installed.
         InvalidArgumentError: an unknown format.
+
+    Warns:
+        DrawingScaledDown: Graphviz shrank a bitmap (PNG) to fit its size limit.
     """
     if fmt not in FORMATS or fmt == "dot":
         raise InvalidArgumentError(f"cannot render format {fmt!r}; use one of svg, png, pdf")
@@ -462,11 +471,35 @@ def render(dot: str, fmt: str = "svg") -> bytes:
         raise OptionalDependencyError("drawing needs the graphviz Python package, which is not installed",
                                       remedy="pip install 'torchlens[viz]' (or pip install graphviz); "
                                              "trace.to_dot() works without it.") from exc
-    try:
-        return graphviz.Source(dot).pipe(format=fmt)
-    except graphviz.ExecutableNotFound as exc:
-        raise GraphvizNotFoundError("Graphviz's 'dot' program was not found on PATH, so the graph cannot be laid "
-                                    "out (trace.to_dot() still returns the DOT source)") from exc
+    # graphviz hands dot's stderr to sys.stderr: catch it to turn a silent shrink into a warning
+    with contextlib.redirect_stderr(io.StringIO()) as said:
+        try:
+            data = graphviz.Source(dot).pipe(format=fmt)
+        except graphviz.ExecutableNotFound as exc:
+            raise GraphvizNotFoundError("Graphviz's 'dot' program was not found on PATH, so the graph cannot be "
+                                        "laid out (trace.to_dot() still returns the DOT source)") from exc
+    _report_graphviz(said.getvalue(), fmt)
+    return data
+
+
+# dot's message when a bitmap would pass its size limit (32767 px a side for cairo):
+# "dot: graph is too large for cairo-renderer bitmaps. Scaling by 0.704621 to fit"
+_SCALED = re.compile(r"too (?:large|big)\b.*?scaling by ([0-9.]+)", re.IGNORECASE)
+
+
+def _report_graphviz(text: str, fmt: str) -> None:
+    """Warn ``DrawingScaledDown`` for a shrunk bitmap; pass any other Graphviz message on to stderr."""
+    rest = []
+    for line in text.splitlines(keepends=True):
+        scaled = _SCALED.search(line)
+        if scaled is None:
+            rest.append(line)
+            continue
+        warnings.warn(f"Graphviz scaled this {fmt.upper()} picture down by {scaled.group(1)} to fit its bitmap size "
+                      f"limit, so its labels may be unreadable. {DrawingScaledDown.remedy}",
+                      DrawingScaledDown, stacklevel=_caller_stacklevel())
+    if rest:
+        sys.stderr.write("".join(rest))
 
 
 class Drawing:

@@ -72,23 +72,31 @@ class PatchingResult:
                                        remedy="Read .values, or pick prompts whose metric differs.")
         return (self.values - self.corrupted) / (self.clean - self.corrupted)
 
-    def plot(self, *, title: str = "", normalized: bool = False) -> Any:
+    def plot(self, *, title: str = "", normalized: bool | None = None, tokens: Sequence[str] | None = None,
+             tokenizer: Any = None) -> Any:
         """A heatmap of the result (rows: the first dim, columns: the second).
+
+        By default the share of the clean–corrupted gap each patch restores (:meth:`normalized`),
+        when both baselines are known and differ; see :func:`torchlens.analysis.plots.patching_grid`.
 
         Args:
             title: the figure title.
-            normalized: plot :meth:`normalized` instead of the raw metric.
+            normalized: True: plot :meth:`normalized`; False: the raw metric values; None (default):
+                normalised when both baselines are known and differ.
+            tokens: the prompt's token strings, one per position: they label the position axis.
+            tokenizer: decodes the prompt's token ids the workflow kept (``notes["ids"]``, the
+                clean run's) into the position labels, one ``tokenizer.decode([id])`` per position.
 
         Returns:
             the matplotlib Figure.
 
         Raises:
+            InvalidArgumentError: ``normalized=True`` without two different baselines; ``tokens`` or
+                ``tokenizer`` on a result without a position axis, too few tokens, or a tokenizer
+                without kept ids.
             OptionalDependencyError: matplotlib is not installed.
         """
-        values = self.normalized() if normalized else self.values
-        rows, cols = self.dims[0], self.dims[1]
-        return plots.heatmap(values, rows=self.labels[rows], cols=self.labels[cols], row_title=rows,
-                             col_title=cols, title=title, label=self.metric)
+        return plots.patching_grid(self, title=title, normalized=normalized, tokens=tokens, tokenizer=tokenizer)
 
     def __repr__(self) -> str:
         return f"<PatchingResult {self.metric} over {' × '.join(self.dims)} {tuple(self.values.shape)}>"
@@ -290,7 +298,7 @@ def activation_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any]
     for (i, _, j, _), got in zip(cells, scorer.score_all(todo)):
         values[i, j] = got
     return PatchingResult(values, ("layer", "position"), {"layer": rows, "position": cols}, name, base_clean,
-                          base_corrupted)
+                          base_corrupted, {"ids": _prompt_ids(clean)})
 
 
 def _head_grid(clean: Trace, corrupted: Trace, scorer: _Cells, rows: list[int], n_heads: int,
@@ -334,6 +342,14 @@ def _chunks(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
             chunk = []
     if chunk:
         yield chunk
+
+
+def _prompt_ids(trace: Trace) -> list[int] | None:
+    """The first prompt's token ids (kept in a result's ``notes["ids"]`` to label its positions)."""
+    ids = first_tensor(trace.args or tuple(trace.kwargs.values()))
+    if ids is None or ids.dim() != 2 or ids.dtype.is_floating_point:
+        return None
+    return [int(i) for i in ids[0]]
 
 
 def _seq_len(trace: Trace) -> int:
@@ -432,5 +448,6 @@ def causal_trace(model: Any, ids: torch.Tensor, subject: Sequence[int], *, answe
                 values[i, p] = total / samples
         results[kind] = PatchingResult(values, ("layer", "position"), {"layer": rows, "position": list(range(seq))},
                                        f"p({answer})", base_clean, base_noised,
-                                       {"answer": answer, "noise": noise, "subject": subject})
+                                       {"answer": answer, "noise": noise, "subject": subject,
+                                        "ids": [int(i) for i in ids[0]]})
     return results

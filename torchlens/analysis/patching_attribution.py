@@ -22,7 +22,7 @@ from ..arch.resolve import arch
 from ..core.tree import first_tensor, flatten, unflatten
 from ..errors import InvalidArgumentError
 from .heads import attention_at
-from .patching import PatchingResult, _as_trace, _check_pair, _layers, _model_of
+from .patching import PatchingResult, _as_trace, _check_pair, _layers, _model_of, _prompt_ids
 from .patching_metrics import score
 
 __all__ = ["ATTRIBUTION_KINDS", "attribution_patching"]
@@ -106,7 +106,7 @@ def attribution_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any
     base_clean, base_corrupted = score(metric, clean.output), float(value.detach())
     return PatchingResult(values + base_corrupted, ("layer", "position"), {"layer": rows, "position": list(range(seq))},
                           getattr(metric, "__name__", "metric"), base_clean, base_corrupted,
-                          {"estimate": "first-order (attribution patching)"})
+                          {"estimate": "first-order (attribution patching)", "ids": _prompt_ids(clean)})
 
 
 def _heads(clean: Any, corrupted: Any, metric: Callable[[Any], Any], model: Any, rows: list[int],

@@ -5,9 +5,11 @@ shows it). matplotlib is an optional dependency (``pip install 'torchlens[viz]'`
 
 - :func:`attention_patterns`: one layer's heads as a grid of (query × key) patterns, from an
   attention facet (``tl.mechinterp.attention_at(trace, layer)``) or a tensor.
-- :func:`heatmap`: any (layer × position) or (layer × head) tensor of results, with a colour bar
-  centred at zero (patching effects, logit differences).
+- :func:`heatmap`: any (layer × position) or (layer × head) tensor of results, on a diverging
+  colour scale centred at zero or at a given baseline (patching effects, logit differences).
 - :func:`logit_lens`: (layer × position) of the top token per cell, coloured by its probability.
+- :func:`patching_grid`: a patching result (``PatchingResult.plot``), as the share of the
+  clean–corrupted gap each patch restores, token strings on the position axis.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 
 from ..errors import InvalidArgumentError, OptionalDependencyError
 
-__all__ = ["attention_patterns", "heatmap", "logit_lens"]
+__all__ = ["attention_patterns", "heatmap", "logit_lens", "patching_grid"]
 
 
 def _pyplot() -> Any:
@@ -120,8 +122,8 @@ def _ticks(ax: Any, rows: list[str] | None, cols: list[str] | None) -> None:
 
 def heatmap(values: Any, *, rows: Sequence[Any] | None = None, cols: Sequence[Any] | None = None,
             row_title: str = "layer", col_title: str = "position", title: str = "", label: str = "",
-            cmap: str = "RdBu_r") -> Any:
-    """A heatmap of a 2-D result (layer × position, layer × head ...) with a colour bar centred at zero.
+            cmap: str = "RdBu_r", center: float = 0.0, bound: float | None = None) -> Any:
+    """A heatmap of a 2-D result (layer × position, layer × head ...) on a diverging scale around ``center``.
 
     Args:
         values: a 2-D tensor (or nested list) of numbers.
@@ -132,6 +134,8 @@ def heatmap(values: Any, *, rows: Sequence[Any] | None = None, cols: Sequence[An
         title: the figure title.
         label: the colour bar's label (what the numbers are).
         cmap: a diverging matplotlib colour map.
+        center: the value drawn white (0; a patching result's corrupted baseline ...).
+        bound: the scale spans ``center ± bound`` (default: the largest distance from ``center``).
 
     Returns:
         the matplotlib Figure.
@@ -143,12 +147,13 @@ def heatmap(values: Any, *, rows: Sequence[Any] | None = None, cols: Sequence[An
     m = _as_matrix(values, "values", 2)
     row_labels = _labels(rows, m.shape[0], "row") or [str(i) for i in range(m.shape[0])]
     col_labels = _labels(cols, m.shape[1], "column") or [str(i) for i in range(m.shape[1])]
-    finite = m[torch.isfinite(m)]
-    bound = float(finite.abs().max()) if finite.numel() else 1.0
-    bound = bound or 1.0  # an all-zero result still gets a valid scale
+    if bound is None:
+        finite = m[torch.isfinite(m)]
+        bound = float((finite - center).abs().max()) if finite.numel() else 1.0
+    bound = bound or 1.0  # a constant result still gets a valid scale
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(2.8 + 0.5 * m.shape[1], 1.4 + 0.4 * m.shape[0]))
-    image = ax.imshow(m.numpy(), cmap=cmap, vmin=-bound, vmax=bound, aspect="auto")
+    image = ax.imshow(m.numpy(), cmap=cmap, vmin=center - bound, vmax=center + bound, aspect="auto")
     ax.set_xticks(range(len(col_labels)), col_labels, rotation=90 if cols is not None else 0, fontsize=8)
     ax.set_yticks(range(len(row_labels)), row_labels, fontsize=8)
     ax.set_xlabel(col_title)
@@ -208,3 +213,70 @@ def logit_lens(logits: Any, *, vocab: Sequence[str] | None = None, tokens: Seque
     fig.colorbar(image, ax=ax, label="top-token probability")
     fig.tight_layout()
     return fig
+
+
+def patching_grid(result: Any, *, title: str = "", normalized: bool | None = None,
+                  tokens: Sequence[str] | None = None, tokenizer: Any = None) -> Any:
+    """A patching result as a heatmap (rows: its first dim, columns: its second); ``PatchingResult.plot``.
+
+    By default, when both baselines are known and differ, each cell is the share of the
+    clean–corrupted gap its patch restores (``result.normalized()``: 0 changes nothing, 1
+    restores the clean metric) on a fixed −1..1 scale (wider if a cell overshoots); otherwise
+    the raw metric, centred at the corrupted run's metric when known (white: no change).
+
+    Args:
+        result: a :class:`~torchlens.analysis.patching.PatchingResult`.
+        title: the figure title.
+        normalized: True: the normalised share; False: the raw metric values; None (default):
+            normalised when both baselines are known and differ.
+        tokens: the prompt's token strings, one per position: they label the position axis.
+        tokenizer: decodes the prompt's token ids the workflow kept (``result.notes["ids"]``, the
+            clean run's) into the position labels, one ``tokenizer.decode([id])`` per position.
+
+    Returns:
+        the matplotlib Figure.
+
+    Raises:
+        InvalidArgumentError: ``normalized=True`` without two different baselines; ``tokens`` or
+            ``tokenizer`` on a result without a position axis, too few tokens, or a tokenizer
+            without kept ids.
+        OptionalDependencyError: matplotlib is not installed.
+    """
+    if normalized is None:
+        normalized = result.clean is not None and result.corrupted is not None and result.clean != result.corrupted
+    rows, cols = result.dims[0], result.dims[1]
+    col_labels = _position_tokens(result, tokens, tokenizer) if cols == "position" else None
+    if col_labels is None and (tokens is not None or tokenizer is not None):
+        raise InvalidArgumentError(f"tokens label a position axis; this result is over {' × '.join(result.dims)}",
+                                   remedy="Drop tokens=/tokenizer= for a layer × head result.")
+    common = {"rows": result.labels[rows], "cols": col_labels or result.labels[cols], "row_title": rows,
+              "col_title": cols, "title": title}
+    if normalized:
+        share = _as_matrix(result.normalized(), "the normalised result", 2)
+        finite = share[torch.isfinite(share)]
+        bound = max(1.0, float(finite.abs().max())) if finite.numel() else 1.0
+        label = f"share of the clean–corrupted gap restored ({result.metric})"
+        return heatmap(share, **common, bound=bound, label=label)
+    center = result.corrupted if result.corrupted is not None else 0.0
+    return heatmap(result.values, **common, center=center, label=result.metric)
+
+
+def _position_tokens(result: Any, tokens: Sequence[str] | None, tokenizer: Any) -> list[str] | None:
+    """The token string of each column's position, from ``tokens`` or the result's kept ids decoded."""
+    if tokens is None and tokenizer is not None:
+        ids = result.notes.get("ids")
+        if ids is None:
+            raise InvalidArgumentError("this result kept no prompt token ids to decode",
+                                       remedy="Pass tokens= (the prompt's token strings) instead.")
+        if not callable(getattr(tokenizer, "decode", None)):
+            raise InvalidArgumentError(f"tokenizer= needs a decode method, got {type(tokenizer).__name__}",
+                                       remedy="Pass a Hugging Face tokenizer, or tokens= as strings.")
+        tokens = [tokenizer.decode([int(i)]) for i in ids]
+    if tokens is None:
+        return None
+    tokens = [str(t) for t in tokens]
+    positions = result.labels["position"]
+    if positions and max(positions) >= len(tokens):
+        raise InvalidArgumentError(f"{len(tokens)} token(s) for a result over positions up to {max(positions)}",
+                                   remedy="Pass one token string per prompt position.")
+    return [tokens[p] for p in positions]

@@ -3,12 +3,16 @@
 ``summary()`` lists every module call with its ops, parameters, output shape and the memory
 its recorded activations hold: text in a terminal (``print``), HTML in a notebook.
 ``to_pandas()`` gives one row per op (label, function, module, pass, shape, dtype, source
-line, parents) for filtering and joining with pandas (an optional extra).
+line, parents) for filtering and joining with pandas (an optional extra); its source lines
+read from the model's package on (``transformers/models/gpt2/modeling_gpt2.py:123``), the
+full path in ``source_path``.
 """
 
 from __future__ import annotations
 
 import html
+import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,8 +22,8 @@ from ..core.records import INPUT, ModuleCall, Op
 from ..core.tree import tensor_leaves
 from ..errors import OptionalDependencyError
 
-__all__ = ["ModuleRow", "Summary", "call_tree", "encloses", "format_bytes", "memory_held", "op_records", "summary",
-           "to_pandas"]
+__all__ = ["ModuleRow", "Summary", "call_tree", "encloses", "format_bytes", "memory_held", "op_records",
+           "package_path", "summary", "to_pandas"]
 
 
 def format_bytes(n: int) -> str:
@@ -213,27 +217,87 @@ def summary(trace: Any) -> Summary:
     return Summary(title, rows, len(trace.ops), memory_held(trace))
 
 
+def _import_roots() -> list[str]:
+    """The folders Python imports from (``sys.path``, '' as the working folder), longest first."""
+    roots: set[str] = set()
+    for entry in sys.path:
+        if isinstance(entry, str):
+            folder = os.path.abspath(entry or os.curdir)
+            roots.update((folder, os.path.realpath(folder)))
+    return sorted(roots, key=len, reverse=True)
+
+
+def package_path(path: str, roots: list[str] | None = None) -> str:
+    """A source file's path from its top-level package on, with "/" separators.
+
+    ``.../site-packages/transformers/models/gpt2/modeling_gpt2.py`` becomes
+    ``transformers/models/gpt2/modeling_gpt2.py``: the path below the deepest import folder
+    (``sys.path`` entry) holding it, widened to the whole package when that folder is itself
+    inside a package; a file outside every import folder keeps its package folders (those with
+    an ``__init__.py``). A path that is not absolute (``<string>``) is returned as it is.
+
+    Args:
+        path: an absolute file path.
+        roots: the import folders, longest first (default: from ``sys.path``).
+    """
+    if not os.path.isabs(path):
+        return path
+    path = os.path.normpath(path)
+    head = os.path.dirname(path)
+    for candidate in dict.fromkeys((path, os.path.realpath(path))):
+        root = next((r for r in (roots if roots is not None else _import_roots())
+                     if candidate.startswith(r.rstrip(os.sep) + os.sep)), None)
+        if root is not None:
+            path, head = candidate, root
+            break
+    while os.path.isfile(os.path.join(head, "__init__.py")):  # inside a package: climb to its top
+        parent = os.path.dirname(head)
+        if parent == head:
+            break
+        head = parent
+    return os.path.relpath(path, head).replace(os.sep, "/")
+
+
 def op_records(trace: Any) -> list[dict[str, Any]]:
-    """One plain dict per op: label, func, module, pass, shape, dtype, source, parents."""
+    """One plain dict per op: label, func, module, pass, shape, dtype, source, source_path, parents.
+
+    ``source`` is ``file:line`` with the file from its package on (:func:`package_path`),
+    ``source_path`` the recorded full path; ``pass`` is None for the inputs.
+    """
     if trace.has_op_graph:
         trace.ensure_graph()
     ops = trace.ops
+    roots = _import_roots()
+    short: dict[str, str] = {}
     records = []
     for op in ops:
         parents = [] if op.parent_refs is None else list(dict.fromkeys(ops[r.index].label for r in op.parent_refs))
         dtype = op.dtype
+        path, colon, line = (op.source or "").rpartition(":")
+        if not colon or not line.isdigit():
+            path, line = op.source or "", ""
+        if path not in short:
+            short[path] = package_path(path, roots) if path else path
         records.append({
             "label": op.label, "func": op.func_name,
             "module": None if op.flags & INPUT else op.module,
             "pass": None if op.flags & INPUT else op.module_pass,
             "shape": op.shape, "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
-            "source": op.source, "parents": parents,
+            "source": f"{short[path]}:{line}" if line else short[path], "source_path": path or None,
+            "parents": parents,
         })
     return records
 
 
+_COLUMNS = ("label", "func", "module", "pass", "shape", "dtype", "source", "source_path", "parents")
+
+
 def to_pandas(trace: Any) -> Any:
-    """One row per op: label, func, module, pass, shape, dtype, source, parents.
+    """One row per op: label, func, module, pass, shape, dtype, source, source_path, parents.
+
+    ``pass`` is an integer column (pandas' nullable ``Int64`` when an input row has none);
+    ``source`` is ``file:line`` from the model's package on
+    (``transformers/models/gpt2/modeling_gpt2.py:123``), ``source_path`` the file's full path.
 
     Args:
         trace: a Trace or Fork.
@@ -249,5 +313,8 @@ def to_pandas(trace: Any) -> Any:
     except ImportError as exc:
         raise OptionalDependencyError("to_pandas() needs pandas, which is not installed",
                                       remedy="pip install 'torchlens[pandas]' (or pip install pandas).") from exc
-    return pd.DataFrame(op_records(trace), columns=["label", "func", "module", "pass", "shape", "dtype", "source",
-                                                    "parents"])
+    records = op_records(trace)
+    frame = pd.DataFrame(records, columns=list(_COLUMNS))
+    passes = [r["pass"] for r in records]
+    frame["pass"] = pd.array(passes, dtype="Int64" if None in passes else "int64")
+    return frame
