@@ -12,7 +12,15 @@ import pathlib
 import pytest
 import torch
 import transformers
-from conftest import assert_equal_tree, assert_model_clean, edited_forward, hook_reads, hook_state, scale_row_edit, scale_row_hook
+from conftest import (
+    assert_equal_tree,
+    assert_model_clean,
+    edited_forward,
+    hook_reads,
+    hook_state,
+    scale_row_edit,
+    scale_row_hook,
+)
 
 import torchlens as tl
 from torchlens.core.text import token_position
