@@ -31,6 +31,7 @@ from torchlens.errors import (
     TokenizerRequiredError,
     TokenNotFoundError,
 )
+from torchlens.patching import activation_patching, logit_diff
 
 WORDS = ["<|endoftext|>", "The", "Ġcity", "Ġof", "ĠParis", "Ġis", "Ġin", "ĠFrance", "Ġthe", "Ġcapital", "Ġa",
          "Ġcat", "Ġsat", "Ġon", "Ġmat", "Hello", "Ġworld"]
@@ -239,3 +240,22 @@ def test_datasets_tokenize_text_as_trace_does(tiny_gpt2, gpt_tok, tmp_path):
     block = traced["transformer.h.0"].out
     block = block[0] if isinstance(block, tuple) else block
     torch.testing.assert_close(ds.tensor("transformer.h.0"), block[real], atol=1e-5, rtol=0)
+
+
+# -- patching takes text through the model's tokenizer -----------------------------------------
+
+
+def test_activation_patching_takes_text_through_the_models_tokenizer(tiny_gpt2, gpt_tok):
+    model = tiny_gpt2.model
+    corrupted = "The city of France is in Paris"
+    metric = logit_diff(4, 7)
+    model.tokenizer = gpt_tok
+    try:
+        clean = tl.trace(model, PROMPT)
+        at = clean.position(" Paris")  # how a token string becomes a position (see docs, "Text in")
+        got = activation_patching(PROMPT, corrupted, metric, model=model, positions=[at, -1])
+    finally:
+        del model.tokenizer
+    ids = [tl.trace(model, torch.tensor([ids_of(gpt_tok, t)])) for t in (PROMPT, corrupted)]
+    want = activation_patching(*ids, metric, positions=[3, -1])
+    assert torch.equal(got.values, want.values) and got.values.shape == (2, 2)
