@@ -28,6 +28,7 @@ from torchlens.errors import (
     AmbiguousTokenError,
     InvalidArgumentError,
     PaddingNotSupportedError,
+    TextError,
     TokenizerRequiredError,
     TokenNotFoundError,
 )
@@ -204,6 +205,13 @@ def test_text_without_a_tokenizer_raises_and_leaves_the_model_clean(tiny_gpt2):
             call()
         assert "tokenizer=" in err.value.remedy and "model.tokenizer" in err.value.remedy
         assert_model_clean(model, before)
+
+
+def test_an_empty_string_raises_and_leaves_the_model_clean(tiny_gpt2, gpt_tok):
+    before = hook_state(tiny_gpt2.model)
+    with pytest.raises(TextError, match="string 1 \\(''\\) has no tokens"):
+        tl.trace(tiny_gpt2.model, [PROMPT, ""], tokenizer=gpt_tok)
+    assert_model_clean(tiny_gpt2.model, before)
 
 
 def test_tokens_of_a_trace_without_a_tokenizer_raise(tiny_gpt2):

@@ -27,7 +27,13 @@ from typing import Any
 
 import torch
 
-from ..errors import AmbiguousTokenError, PaddingNotSupportedError, TokenizerRequiredError, TokenNotFoundError
+from ..errors import (
+    AmbiguousTokenError,
+    PaddingNotSupportedError,
+    TextError,
+    TokenizerRequiredError,
+    TokenNotFoundError,
+)
 
 __all__ = [
     "HOW_TO_PASS", "decode_tokens", "encode", "feed", "input_ids_of", "is_text", "pad_id", "pad_rows",
@@ -134,6 +140,7 @@ def text_inputs(text: str | list[str], model: Any, tokenizer: Any) -> tuple[tupl
     Raises:
         TokenizerRequiredError: no tokenizer is given or known from the model.
         PaddingNotSupportedError: strings of different lengths for a forward without ``attention_mask``.
+        TextError: a string has no tokens.
     """
     tok = tokenizer_for(model, tokenizer)
     if tok is None:
@@ -142,6 +149,9 @@ def text_inputs(text: str | list[str], model: Any, tokenizer: Any) -> tuple[tupl
                                      f"into token ids", remedy=HOW_TO_PASS)
     texts = [text] if isinstance(text, str) else list(text)
     columns = encode(texts, tok)
+    empty = next((i for i, row in enumerate(columns["input_ids"]) if not row), None)
+    if empty is not None:
+        raise TextError(f"string {empty} ({texts[empty]!r}) has no tokens", remedy="Drop empty strings from the input.")
     side = getattr(tok, "padding_side", "right")
     side = side if side in ("left", "right") else "right"
     ids, mask = pad_rows(columns["input_ids"], pad_id(tok), side)
