@@ -39,7 +39,8 @@ class Services:
     def replay(self, fork: Any, step: Step, *, model: Any, inputs: Any, check: bool, replay: str) -> Any:
         if model is not None:
             step = Step(bind(model, step.site), step.edit, step.phase)
-        strict = partial(rerun, strict=getattr(fork, "strict", False))  # a re-executed strict fork stays strict
+        # a re-executed strict fork stays strict, and keeps the tokenizer its inputs were made with
+        strict = partial(rerun, strict=getattr(fork, "strict", False), tokenizer=fork.tokenizer)
         return replay_step(fork, step, model=model, inputs=inputs, check=check, rerun=strict, replay=replay)
 
     def replay_many(self, forks: list[Any], steps: list[list[Step]], *, check: bool, replay: str,
@@ -49,7 +50,8 @@ class Services:
 
     def rerun(self, trace: Any, model: Any, args: tuple, kwargs: dict, steps: list[Step],
               until: Selector | None) -> Any:
-        return rerun(model, args, kwargs, steps, until, strict=getattr(trace, "strict", False))
+        return rerun(model, args, kwargs, steps, until, strict=getattr(trace, "strict", False),
+                     tokenizer=trace.tokenizer)
 
     def validate(self, trace: Any, **kwargs: Any) -> Any:
         return validate(trace, **kwargs)

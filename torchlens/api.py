@@ -6,6 +6,7 @@ import inspect
 import os
 import time
 import weakref
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -19,6 +20,7 @@ from .capture.request import CaptureRequest, module_address
 from .core.inputs import call_inputs, split_inputs
 from .core.selectors import Selector, as_selector
 from .core.steps import Step
+from .core.text import tokenizer_for
 from .core.trace import Trace
 from .errors import (
     CaptureMemoryError,
@@ -199,12 +201,14 @@ def trace(
     store_recompute: bool = True,
     offload_values: Any = None,
     max_bytes: int | str | None = "auto",
+    tokenizer: Any = None,
     **kwargs: Any,
 ) -> Trace:
     """Run ``model(*args, **kwargs)`` once and record every executed op.
 
     Inputs follow the one input convention (docs/concepts.md, "Inputs"): a tensor, a tuple of
-    positional inputs, a dict of keyword inputs, or the model's ``*args, **kwargs`` directly.
+    positional inputs, a dict of keyword inputs, text (a string or a list of strings, with a
+    tokenizer: docs/concepts.md, "Text in"), or the model's ``*args, **kwargs`` directly.
 
     Args:
         model: an eager ``nn.Module``; it is left exactly as it was, also if it raises.
@@ -236,6 +240,9 @@ def trace(
             compute) and sums the bytes its values would hold (``save=`` applied, capture-time
             edits left out). Where the model cannot run on fake tensors (it reads tensor data
             in Python), only the check during the forward remains, and its error says so.
+        tokenizer: tokenizes text inputs (padded on its ``padding_side``, with an attention
+            mask) and gives the trace ``tokens``, ``str_tokens`` and ``position(token)``;
+            default: the model's ``tokenizer`` attribute, if it has one.
 
     Returns:
         the Trace.
@@ -249,14 +256,17 @@ def trace(
             type, or a dict input's keys are not parameters of the model's forward.
         LegacyArgumentError: a keyword spelled as in the older TorchLens package
             (``layers_to_save=`` ...) that the model's forward does not take.
+        TokenizerRequiredError: the input is text and no tokenizer is given or set on the model.
+        PaddingNotSupportedError: strings of different lengths, and the forward takes no attention_mask.
         FingerprintMismatchError: a loaded recipe was saved for a different model.
         CaptureMemoryError: the values would not fit in ``max_bytes`` (raised before the
             forward, from the estimate), or the capture grew the process by more than it (the
             forward is stopped before memory runs out); ``save=`` or ``store=`` bound it.
     """
     model = check_model(model)
-    call_args, call_kwargs = call_inputs(args, kwargs)
-    _check_keywords(model, kwargs, call_kwargs if len(args) == 1 and isinstance(args[0], dict) else {})
+    tokenizer = tokenizer_for(model, tokenizer)
+    call_args, call_kwargs = call_inputs(args, kwargs, model=model, tokenizer=tokenizer)
+    _check_keywords(model, kwargs, call_kwargs if len(args) == 1 and isinstance(args[0], Mapping) else {})
     in_memory = store is None or offload_values is not None
     limit = _byte_limit(max_bytes) if in_memory else None
     failure = None
@@ -264,13 +274,16 @@ def trace(
         failure = _check_estimate(model, call_args, call_kwargs, save, backend, limit)
     sink = _sink(store, offload_values, store_recompute)
     try:
-        return _trace(model, call_args, call_kwargs, save=save, intervene=intervene, backend=backend, grad=grad,
-                      strict=strict, sink=sink, max_bytes=limit)
+        result = _trace(model, call_args, call_kwargs, save=save, intervene=intervene, backend=backend, grad=grad,
+                        strict=strict, sink=sink, max_bytes=limit)
     except CaptureMemoryError as err:
         if failure is None:
             raise
         raise CaptureMemoryError(f"{err.message}; no estimate could stop it before the forward, because the "
                                  f"model does not run on fake tensors ({failure})", **err.fields) from err
+    if tokenizer is not None:
+        result.set_tokenizer(tokenizer)
+    return result
 
 
 def _check_estimate(model: nn.Module, args: tuple, kwargs: dict, save: Any, backend: str | None,
@@ -379,12 +392,18 @@ def _bound_steps(model: nn.Module, intervene: Any) -> list[Step]:
 
 
 def rerun(model: nn.Module, args: tuple, kwargs: dict, steps: list[Step], until: Selector | None = None, *,
-          strict: bool = False) -> Trace:
+          strict: bool = False, tokenizer: Any = None) -> Trace:
     """Capture ``model`` again on (args, kwargs) with ``steps`` applied during capture;
-    with ``until``, stop right after it (a partial trace)."""
+    with ``until``, stop right after it (a partial trace). The new trace keeps ``tokenizer``
+    (default: the model's own)."""
     if until is not None:
-        return trace_until(model, args, kwargs, until, intervene=steps or None, strict=strict)
-    return _trace(check_model(model), args, kwargs, intervene=steps or None, strict=strict)
+        result = trace_until(model, args, kwargs, until, intervene=steps or None, strict=strict)
+    else:
+        result = _trace(check_model(model), args, kwargs, intervene=steps or None, strict=strict)
+    tokenizer = tokenizer_for(model, tokenizer)
+    if tokenizer is not None:
+        result.set_tokenizer(tokenizer)
+    return result
 
 
 def trace_until(model: nn.Module, args: tuple, kwargs: dict, until: Any, intervene: Any = None, *,
@@ -404,13 +423,14 @@ def trace_until(model: nn.Module, args: tuple, kwargs: dict, until: Any, interve
 
 
 def extract(model: nn.Module, x: Any, sites: Any, *, grad: bool = False, backend: str | None = None,
-            intervene: Any = None, stop: bool = False) -> dict:
+            intervene: Any = None, stop: bool = False, tokenizer: Any = None) -> dict:
     """Read activations in one forward; module outputs are read with forward hooks only.
 
     Args:
         model: an eager ``nn.Module``.
-        x: the input: a tensor, a tuple of positional inputs, or a dict of keyword inputs
-            (the one input convention of every entry point: docs/concepts.md, "Inputs").
+        x: the input: a tensor, a tuple of positional inputs, a dict of keyword inputs, or
+            text with a tokenizer (the one input convention of every entry point:
+            docs/concepts.md, "Inputs" and "Text in").
         sites: a list of module addresses / selectors (result keyed by each), or a dict
             ``{name: address_or_selector}`` (result keyed by name).
         intervene: ``tl.when(site, edit)``, a list of them, or a loaded recipe, applied while
@@ -419,6 +439,7 @@ def extract(model: nn.Module, x: Any, sites: Any, *, grad: bool = False, backend
             model (the final layers, the unembedding) never runs. Only for module sites
             without a pass index; a site module the model would call again later is read at
             its first call (``extract`` without ``stop`` refuses such an ambiguous read).
+        tokenizer: tokenizes a text ``x`` (default: the model's ``tokenizer`` attribute).
 
     Returns:
         ``{key: value}`` where a module's value is exactly what a forward hook on it sees;
@@ -426,6 +447,8 @@ def extract(model: nn.Module, x: Any, sites: Any, *, grad: bool = False, backend
 
     Raises:
         InvalidArgumentError: ``stop=True`` with an op site, an op edit or a module pass index.
+        TokenizerRequiredError: ``x`` is text and no tokenizer is given or set on the model.
+        PaddingNotSupportedError: strings of different lengths, and the forward takes no attention_mask.
     """
     model = check_model(model)
     if isinstance(sites, dict):
@@ -442,7 +465,7 @@ def extract(model: nn.Module, x: Any, sites: Any, *, grad: bool = False, backend
     union = None
     for sel in selectors.values():
         union = sel if union is None else union | sel
-    args, kwargs = split_inputs(x)
+    args, kwargs = split_inputs(x, model=model, tokenizer=tokenizer)
     request = CaptureRequest(model, args, kwargs, record_ops=False, sites=union, save=union, grad=grad,
                              intervene=_bound_steps(model, intervene))
     if not request.module_only():

@@ -10,17 +10,17 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
-    "AmbiguousSiteError", "CaptureError", "CaptureMemoryError", "DatasetError", "DatasetFormatError",
-    "DatasetRowError", "DrawingScaledDown", "EditError",
-    "EditHadNoEffect", "EditHadNoEffectError", "EditNotAppliedError", "EditShapeError", "EmptySelectionError",
-    "FacetReadOnlyError", "FingerprintMismatchError", "FormatVersionError", "FunctionsNotResolved", "FusedKernelError",
-    "GraphvizNotFoundError", "GuardChangedError", "InvalidArgumentError", "JobMismatchError",
-    "LegacyArgumentError", "NotPortableError", "OptionalDependencyError", "OutOfOrderError",
+    "AmbiguousSiteError", "AmbiguousTokenError", "CaptureError", "CaptureMemoryError", "DatasetError",
+    "DatasetFormatError", "DatasetRowError", "DrawingScaledDown", "EditError", "EditHadNoEffect",
+    "EditHadNoEffectError", "EditNotAppliedError", "EditShapeError", "EmptySelectionError", "FacetReadOnlyError",
+    "FingerprintMismatchError", "FormatVersionError", "FunctionsNotResolved", "FusedKernelError",
+    "GraphvizNotFoundError", "GuardChangedError", "InvalidArgumentError", "JobMismatchError", "LegacyArgumentError",
+    "NotPortableError", "OptionalDependencyError", "OutOfOrderError", "PaddingNotSupportedError",
     "PickleNotAllowedError", "PluginError", "RecipeError", "RecipeExistsError", "RecipeFormatError",
     "RecipeHelperError", "ReplayError", "ReplayFellBack", "ReplayNotExactError", "ShardWriteError",
-    "ShimUnsupportedError", "SiteError", "SiteNotFoundError", "StopCapture", "TokenizerRequiredError",
-    "TooManySitesError", "TorchLensError", "TraceStoreWriteError", "UnknownHelperError", "UnsafePathError",
-    "UnsupportedModelError", "ValueNotSavedError", "all_error_classes",
+    "ShimUnsupportedError", "SiteError", "SiteNotFoundError", "StopCapture", "TextError", "TokenNotFoundError",
+    "TokenizerRequiredError", "TooManySitesError", "TorchLensError", "TraceStoreWriteError", "UnknownHelperError",
+    "UnsafePathError", "UnsupportedModelError", "ValueNotSavedError", "all_error_classes",
 ]
 
 
@@ -296,12 +296,6 @@ class DatasetRowError(DatasetError, ValueError):
     remedy = "Give rows of token ids (lists of ints, 1-D integer tensors, {'input_ids': ...}) or text with tokenizer=."
 
 
-class TokenizerRequiredError(DatasetRowError):
-    """The dataset holds text, but no tokenizer was given to turn it into token ids."""
-
-    remedy = "Pass tokenizer= a Hugging Face tokenizer (AutoTokenizer.from_pretrained(...)), or give token ids."
-
-
 class JobMismatchError(DatasetError):
     """The output directory holds a different job (another model, other arguments, other data)."""
 
@@ -318,6 +312,40 @@ class DatasetFormatError(DatasetError, ValueError):
     """An activation dataset on disk is malformed, incomplete or fails its checksums."""
 
     remedy = "Rerun the job that wrote it (it resumes and rewrites what is missing), or delete the directory."
+
+
+# -- text in (strings as inputs, token strings as positions) -------------------------------
+
+
+class TextError(TorchLensError, ValueError):
+    """Text given as an input could not be tokenized, or a token string could not be found in a prompt."""
+
+    remedy = "See docs/concepts.md, 'Text in'."
+
+
+class TokenizerRequiredError(TextError, DatasetRowError):
+    """Text was given (an input, a dataset row, or token strings asked of a trace), but no tokenizer is known."""
+
+    remedy = ("Pass tokenizer=tok (a Hugging Face tokenizer: AutoTokenizer.from_pretrained(...)), or set it once on "
+              "the model: model.tokenizer = tok; or give token ids.")
+
+
+class PaddingNotSupportedError(TextError, DatasetRowError):
+    """Texts or rows of different lengths need padding, but the model's forward takes no attention_mask."""
+
+    remedy = "Give one text (or rows of equal length, or batch_size=1), or a model whose forward takes attention_mask."
+
+
+class TokenNotFoundError(TextError, LookupError):
+    """A position was given as a token string that is not a token of the prompt (its tokens are listed)."""
+
+    remedy = "Give one of the listed token strings exactly (leading spaces count), or the position as an int."
+
+
+class AmbiguousTokenError(TextError, LookupError):
+    """A position was given as a token string that occurs several times in the prompt (every position is named)."""
+
+    remedy = "Give the position as an int: one of the positions named."
 
 
 # -- plugins and shims -------------------------------------------------------------------

@@ -27,7 +27,10 @@ class TraceActions:
     def run(self, model: torch.nn.Module | None = None, *args: Any, **kwargs: Any) -> Trace:
         """Run the model again with this trace's steps as capture-time edits; a new trace."""
         model = model if model is not None else self.model
-        args, kwargs = (self.args, self.kwargs) if not args and not kwargs else call_inputs(args, kwargs)
+        if args or kwargs:  # text is tokenized with this trace's tokenizer (else the model's)
+            args, kwargs = call_inputs(args, kwargs, model=model, tokenizer=self.tokenizer)
+        else:
+            args, kwargs = self.args, self.kwargs
         steps = [s.for_capture() for s in self.all_steps()]
         return services().rerun(self, model, args, kwargs, steps, None)
 
@@ -38,7 +41,8 @@ class TraceActions:
         inputs, a dict of keyword inputs); default: this trace's own inputs.
         """
         model = model if model is not None else self.model
-        args, kwargs = (self.args, self.kwargs) if inputs is None else split_inputs(inputs)
+        args, kwargs = (self.args, self.kwargs) if inputs is None else \
+            split_inputs(inputs, model=model, tokenizer=self.tokenizer)
         return services().rerun(self, model, args, kwargs, [s.for_capture() for s in self.steps],
                                 as_selector(until))
 

@@ -1,43 +1,57 @@
 """The one input convention, shared by every entry point that runs a model.
 
-An input is a tensor (the one positional argument), a tuple of positional inputs, or a
-dict of keyword inputs; ``tl.trace(model, *args, **kwargs)`` also takes the model's
-arguments directly. To pass a tuple or dict *itself* as the one positional argument,
-wrap it in a tuple: ``(batch_dict,)``. Documented in docs/concepts.md, "Inputs".
+An input is a tensor (the one positional argument), a tuple of positional inputs, a
+dict (any mapping, such as a tokenizer's output) of keyword inputs, or text: a string or
+a list of strings, tokenized by :mod:`torchlens.core.text` with ``tokenizer=`` or the
+model's ``tokenizer`` attribute. ``tl.trace(model, *args, **kwargs)`` also takes the
+model's arguments directly. To pass a tuple or dict *itself* as the one positional
+argument, wrap it in a tuple: ``(batch_dict,)``. Documented in docs/concepts.md, "Inputs".
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ..errors import InvalidArgumentError
+from .text import is_text, text_inputs
 
 __all__ = ["call_inputs", "split_inputs"]
 
 
-def split_inputs(x: Any) -> tuple[tuple, dict]:
-    """How a user's ``x`` / ``inputs=`` is passed to the model: a dict as keywords, a tuple as
-    positional arguments, anything else as the single positional argument."""
-    if isinstance(x, dict):
+def split_inputs(x: Any, *, model: Any = None, tokenizer: Any = None) -> tuple[tuple, dict]:
+    """How a user's ``x`` / ``inputs=`` is passed to the model: a mapping as keywords, a tuple as
+    positional arguments, text as its token ids (and attention mask), anything else as the single
+    positional argument.
+
+    Raises:
+        TokenizerRequiredError: ``x`` is text and neither ``tokenizer`` nor ``model.tokenizer`` is given.
+        PaddingNotSupportedError: strings of different lengths for a forward without ``attention_mask``.
+    """
+    if isinstance(x, Mapping):
         return (), dict(x)
     if isinstance(x, tuple):
         return x, {}
+    if is_text(x):
+        return text_inputs(x, model, tokenizer)
     return (x,), {}
 
 
-def call_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def call_inputs(args: tuple, kwargs: dict, *, model: Any = None, tokenizer: Any = None) -> tuple[tuple, dict]:
     """``(args, kwargs)`` of ``tl.trace(model, *args, **kwargs)`` under the one convention.
 
     One positional input is read as :func:`split_inputs` reads ``x`` (so
-    ``tl.trace(model, {"input_ids": ids})`` equals ``tl.extract(model, {"input_ids": ids}, ...)``),
-    and keywords given directly join it; several positional inputs pass as they are.
+    ``tl.trace(model, {"input_ids": ids})`` equals ``tl.extract(model, {"input_ids": ids}, ...)``,
+    and ``tl.trace(model, "text", tokenizer=tok)`` tokenizes), and keywords given directly join
+    it; several positional inputs pass as they are.
 
     Raises:
         InvalidArgumentError: a keyword is given both in the dict and directly.
+        TokenizerRequiredError, PaddingNotSupportedError: as :func:`split_inputs`.
     """
     if len(args) != 1:
         return args, kwargs
-    args, from_dict = split_inputs(args[0])
+    args, from_dict = split_inputs(args[0], model=model, tokenizer=tokenizer)
     both = sorted(set(from_dict) & set(kwargs))
     if both:
         raise InvalidArgumentError(

@@ -22,6 +22,7 @@ from ..errors import (
     EmptySelectionError,
     InvalidArgumentError,
     SiteNotFoundError,
+    TokenizerRequiredError,
     TooManySitesError,
 )
 from .actions import TraceActions
@@ -32,6 +33,7 @@ from .selectors import Label, Selector, as_selector, split_pass
 from .services import services
 from .sites import ModuleSites, Site, Sites
 from .steps import REPLAY, Step
+from .text import decode_tokens, input_ids_of, token_position
 from .tree import Pending, flatten, unflatten
 
 __all__ = ["DataRead", "Fork", "ForkState", "Trace"]
@@ -370,6 +372,61 @@ class Trace(Graph, TraceActions):
         near = nearest(name, [*self._calls_by_address, *self._labels])
         return EmptySelectionError(f"{sel.describe()} matches nothing in this trace; nearest names: {near}",
                                    site=sel.describe(), candidates=near)
+
+    # -- text: the input's tokens (docs/concepts.md, "Text in") ----------------------------------
+    tokenizer: Any = None  # the tokenizer the trace was made with (tokenizer=, or model.tokenizer)
+
+    def set_tokenizer(self, tokenizer: Any) -> None:
+        """Remember the tokenizer the inputs were made with (``tokens`` and ``str_tokens`` read it)."""
+        self.tokenizer = tokenizer
+
+    @property
+    def tokens(self) -> Any:
+        """The input's token ids ``[batch, tokens]`` (padding included), for a trace made from text or
+        with ``tokenizer=``.
+
+        Raises:
+            TokenizerRequiredError: the trace was made without a tokenizer, or its inputs hold no token ids.
+        """
+        if self.tokenizer is None:
+            raise TokenizerRequiredError(
+                "this trace was not made from text or with a tokenizer, so which input holds token ids is unknown",
+                remedy="Capture with tl.trace(model, text_or_ids, tokenizer=tok) (or set model.tokenizer = tok); "
+                       "the raw inputs are trace.args and trace.kwargs.")
+        ids = input_ids_of(self.args, self.kwargs)
+        if ids is None:
+            raise TokenizerRequiredError("this trace's inputs hold no token ids (no input_ids=, no integer tensor)",
+                                         remedy="Read the raw inputs from trace.args and trace.kwargs.")
+        return ids
+
+    @property
+    def str_tokens(self) -> list[list[str]]:
+        """Each row's tokens as strings, every id decoded alone as TransformerLens's ``to_str_tokens``
+        does (``trace.str_tokens[0]`` is its ``model.to_str_tokens(prompt)``); padding included.
+
+        Raises:
+            TokenizerRequiredError: as :attr:`tokens`.
+        """
+        return decode_tokens(self.tokens, self.tokenizer)
+
+    def position(self, token: str, *, row: int | None = None) -> int:
+        """The position of the token string ``token`` (``" Paris"``) in the prompt (``row``: which
+        prompt of a batch; needed when there are several).
+
+        Raises:
+            TokenNotFoundError: no token is exactly ``token`` (the prompt's token strings are listed).
+            AmbiguousTokenError: ``token`` occurs several times (each position is named).
+            InvalidArgumentError: a batch of several prompts and no ``row``, or ``row`` out of range.
+            TokenizerRequiredError: as :attr:`tokens`.
+        """
+        rows = self.str_tokens
+        if row is None and len(rows) > 1:
+            raise InvalidArgumentError(f"the trace holds {len(rows)} prompts; say which with row=",
+                                       remedy="Pass row=i, the index of the prompt in the batch.")
+        index = 0 if row is None else row
+        if isinstance(index, bool) or not isinstance(index, int) or not -len(rows) <= index < len(rows):
+            raise InvalidArgumentError(f"row={row!r} is not a prompt of this trace's batch of {len(rows)}")
+        return token_position(rows[index], token)
 
     # -- branching and editing -------------------------------------------------------------
     def fork(self, name: str | None = None) -> Fork:

@@ -80,7 +80,7 @@ def replay_step(fork, step: Step, *, model=None, inputs=None, check: bool = Fals
             remedy="Pass both model= and inputs=, or neither to replay the recorded graph.",
         )
     if model is not None:
-        args, kwargs = split_inputs(inputs)
+        args, kwargs = split_inputs(inputs, model=model, tokenizer=fork.tokenizer)  # text: the fork's tokenizer
         _reexecute(fork, step, model, args, kwargs, rerun, "re-executed (model= and inputs= given)")
         return fork
     fork.require_op_graph("replaying an edit")

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core.text import HOW_TO_PASS, encode, feed, pad_rows
 from ..errors import DatasetRowError, TokenizerRequiredError
 
 __all__ = ["Batch", "RawBatch", "ShardPlan", "iter_batches", "model_inputs", "plan_shards"]
@@ -36,12 +37,7 @@ class RawBatch:
         return sum(len(r) for r in self.ids)
 
     def pad(self, pad_id: int) -> Batch:
-        width = max(len(r) for r in self.ids)
-        ids = torch.full((len(self.ids), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(self.ids), width), dtype=torch.long)
-        for i, row in enumerate(self.ids):
-            ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-            mask[i, : len(row)] = 1
+        ids, mask = pad_rows(self.ids, pad_id, "right")  # right: a token's position is its index in the row
         rows = torch.arange(self.first_row, self.first_row + len(self.ids), dtype=torch.long)
         return Batch(rows, ids, mask)
 
@@ -74,19 +70,18 @@ class Batch:
 
 
 def model_inputs(model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
-    """``{"input_ids": .., "attention_mask": ..}`` as far as ``model.forward`` accepts them."""
-    params = inspect.signature(model.forward).parameters
-    any_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    if "attention_mask" in params or any_kw:
-        return {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
-    if batch.ragged:
-        raise DatasetRowError(
-            f"rows {int(batch.rows[0])}..{int(batch.rows[-1])} have different lengths, and "
-            f"{type(model).__name__}.forward takes no attention_mask to hide the padding",
-            remedy="Use batch_size=1, or rows of equal length, or a model whose forward takes attention_mask.",
-        )
-    name = "input_ids" if "input_ids" in params else next(iter(params))
-    return {name: batch.input_ids}
+    """``{"input_ids": .., "attention_mask": ..}`` as far as ``model.forward`` accepts them (the
+    text rule, :func:`torchlens.core.text.feed`: ids under the forward's first parameter's name
+    when it takes neither).
+
+    Raises:
+        PaddingNotSupportedError: the rows have different lengths, and the forward takes no attention_mask.
+    """
+    what = f"rows {int(batch.rows[0])}..{int(batch.rows[-1])}"
+    args, kwargs = feed(model, batch.input_ids, batch.attention_mask, what=what)
+    if args:  # a forward taking neither input_ids nor attention_mask: ids under its first parameter's name
+        return {next(iter(inspect.signature(model.forward).parameters)): args[0]}
+    return kwargs
 
 
 def _row_ids(row: Any, index: int, text_column: str) -> list[int] | str:
@@ -129,15 +124,6 @@ def _row_ids(row: Any, index: int, text_column: str) -> list[int] | str:
     return [int(i) for i in ids]
 
 
-def _tokenize(texts: list[str], tokenizer: Any, max_length: int | None, add_special_tokens: bool) -> list[list[int]]:
-    kwargs: dict[str, Any] = {"add_special_tokens": add_special_tokens}
-    if max_length is not None:
-        kwargs.update(truncation=True, max_length=max_length)
-    encoded = tokenizer(texts, **kwargs)
-    ids = encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded
-    return [list(map(int, r)) for r in ids]
-
-
 def iter_batches(data: Iterable[Any], batch_size: int, *, tokenizer: Any = None, text_column: str = "text",
                  max_length: int | None = None, add_special_tokens: bool = True) -> Iterator[RawBatch]:
     """Consecutive rows of ``data`` as token-id batches (text tokenized a batch at a time).
@@ -164,8 +150,9 @@ def _finish(rows: list[Any], first: int, tokenizer: Any, max_length: int | None,
     if texts:
         if tokenizer is None:
             raise TokenizerRequiredError(f"row {first + texts[0]} is text and no tokenizer= was given",
-                                         row=first + texts[0])
-        for i, ids in zip(texts, _tokenize([rows[i] for i in texts], tokenizer, max_length, special)):
+                                         row=first + texts[0], remedy=HOW_TO_PASS)
+        encoded = encode([rows[i] for i in texts], tokenizer, max_length=max_length, add_special_tokens=special)
+        for i, ids in zip(texts, encoded["input_ids"]):
             rows[i] = ids
     out = []
     for i, ids in enumerate(rows):

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from .._progress import progress_bar
+from ..core.text import pad_id, tokenizer_for
 from ..errors import DatasetRowError, InvalidArgumentError, JobMismatchError
 from ._batches import Batch, RawBatch, ShardPlan, iter_batches, plan_shards
 from ._ondisk import installed_version
@@ -73,7 +74,8 @@ def cache_activations(
             tuple contributes its first tensor).
         out: the job directory (created); rerunning the same call on it resumes the job.
         batch_size: rows per forward; rows of a batch are right-padded with an attention mask.
-        tokenizer: a Hugging Face tokenizer, needed when rows are text.
+        tokenizer: a Hugging Face tokenizer, needed when rows are text (default: the model's
+            ``tokenizer`` attribute, as every entry point: docs/concepts.md, "Text in").
         intervene: ``tl.when(site, edit)``, a list of them, or a loaded recipe, applied in every forward.
         dtype: store values in this dtype (default: as computed).
         shard_size: bytes of records per shard (``"128MB"``, ``"1GiB"`` or an int); with the batch,
@@ -221,8 +223,8 @@ def _run(model: Any, data: Iterable[Any], fn: Callable, per_token: bool, args: d
         raise InvalidArgumentError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
     shard_bytes = _parse_size(shard_size)
     out = pathlib.Path(out)
-    pad_id = getattr(tokenizer, "pad_token_id", None)
-    job = Job(fn, per_token, dtype, pad_id if isinstance(pad_id, int) else 0)
+    tokenizer = tokenizer_for(model, tokenizer)
+    job = Job(fn, per_token, dtype, pad_id(tokenizer))
     args = dict(args, batch_size=batch_size, shard_bytes=shard_bytes, dtype=None if dtype is None else str(dtype),
                 max_length=max_length, text_column=text_column, add_special_tokens=add_special_tokens)
     batches = iter_batches(data, batch_size, tokenizer=tokenizer, text_column=text_column, max_length=max_length,
