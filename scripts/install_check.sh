@@ -49,26 +49,39 @@ def test_the_packages_under_test_are_the_installed_ones():
 PY
 
 check() {  # $1: wheel or sdist, $2: the built file
-  local t0=$SECONDS env="$work/venv-$1"
+  local t0=$SECONDS env="$work/venv-$1" smoke="$work/smoke-$1"
   python3 -m venv "$env"
   # --no-compile: no .pyc for all of torch up front (most of the install time); imports compile what they use
   "$env/bin/python" -m pip install "${pip_quiet[@]}" --no-compile "torch==2.13.0"
   "$env/bin/python" -m pip install "${pip_quiet[@]}" --no-compile "torchlens[shims,viz] @ file://$2" pytest
-  local t_install=$((SECONDS - t0))
+  local t_install=$((SECONDS - t0)) version
   (cd "$work" && "$env/bin/python" -I "$repo/scripts/install_check.py" "$repo")
-  local version
   version="$(cd "$work" && "$env/bin/torchlens" --version)"
   say "$version"
   case "$version" in
     "torchlens "*"(TorchLens"*"imported from $env/"*) ;;
-    *) say "torchlens --version does not name this project in $env"; exit 1 ;;
+    *) say "torchlens --version does not name this project installed in $env"; exit 1 ;;
   esac
-  [ "$(cd "$work" && "$env/bin/python" -m torchlens --version)" = "$version" ]
+  [ "$(cd "$work" && "$env/bin/python" -m torchlens --version)" = "$version" ] \
+    || { say "python -m torchlens --version differs from torchlens --version"; exit 1; }
   (cd "$work" && "$env/bin/torchlens" demo >"$work/demo-$1.log" 2>&1) || { cat "$work/demo-$1.log"; exit 1; }
-  (cd "$work/smoke" && "$env/bin/python" -m pytest -q -p no:cacheprovider --rootdir "$work/smoke" tests)
+  cp -r "$work/smoke" "$smoke"
+  (cd "$smoke" && "$env/bin/python" -m pytest -q -p no:cacheprovider --rootdir "$smoke" tests)
   rm -rf "$env"
   say "$1 OK: installed in $t_install s, checked in $((SECONDS - t0 - t_install)) s"
 }
-check wheel "${wheel[0]}"
-check sdist "${sdist[0]}"
+
+# The two environments side by side (two cores; each step is mostly one process), each logging to its file.
+check wheel "${wheel[0]}" >"$work/check-wheel.log" 2>&1 &
+wheel_pid=$!
+check sdist "${sdist[0]}" >"$work/check-sdist.log" 2>&1 &
+sdist_pid=$!
+failed=()
+wait "$wheel_pid" || failed+=(wheel)
+wait "$sdist_pid" || failed+=(sdist)
+cat "$work/check-wheel.log" "$work/check-sdist.log"
+if [ "${#failed[@]}" -gt 0 ]; then
+  say "FAILED: ${failed[*]} (after $((SECONDS - start)) s)"
+  exit 1
+fi
 say "all checks passed in $((SECONDS - start)) s"
