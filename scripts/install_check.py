@@ -9,7 +9,6 @@ with each problem listed, when a module is missing, extra, fails to import or im
 from __future__ import annotations
 
 import importlib
-import pkgutil
 import sys
 import sysconfig
 import traceback
@@ -23,56 +22,38 @@ LAYOUT = {"torchlens": "torchlens", "torchlens_adapters": "adapters", "torchlens
 NOT_IMPORTED = {"torchlens.__main__": "runs the command line when imported; install_check.sh runs python -m torchlens"}
 
 
-def source_modules(repo: Path) -> set[str]:
-    """Every module and package of the source tree, by import name."""
+def modules_under(where: Path, name: str) -> set[str]:
+    """Every module and package in the directory ``where`` of package ``name``, by import name."""
     names = set()
-    for name, where in LAYOUT.items():
-        for path in (repo / where).rglob("*.py"):
-            parts = path.relative_to(repo / where).with_suffix("").parts
-            if "__pycache__" not in parts:
-                names.add(".".join((name, *parts[:-1]) if parts[-1] == "__init__" else (name, *parts)))
-    return names
-
-
-def import_failure(name: str) -> str:
-    """The problem line for a module whose import raised (inside an except block: with the traceback)."""
-    return f"{name} does not import:\n{traceback.format_exc()}"
-
-
-def installed_modules(problems: list[str]) -> set[str]:
-    """Every module and package of the installed top-level packages (importing the packages to walk them)."""
-    names = set()
-
-    def failed(name: str) -> None:
-        problems.append(import_failure(name))
-
-    for name in LAYOUT:
-        try:
-            package = importlib.import_module(name)
-        except Exception:  # any import failure is a finding, reported with its traceback
-            failed(name)
-            continue
-        names.add(name)
-        names.update(info.name for info in pkgutil.walk_packages(package.__path__, name + ".", onerror=failed))
+    for path in where.rglob("*.py"):
+        parts = path.relative_to(where).with_suffix("").parts
+        if "__pycache__" not in parts:
+            names.add(".".join((name, *parts[:-1]) if parts[-1] == "__init__" else (name, *parts)))
     return names
 
 
 def main(argv: list[str]) -> int:
     repo = Path(argv[1]).resolve()
     site = Path(sysconfig.get_paths()["purelib"]).resolve()
-    problems: list[str] = []
-    expected, found = source_modules(repo), installed_modules(problems)
-    problems += [f"missing from the installation: {name}" for name in sorted(expected - found)]
-    problems += [f"installed but not in the source tree: {name}" for name in sorted(found - expected)]
+    expected = set().union(*(modules_under(repo / where, name) for name, where in LAYOUT.items()))
+    installed = set().union(*(modules_under(site / name, name) for name in LAYOUT))
+    problems = [f"missing from the installation: {name}" for name in sorted(expected - installed)]
+    problems += [f"installed but not in the source tree: {name}" for name in sorted(installed - expected)]
+    failed: set[str] = set()
     imported = 0
-    for name in sorted(expected & found):
+    for name in sorted(expected & installed):  # parents before their modules
         if name in NOT_IMPORTED:
             print(f"install_check: not imported: {name} ({NOT_IMPORTED[name]})")
             continue
+        broken_parent = next((p for p in failed if name.startswith(p + ".")), None)
+        if broken_parent is not None:
+            problems.append(f"{name} not imported: its package {broken_parent} does not import")
+            continue
         try:
             module = importlib.import_module(name)
-        except Exception:  # reported per module
-            problems.append(import_failure(name))
+        except Exception:  # any import failure is a finding, reported with its traceback
+            failed.add(name)
+            problems.append(f"{name} does not import:\n{traceback.format_exc()}")
             continue
         where = Path(module.__file__).resolve()
         if site not in where.parents:
