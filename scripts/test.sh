@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite: set up (test + docs extras), lint, then pytest (docs build and fences included).
+# The whole test suite: set up (test + docs extras), lint, check the installed package, then pytest (docs build
+# and fences included).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh "test,docs,viz,pandas,ray,datasets"
@@ -19,5 +20,10 @@ for wheel in ../shared/oracles/baukit-*.whl; do
   fi
 done
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-.venv/bin/ruff check torchlens adapters shims tests bench
+.venv/bin/ruff check torchlens adapters shims tests bench scripts setup.py
+# The installed package (wheel and sdist, each in a fresh virtual environment, not editable): skipped when
+# arguments select tests, as in `bash scripts/test.sh tests/test_cli.py`.
+if [ "$#" -eq 0 ]; then
+  bash scripts/install_check.sh
+fi
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -38,7 +39,7 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 def test_version_and_python_dash_m(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "torchlens", "--version"], capture_output=True, text=True,
                           timeout=120, cwd=tmp_path)
-    assert proc.returncode == 0 and proc.stdout.strip() == f"torchlens {tl.__version__}"
+    assert proc.returncode == 0 and proc.stdout.startswith(f"torchlens {metadata.version('torchlens')} (TorchLens")
     script = Path(sys.executable).with_name("torchlens")
     if not script.exists():
         script = shutil.which("torchlens")
@@ -47,6 +48,17 @@ def test_version_and_python_dash_m(tmp_path):
     assert proc.returncode == 0
     assert proc.stdout.splitlines()[0].split() == ["NAME", "KIND", "VERSION", "ORIGIN"]
     assert {p.name for p in tl.plugins()} <= {line.split()[0] for line in proc.stdout.splitlines()[1:]}
+
+
+def test_version_says_which_torchlens_and_where_it_is(capsys):
+    # PyPI's "torchlens" is a different, older project: --version names this one and the directory it runs from
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    first, where = capsys.readouterr().out.splitlines()
+    assert first.startswith(f"torchlens {metadata.version('torchlens')} (TorchLens: read, edit, replay")
+    assert "not the older PyPI project named torchlens" in first
+    assert where == f"imported from {Path(tl.__file__).parent}"
 
 
 def test_every_subcommand_has_help_without_rst_backticks(capsys):

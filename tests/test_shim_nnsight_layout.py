@@ -329,10 +329,7 @@ def test_shim_extras_declare_what_each_shim_imports():
     extras = project["project"]["optional-dependencies"]
     assert any(req.startswith("transformers") for req in extras["nnsight"])
     assert any(req.startswith("transformers") for req in extras["shims"])
-    assert "baukit" in extras
-    packages = project["tool"]["setuptools"]["packages"]
-    for package in ("intervention", "modeling", "tracing", "schema"):
-        assert f"torchlens_shims.nnsight.{package}" in packages
+    assert "baukit" in extras  # that the wheel holds every shim package: tests/test_packaging.py
 
 
 

@@ -24,7 +24,8 @@ from .analysis.display import selected_ops
 from .demo import TinyLM
 from .errors import FunctionsNotResolved, InvalidArgumentError, TorchLensError
 
-__all__ = ["EXIT_CHECK_FAILED", "EXIT_ERROR", "EXIT_NOT_FULLY_CHECKED", "EXIT_OK", "EXIT_USAGE", "demo", "main"]
+__all__ = ["EXIT_CHECK_FAILED", "EXIT_ERROR", "EXIT_NOT_FULLY_CHECKED", "EXIT_OK", "EXIT_USAGE", "demo", "main",
+           "version_line"]
 
 EXIT_OK = 0  # the command did what was asked (validate: the trace reproduces; diff: no differences)
 EXIT_CHECK_FAILED = 1  # validate found divergences / diff found differences / the demo's checks failed
@@ -76,6 +77,15 @@ def demo() -> int:
 
 
 # -- helpers ------------------------------------------------------------------------------------
+
+
+def version_line() -> str:
+    """What ``torchlens --version`` prints: the version, which project this is and the package's directory.
+
+    PyPI's ``torchlens`` is a different, older project: the description and the path tell them apart.
+    """
+    return (f"torchlens {tl.__version__} (TorchLens: read, edit, replay and compare the activations of PyTorch "
+            f"models; not the older PyPI project named torchlens)\nimported from {Path(tl.__file__).parent}")
 
 
 def _saved_kind(path: str) -> str:
@@ -229,7 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="torchlens", description="Read, edit, replay and compare the activations of PyTorch models.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--version", action="version", version=f"torchlens {tl.__version__}")
+    parser.add_argument("--version", action="version", version=version_line(),
+                        help="print the version, which project this is and where it is installed, and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, summary: str, description: str) -> argparse.ArgumentParser:
