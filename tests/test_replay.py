@@ -15,6 +15,7 @@ import torch
 from conftest import (
     BranchyNet,
     DropoutNet,
+    EarlyExitNet,
     ReshapeNet,
     assert_equal_tree,
     edited_forward,
@@ -130,6 +131,34 @@ def test_replay_at_op_level_sites(shared_twice):
     assert torch.allclose(fork.output, edited_forward(model, "block.1", lambda o: o * 2, (x,)), atol=1e-6)
     captured = tl.trace(model, x, intervene=tl.when(tl.func("tanh"), tl.scale(2.0)))
     assert torch.allclose(fork.output, captured.output, atol=1e-6)
+
+
+def test_a_multi_pass_module_keeps_its_pass_labels_on_every_fork_path(shared_twice):
+    """Trace, replayed fork, re-executed fork and a guard fallback name each pass alike (``block:2``)."""
+    model, (x,) = shared_twice.model, shared_twice.args
+    trace = tl.trace(model, x)
+    replayed = trace.fork().do("inp", tl.scale(2.0))
+    reexecuted = trace.fork().do("inp", tl.scale(2.0), model=model, inputs=x)
+    want = [c.label for c in trace.modules]
+    assert want[:3] == ["", "inp", "block:1"]
+    for fork in (replayed, reexecuted):
+        assert fork.find_sites(tl.module("block")).labels == ["block:1", "block:2"]
+        assert [c.label for c in fork.modules] == want
+        assert fork.ops[-1].parents == trace.ops[-1].parents  # its records still know their trace
+    reads, _ = hook_reads(model, (x,))
+    assert torch.allclose(trace["block:2"].out, reads["block"][1])
+    with_edit = edited_forward(model, "inp", lambda o: o * 2, (x,))
+    assert torch.allclose(reexecuted.output, with_edit, atol=1e-6)
+    assert torch.allclose(reexecuted["block:2"].out, replayed["block:2"].out, atol=1e-6)
+    # a changed guard that falls back to re-execution: labelled as a capture of the edited run is
+    torch.manual_seed(1)
+    early, x = EarlyExitNet().eval(), torch.randn(1, 8)
+    with pytest.warns(tl.errors.ReplayFellBack):
+        fallback = tl.trace(early, x).fork().do("layers.0", tl.scale(3.0), replay="fallback")
+    captured = tl.trace(early, x, intervene=tl.when("layers.0", tl.scale(3.0)))
+    assert len(captured.calls_of("exit")) > 1
+    assert [c.label for c in fallback.modules] == [c.label for c in captured.modules]
+    assert fallback.find_sites(tl.module("exit")).labels == captured.find_sites(tl.module("exit")).labels
 
 
 def test_edit_of_the_last_module_reaches_the_output(small_mlp, mlp_input):

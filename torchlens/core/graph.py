@@ -336,6 +336,13 @@ class Graph:
         else:
             same.append(call)
 
+    def take_records(self) -> None:
+        """Point every op and module call at this trace: a fork that became a re-executed capture
+        owns that capture's records (the capture itself is dropped, and records link weakly)."""
+        ref = weakref.ref(self)
+        for record in (*self.ops, *self.calls):
+            record._trace_ref = ref
+
     def passes_of(self, address: str) -> int:
         """How many calls of the module at ``address`` were recorded (``ModuleCall.n_passes``)."""
         return len(self._calls_by_address.get(address, ()))

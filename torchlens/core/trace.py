@@ -517,6 +517,7 @@ class Fork(Trace):
         """Become ``fresh`` (a re-executed capture) while staying this fork of the same parent."""
         parent, name = self.parent, self.name
         self._share(fresh)
+        self.take_records()  # else they point at ``fresh``, gone once this returns (labels lost their pass)
         self.parent, self.name = parent, name
         self.steps = list(parent.steps)
         self.recipe = list(recipe)
