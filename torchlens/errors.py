@@ -11,7 +11,7 @@ from typing import Any
 
 __all__ = [
     "AmbiguousSiteError", "CaptureError", "CaptureMemoryError", "DatasetError", "DatasetFormatError",
-    "DatasetRowError", "EditError",
+    "DatasetRowError", "EditDtypeError", "EditError",
     "EditHadNoEffect", "EditHadNoEffectError", "EditNotAppliedError", "EditShapeError", "EmptySelectionError",
     "FacetReadOnlyError", "FingerprintMismatchError", "FormatVersionError", "FusedKernelError",
     "GraphvizNotFoundError", "GuardChangedError", "InvalidArgumentError", "JobMismatchError",
@@ -138,6 +138,12 @@ class EditShapeError(EditError, ValueError):
     """An edit's value does not broadcast to the activation it replaces."""
 
     remedy = "Give a tensor whose shape broadcasts to the activation's shape, or use a function edit."
+
+
+class EditDtypeError(EditError, TypeError):
+    """A function edit returned a value of another dtype than the activation it replaces."""
+
+    remedy = "End the edit with .to(activation.dtype) (compute in another dtype inside it if you need to)."
 
 
 class EditNotAppliedError(EditError):
