@@ -71,6 +71,38 @@ def test_replay_equals_re_execution_for_block_edits(name, request, zoo_traces):
     assert [e.label for e in replayed.edits] == [address]
 
 
+@pytest.mark.parametrize("name", ["tiny_gpt2", "tiny_llama"])
+def test_a_forks_kv_cache_holds_the_edited_keys_and_values(name, request):
+    """``fork.output.past_key_values`` after an MLP ablation at layer 0: every key and value equals the
+    cache of a forward with the same edit done by a plain hook, and growing it leaves the trace's alone."""
+    case = request.getfixturevalue(name)
+    model, (ids,) = case.model, case.args
+    mlp = f"{case.block}.mlp"
+    trace = tl.trace(model, ids, use_cache=True)
+    fork = trace.fork().do(mlp, tl.zero_ablate())
+    handle = model.get_submodule(mlp).register_forward_hook(lambda m, i, o: torch.zeros_like(o))
+    try:
+        with torch.no_grad():
+            want = model(ids, use_cache=True)
+    finally:
+        handle.remove()
+    with torch.no_grad():
+        plain = model(ids, use_cache=True).past_key_values
+    got, parent = fork.output.past_key_values, trace.output.past_key_values
+    base = fork[case.block.rsplit(".", 2)[0]].out.past_key_values  # transformer / model: returns the cache too
+    assert torch.allclose(fork.output.logits, want.logits, atol=ATOL)
+    assert len(got.layers) == len(want.past_key_values.layers) == 2
+    for i, layer in enumerate(want.past_key_values.layers):
+        for kind in ("keys", "values"):
+            for cache in (got, base):
+                assert torch.allclose(getattr(cache.layers[i], kind), getattr(layer, kind), atol=ATOL), (i, kind)
+            assert torch.equal(getattr(parent.layers[i], kind), getattr(plain.layers[i], kind))  # parent's as it was
+    assert not torch.allclose(got.layers[1].keys, parent.layers[1].keys, atol=ATOL)  # the edit reached the cache
+    length = parent.get_seq_length()
+    got.update(got.layers[0].keys[..., :1, :], got.layers[0].values[..., :1, :], 0)
+    assert got.get_seq_length() == length + 1 and parent.get_seq_length() == length
+
+
 def test_replay_only_reexecutes_downstream_ops(gpt2_small, zoo_traces):
     case, trace = zoo_traces("gpt2_small")
     fork = trace.fork().do(tl.module(case.block), tl.scale(2.0))

@@ -19,7 +19,7 @@ from ..errors import ReplayNotExactError, ValueNotSavedError
 from .records import GUARD, INPUT, Deferred, ModuleCall, Op, Ref
 from .selectors import Selector
 from .steps import Step
-from .tree import flatten, unflatten
+from .tree import flatten, held_tensors, unflatten
 
 __all__ = ["MISSING", "DataRead", "Graph"]
 
@@ -124,6 +124,9 @@ class Graph:
         self._output_raw: Any = None
         self._output_refs: list[Ref | None] = []
         self._output_deferred = False  # output tensors are read through their ops (kept on disk)
+        # id(object) -> (object, [(path, Ref | None)]): the tensors an object of the output that flatten keeps
+        # whole (a KV cache) holds, and the ops that produced them (see note_held)
+        self._held: dict[int, tuple[Any, list[tuple[tuple, Ref | None]]]] = {}
         self._graph_ready = False
         self._values: dict[int, Any] = {}
         self._stale: dict[int, int] = {}  # op index -> position after which its memory was overwritten
@@ -397,6 +400,20 @@ class Graph:
         refs = [self.producer_ref(leaf, before) if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
         return refs, spec
 
+    def note_held(self, output: Any) -> None:
+        """Note the ops that produced the tensors held inside objects of ``output`` that ``flatten``
+        keeps whole (a KV cache's keys and values, made by ``cat`` or an in-place update), while the
+        ids still name them: a fork's output holds its own values there (``Trace.held_now``)."""
+        held: dict[int, tuple[Any, list[tuple[tuple, Ref | None]]]] = {}
+        end = len(self.ops)
+        for leaf in flatten(output)[0]:
+            if isinstance(leaf, torch.Tensor) or id(leaf) in held:
+                continue
+            refs = [(path, self.producer_ref(t, end)) for path, t in held_tensors(leaf)]
+            if any(ref is not None for _, ref in refs):
+                held[id(leaf)] = (leaf, refs)
+        self._held = held
+
     def record_data_read(self, position: int, ref: Ref | None, code: Any, lineno: int, name: str, *,
                          func: Any = None, args_spec: Any = None, seen: Any = None) -> None:
         """Note a read of tensor data into Python made before op ``position`` (a guard)."""
@@ -433,6 +450,7 @@ class Graph:
             return
         self.set_output(output, output_refs if output_refs is not None else
                         self.refs_for_value(output, len(self.ops))[0])
+        self.note_held(output)
         if save is not None:
             self.ensure_graph()
             matched = save.match(self)

@@ -32,7 +32,7 @@ from .selectors import Label, Selector, as_selector, split_pass
 from .services import services
 from .sites import ModuleSites, Site, Sites
 from .steps import REPLAY, Step
-from .tree import Pending, flatten, unflatten
+from .tree import Pending, flatten, held_tensors, replace_held, unflatten
 
 __all__ = ["DataRead", "Fork", "ForkState", "Trace"]
 
@@ -165,6 +165,10 @@ class Trace(Graph, TraceActions):
         changed = False
         for i, ref in enumerate(call.out_refs):
             if ref is None:
+                if self._held and id(raw_leaves[i]) in self._held:
+                    v = self.held_now(raw_leaves[i])
+                    changed = changed or v is not raw_leaves[i]
+                    raw_leaves[i] = v
                 continue
             v = self.seen_value(ref, call)
             if v is not raw_leaves[i]:
@@ -192,7 +196,29 @@ class Trace(Graph, TraceActions):
             # the recorded op does not describe what was returned, the returned tensor does.
             if ref is not None and self.stale_after(ref.index) is None:
                 leaves[i] = self.seen_value(ref)
+            elif ref is None and self._held and id(leaves[i]) in self._held:
+                leaves[i] = self.held_now(leaves[i])
         return unflatten(leaves, spec)
+
+    def held_now(self, obj: Any) -> Any:
+        """``obj``, an object of the model output that ``flatten`` keeps whole (a KV cache), as this
+        trace has it: a copy holding this fork's values for the tensors replay recomputed (a cache's
+        keys and values after an edit upstream of them), else ``obj`` itself."""
+        entry = self._held.get(id(obj))
+        if entry is None or entry[0] is not obj:
+            return obj
+        current = dict(held_tensors(obj))
+        new = dict(current)
+        changed = False
+        for path, ref in entry[1]:
+            if ref is None or path not in current or self.stale_after(ref.index) is not None \
+                    or (ref.index not in self._values and self._substitution(ref.index) is None):
+                continue
+            v = self.seen_value(ref)
+            if v is not current[path]:
+                new[path] = v
+                changed = True
+        return replace_held(obj, new) if changed else obj
 
     @property
     def output_refs(self) -> list[Ref | None]:
