@@ -25,7 +25,7 @@ from conftest import (
 from torch import nn
 
 import torchlens as tl
-from torchlens.errors import InvalidArgumentError, ReplayNotExactError, SiteNotFoundError
+from torchlens.errors import InvalidArgumentError, ReplayNotExactError, SiteNotFoundError, ValueNotSavedError
 
 SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared"  # beside the repository root
 SEED_DIR = str(SHARED / "acceptance" / "seed_fences")
@@ -101,6 +101,29 @@ def test_a_forks_kv_cache_holds_the_edited_keys_and_values(name, request):
     length = parent.get_seq_length()
     got.update(got.layers[0].keys[..., :1, :], got.layers[0].values[..., :1, :], 0)
     assert got.get_seq_length() == length + 1 and parent.get_seq_length() == length
+
+
+def test_forking_a_save_trace_names_every_missing_op_at_once_and_re_execution(tiny_gpt2):
+    """A trace that kept only the blocks' outputs: one error lists every op the replay needs (keeping
+    exactly those makes it work, equal to a plain hook), and names model=, inputs= as the remedy."""
+    model, (ids,) = tiny_gpt2.model, tiny_gpt2.args
+    blocks = [tl.module("transformer.h.0"), tl.module("transformer.h.1")]
+    mlp = "transformer.h.0.mlp"
+    trace = tl.trace(model, ids, save=blocks)
+    fork = trace.fork()
+    for attempt in (lambda: fork.do(mlp, tl.zero_ablate()), lambda: trace.forks([(mlp, tl.zero_ablate())])):
+        with pytest.raises(ValueNotSavedError) as err:
+            attempt()
+        missing = err.value.missing
+        assert len(missing) > 1 and all(not trace[label].record.saved for label in missing)
+        assert all(repr(label) in str(err.value) for label in missing)
+        assert "model=model, inputs=x" in err.value.remedy
+        assert fork.recipe == [] and fork.edits == []
+    want = edited_forward(model, mlp, torch.zeros_like, (ids,))
+    kept = tl.trace(model, ids, save=[*blocks, *missing]).fork().do(mlp, tl.zero_ablate())  # one more try suffices
+    assert torch.allclose(kept.output.logits, want.logits, atol=ATOL)
+    real = fork.do(mlp, tl.zero_ablate(), model=model, inputs=ids)  # the remedy named first
+    assert torch.allclose(real.output.logits, want.logits, atol=ATOL)
 
 
 def test_replay_only_reexecutes_downstream_ops(gpt2_small, zoo_traces):

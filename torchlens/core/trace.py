@@ -63,6 +63,10 @@ class Trace(Graph, TraceActions):
             v = self._values[index] = v.resolve()  # built once, on the first read
         return v
 
+    def has_value(self, index: int) -> bool:
+        """Whether op ``index``'s output can be read here (kept by the capture, or a fork's own value)."""
+        return index in self._values or self.ops[index].saved
+
     def held_values(self) -> list[Any]:
         """What this trace keeps beyond its ops' recorded outputs (a fork's recomputed values; an
         unbuilt one as the tensors it holds), as they are: reading them builds nothing."""
