@@ -623,6 +623,21 @@ def tiny_mixtral() -> Case:
     return Case("tiny_mixtral", model, (torch.tensor([[5, 9, 17, 3, 44, 21, 8, 30]]),), block="model.layers.0")
 
 
+class GreedyDecoder(nn.Module):
+    """A user's greedy decoding loop around a language model: each new token is the argmax of the logits."""
+
+    def __init__(self, lm: nn.Module, n_new: int = 3) -> None:
+        super().__init__()
+        self.lm = lm
+        self.n_new = n_new
+
+    def forward(self, ids):
+        for _ in range(self.n_new):
+            logits = self.lm(ids).logits
+            ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        return ids
+
+
 class IfCNN(nn.Module):
     """A CNN whose forward takes a Python ``if`` on an activation's mean."""
 

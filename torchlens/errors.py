@@ -215,7 +215,8 @@ class RecipeError(TorchLensError):
 class RecipeFormatError(RecipeError, ValueError):
     """A .tlspec/ or saved trace on disk is malformed, hostile or from a newer format."""
 
-    remedy = "Re-save the recipe with this TorchLens version; never hand-edit the manifest."
+    remedy = ("Save it again with this TorchLens version (trace.save(path) for a trace, fork.save_intervention(path) "
+              "for a recipe); never hand-edit the manifest.")
 
 
 class FingerprintMismatchError(RecipeError):
@@ -233,7 +234,7 @@ class NotPortableError(RecipeError):
 class FormatVersionError(RecipeFormatError):
     """The save was written by a newer TorchLens in a format this version cannot read."""
 
-    remedy = "Upgrade TorchLens to the version named, or re-save with this one."
+    remedy = "Upgrade TorchLens to the version named, or save it again with this one."
 
 
 class UnsafePathError(RecipeFormatError):

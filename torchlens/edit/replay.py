@@ -28,7 +28,7 @@ from ..errors import (
     ValueNotSavedError,
 )
 from ._execute import EVAL_REMEDY, REEXECUTE, ROW_VIEWS, UNINITIALISED, execute, refuse_reason
-from ._guards import index_leaves, recompute_read, same_value, short
+from ._guards import changed_choice, index_leaves, recompute_read, same_value, short
 from ._regions import WHOLE, Corner, Plan, ReplayLog, RowPatch, Rows, diff_region, refine_corner, region_lookup, union
 from ._slicing import plan_op
 from .edits import AppliedEdit, EditContext, apply_edit, count_changed, land_edit
@@ -320,12 +320,8 @@ class Replayer:
         if op.flags & GUARD and op.saved:
             old, fresh = index_leaves(op.out), index_leaves(new)
             if len(old) != len(fresh) or not all(same_value(a, b) for a, b in zip(old, fresh)):
-                raise GuardChangedError(
-                    f"the edit changes the indices {op.func_name} chose at {op.source} (op {op.label}; e.g. which "
-                    f"experts a router picks): recorded {short(old[0] if old else None)}, now "
-                    f"{short(fresh[0] if fresh else None)}",
-                    op_label=op.label, source=op.source, guard=op.func_name, recorded=old, new=fresh,
-                )
+                raise GuardChangedError(changed_choice(fork, op, old, fresh), op_label=op.label, source=op.source,
+                                        guard=op.func_name, recorded=old, new=fresh)
         region = WHOLE if plan is None else plan.region
         if isinstance(region, Corner):  # did a causal mask leave the corner's extra block as it was?
             region = refine_corner(self._before(j), new, region)
