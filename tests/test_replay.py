@@ -17,6 +17,7 @@ from conftest import (
     DropoutNet,
     EarlyExitNet,
     ReshapeNet,
+    ReturnsState,
     assert_equal_tree,
     edited_forward,
     hook_reads,
@@ -101,6 +102,28 @@ def test_a_forks_kv_cache_holds_the_edited_keys_and_values(name, request):
     length = parent.get_seq_length()
     got.update(got.layers[0].keys[..., :1, :], got.layers[0].values[..., :1, :], 0)
     assert got.get_seq_length() == length + 1 and parent.get_seq_length() == length
+
+
+def test_a_held_state_replay_cannot_rebuild_is_withheld_not_stale():
+    """An object the model returns beside its output (as a cache): a fork holds its replayed tensor; when an
+    in-place write through a view made the recorded op not describe it, reading it raises, naming why."""
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = ReturnsState().eval()
+    fork = tl.trace(model, x).fork().do("fc1", tl.scale(2.0))
+    want = edited_forward(model, "fc1", lambda o: o * 2, (x,))
+    assert torch.allclose(fork.output[1].t, want[1].t, atol=1e-6)
+    torch.manual_seed(0)
+    model = ReturnsState(overwrite=True).eval()
+    trace = tl.trace(model, x)
+    fork = trace.fork().do("fc1", tl.scale(2.0))
+    want = edited_forward(model, "fc1", lambda o: o * 2, (x,))
+    assert torch.allclose(fork.output[0], want[0], atol=1e-6)  # the rest of the output is there
+    with pytest.raises(ReplayNotExactError, match="cannot give its HeldState: its t comes from op linear_2") as err:
+        _ = fork.output[1].t
+    assert "model=model, inputs=x" in err.value.remedy
+    real = trace.fork().do("fc1", tl.scale(2.0), model=model, inputs=x)  # the remedy
+    assert torch.allclose(real.output[1].t, want[1].t, atol=1e-6)
 
 
 def test_forking_a_save_trace_names_every_missing_op_at_once_and_re_execution(tiny_gpt2):

@@ -406,12 +406,14 @@ class Graph:
         ids still name them: a fork's output holds its own values there (``Trace.held_now``)."""
         held: dict[int, tuple[Any, list[tuple[tuple, Ref | None]]]] = {}
         end = len(self.ops)
-        for leaf in flatten(output)[0]:
-            if isinstance(leaf, torch.Tensor) or id(leaf) in held:
-                continue
-            refs = [(path, self.producer_ref(t, end)) for path, t in held_tensors(leaf)]
-            if any(ref is not None for _, ref in refs):
-                held[id(leaf)] = (leaf, refs)
+        # the model output, and module outputs that are not a bare tensor (a base model returning the cache)
+        for value in (output, *(c._out for c in self.calls if c._out is not None and type(c._out) is not torch.Tensor)):
+            for leaf in flatten(value)[0]:
+                if leaf is None or isinstance(leaf, (torch.Tensor, int, float, bool, str)) or id(leaf) in held:
+                    continue
+                refs = [(path, self.producer_ref(t, end)) for path, t in held_tensors(leaf)]
+                if any(ref is not None for _, ref in refs):
+                    held[id(leaf)] = (leaf, refs)
         self._held = held
 
     def record_data_read(self, position: int, ref: Ref | None, code: Any, lineno: int, name: str, *,

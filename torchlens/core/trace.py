@@ -21,6 +21,7 @@ from ..errors import (
     AmbiguousSiteError,
     EmptySelectionError,
     InvalidArgumentError,
+    ReplayNotExactError,
     SiteNotFoundError,
     TooManySitesError,
 )
@@ -32,7 +33,7 @@ from .selectors import Label, Selector, as_selector, split_pass
 from .services import services
 from .sites import ModuleSites, Site, Sites
 from .steps import REPLAY, Step
-from .tree import Pending, flatten, held_tensors, replace_held, unflatten
+from .tree import Pending, Withheld, flatten, held_tensors, replace_held, unflatten
 
 __all__ = ["DataRead", "Fork", "ForkState", "Trace"]
 
@@ -215,9 +216,16 @@ class Trace(Graph, TraceActions):
         new = dict(current)
         changed = False
         for path, ref in entry[1]:
-            if ref is None or path not in current or self.stale_after(ref.index) is not None \
-                    or (ref.index not in self._values and self._substitution(ref.index) is None):
+            if ref is None or path not in current or (ref.index not in self._values
+                                                      and self._substitution(ref.index) is None):
                 continue
+            if self.stale_after(ref.index) is not None:  # memory written again through a view: not op's value
+                return Withheld(obj, ReplayNotExactError(
+                    f"this fork cannot give its {type(obj).__name__}: its {'.'.join(str(key) for _, key in path)} "
+                    f"comes from op {self.ops[ref.index].label}, whose memory an in-place op overwrote through a "
+                    "view before the model returned, so replay cannot rebuild it, and the recorded one is stale",
+                    op_label=self.ops[ref.index].label,
+                    remedy="Re-execute the real forward: fork.do(site, edit, model=model, inputs=x)."))
             v = self.seen_value(ref)
             if v is not current[path]:
                 new[path] = v

@@ -14,8 +14,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 __all__ = [
-    "Pending", "clone_value", "describe_shape", "first_tensor", "flatten", "held_tensors", "replace_held",
-    "tensor_leaves", "unflatten", "unflatten_call",
+    "Pending", "Withheld", "clone_value", "describe_shape", "first_tensor", "flatten", "held_tensors",
+    "replace_held", "tensor_leaves", "unflatten", "unflatten_call",
 ]
 
 Tensor = torch.Tensor
@@ -166,3 +166,29 @@ def replace_held(value: Any, new: dict[tuple, Any]) -> Any:
         return out
 
     return rebuilt(value, ())
+
+
+class Withheld:
+    """Stands where a fork cannot give an object's edited contents (a KV cache whose tensors replay cannot
+    rebuild): reading anything of it raises ``error``, which says why, instead of handing out stale values."""
+
+    __slots__ = ("kind", "error")
+
+    def __init__(self, obj: Any, error: Exception) -> None:
+        self.kind = type(obj).__name__
+        self.error = error
+
+    def __getattr__(self, name: str) -> Any:
+        raise self.error
+
+    def __getitem__(self, key: Any) -> Any:
+        raise self.error
+
+    def __iter__(self) -> Any:
+        raise self.error
+
+    def __len__(self) -> int:
+        raise self.error
+
+    def __repr__(self) -> str:
+        return f"<withheld {self.kind}: {self.error.args[0].splitlines()[0]}>"
