@@ -452,7 +452,6 @@ class Graph:
             return
         self.set_output(output, output_refs if output_refs is not None else
                         self.refs_for_value(output, len(self.ops))[0])
-        self.note_held(output)
         if save is not None:
             self.ensure_graph()
             matched = save.match(self)
@@ -470,6 +469,7 @@ class Graph:
                     call._out = None
             for op in self.ops:
                 op.args = op.kwargs = None
+        self.note_held(output)  # after save= dropped module outputs: only the kept ones are scanned
         self._defer_output()
 
     def _defer_output(self) -> None:
