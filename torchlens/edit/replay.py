@@ -138,8 +138,9 @@ def unsaved_for_replay(fork, step: Step, first: ValueNotSavedError) -> ValueNotS
         if read.position >= start and any(r.index in changed for r in read.refs):
             need.update(r.index for r in read.refs if r.index not in changed)
     missing = [ops[i].label for i in sorted(need) if not fork.has_value(i)]
-    if first.site not in missing:
-        missing.append(first.site)
+    site = getattr(first, "site", None)
+    if isinstance(site, str) and site not in missing:  # a read the walk above did not foresee
+        missing.append(site)
     shown = ", ".join(repr(m) for m in missing[:12]) + (f" and {len(missing) - 12} more" if len(missing) > 12 else "")
     return ValueNotSavedError(
         f"replaying {step.site.describe()} needs the values of {len(missing)} op(s) this trace did not keep "
