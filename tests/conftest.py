@@ -641,6 +641,47 @@ def tiny_mixtral() -> Case:
     return Case("tiny_mixtral", model, (torch.tensor([[5, 9, 17, 3, 44, 21, 8, 30]]),), block="model.layers.0")
 
 
+class HeldState:
+    """What a model may return beside its output, like a KV cache: an object pytree does not open,
+    holding a tensor as an attribute."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+class ReturnsState(nn.Module):
+    """Returns ``(output, HeldState(state))``; with ``overwrite`` part of the state is zeroed in place
+    through a view after the op that made it."""
+
+    def __init__(self, overwrite: bool = False) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 4)
+        self.fc2 = nn.Linear(4, 4)
+        self.overwrite = overwrite
+
+    def forward(self, x):
+        h = self.fc1(x)
+        state = self.fc2(h)
+        if self.overwrite:
+            state[:, :1].zero_()
+        return h.sum(-1), HeldState(state)
+
+
+class GreedyDecoder(nn.Module):
+    """A user's greedy decoding loop around a language model: each new token is the argmax of the logits."""
+
+    def __init__(self, lm: nn.Module, n_new: int = 3) -> None:
+        super().__init__()
+        self.lm = lm
+        self.n_new = n_new
+
+    def forward(self, ids):
+        for _ in range(self.n_new):
+            logits = self.lm(ids).logits
+            ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        return ids
+
+
 class IfCNN(nn.Module):
     """A CNN whose forward takes a Python ``if`` on an activation's mean."""
 

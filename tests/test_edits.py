@@ -14,7 +14,7 @@ from torch.overrides import TorchFunctionMode
 
 import torchlens as tl
 from torchlens.core.records import ModuleCall, Op
-from torchlens.errors import EditNotAppliedError, EditShapeError, InvalidArgumentError
+from torchlens.errors import EditDtypeError, EditNotAppliedError, EditShapeError, InvalidArgumentError
 
 
 class FuncEditMode(TorchFunctionMode):
@@ -78,6 +78,36 @@ def test_function_edit_returning_a_wrong_shape_is_refused(small_mlp, mlp_input):
     with pytest.raises(EditShapeError) as err:
         tl.trace(small_mlp, mlp_input, intervene=tl.when("act", lambda a: a[:, :4]))
     assert "(3, 4)" in str(err.value) and "(3, 6)" in str(err.value)
+
+
+@pytest.mark.parametrize("site", ["act", "relu_1"])
+def test_function_edit_returning_another_dtype_is_refused_on_every_path(small_mlp, mlp_input, tiny_gpt2, site):
+    """float64 from a float32 model: a typed error naming the site and both dtypes, before any work is
+    lost (model clean, fork unchanged), on capture, replay, stacked forks and re-execution."""
+    before = hook_state(small_mlp)
+    trace = tl.trace(small_mlp, mlp_input)
+    fork = trace.fork()
+    calls = {
+        "capture": lambda: tl.trace(small_mlp, mlp_input, intervene=tl.when(site, lambda a: a.double())),
+        "replay": lambda: fork.do(site, lambda a: a.double()),
+        "forks": lambda: trace.forks([(site, lambda a: a.double())]),
+        "re-execution": lambda: fork.do(site, lambda a: a.double(), model=small_mlp, inputs=mlp_input),
+    }
+    for path, call in calls.items():
+        with pytest.raises(EditDtypeError) as err:
+            call()
+        assert (err.value.expected_dtype, err.value.given_dtype) == (torch.float32, torch.float64), path
+        assert "torch.float64" in str(err.value) and "torch.float32" in str(err.value) and site in str(err.value)
+        assert ".to(activation.dtype)" in err.value.remedy
+        assert_model_clean(small_mlp, before)
+        assert fork.recipe == [] and fork.edits == [] and torch.equal(fork.output, trace.output), path
+    # the remedy works: computed in float64, returned as the activation's dtype
+    fixed = fork.do("act", lambda a: (a.double() * 3).to(a.dtype))
+    assert torch.allclose(fixed.output, edited_forward(small_mlp, "act", lambda o: o * 3, (mlp_input,)), atol=1e-6)
+    # a structured output: the tensor of the tuple that changed dtype is named
+    model, (ids,) = tiny_gpt2.model, tiny_gpt2.args
+    with pytest.raises(EditDtypeError, match="tensor 0 of the output"):
+        tl.trace(model, ids).fork().do("transformer.h.0", lambda out: (out[0].double(), *out[1:]))
 
 
 def test_an_edit_that_is_not_an_edit_is_refused():

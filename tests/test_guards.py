@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import BranchyNet, DropoutNet, EarlyExitNet, IfCNN, edited_forward
+from conftest import BranchyNet, DropoutNet, EarlyExitNet, GreedyDecoder, IfCNN, edited_forward
 
 import torchlens as tl
 from torchlens.errors import GuardChangedError, ReplayFellBack, ReplayNotExactError
@@ -88,6 +88,8 @@ def test_moe_edit_that_flips_routing_is_refused_in_strict_mode(mixtral):
     with pytest.raises(GuardChangedError) as err:
         fork.do(SITE, tl.scale(FLIP), replay="strict")
     assert "topk" in str(err.value) and "modeling_mixtral.py" in err.value.source
+    assert "which experts the router at model.layers.0.mlp.gate picks" in err.value.message  # the thing at hand
+    assert "token" not in err.value.message
     assert "fallback" in err.value.remedy
     assert fork.recipe == [] and fork.edits == [] and torch.equal(fork.output.logits, trace.output.logits)
 
@@ -102,6 +104,25 @@ def test_moe_edit_that_flips_routing_falls_back_to_the_real_forward(mixtral):
     # the fork is a real capture of the new path: further edits replay on it
     more = fork.do("model.layers.1.mlp", tl.scale(1.0), replay="strict")
     assert torch.allclose(more.output.logits, want, atol=1e-5)
+
+
+def test_a_changed_greedy_token_is_named_as_the_generated_token(tiny_gpt2):
+    """An edit that changes which token a decoding loop's argmax picks: the refusal names the generated
+    token (not a router), with the recorded and new token ids; the fallback generates for real."""
+    decoder, ids = GreedyDecoder(tiny_gpt2.model), torch.tensor([[1, 2, 3, 4]])
+    trace = tl.trace(decoder, ids)
+    site = "lm.transformer.h.1.mlp:1"
+    want = edited_forward(decoder, "lm.transformer.h.1.mlp", lambda o: o * 20, (ids,), pass_index=1)
+    assert not torch.equal(want, trace.output)  # the premise: the edit changes a generated token
+    with pytest.raises(GuardChangedError) as err:
+        trace.fork().do(site, tl.scale(20.0), replay="strict")
+    first = int(trace.output[0, 4])
+    assert err.value.message.startswith("the edit changes the generated token (argmax at ")
+    assert f"recorded tensor(1, 1) [{first}], now tensor(1, 1) [{int(want[0, 4])}]" in err.value.message
+    assert "expert" not in err.value.message
+    with pytest.warns(ReplayFellBack):
+        fork = trace.fork().do(site, tl.scale(20.0), replay="fallback")
+    assert torch.equal(fork.output, want)
 
 
 def test_validate_is_ok_on_moe_with_guards_as_notes(mixtral):

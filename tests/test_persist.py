@@ -331,6 +331,26 @@ def test_truncated_and_corrupted_tensor_files(saved, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_a_save_that_does_not_load_says_to_save_that_kind_again(saved, kind):
+    """A corrupted trace is to be saved again as a trace (trace.save), a recipe as a recipe."""
+    path, load = saved[kind]
+    other = {"trace": "recipe", "recipe": "trace"}[kind]
+    how = {"trace": "trace.save(path)", "recipe": "fork.save_intervention(path)"}[kind]
+    data = (path / "tensors.safetensors").read_bytes()
+    (path / "tensors.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(RecipeFormatError) as err:
+        load(path)
+    assert err.value.remedy.startswith(f"Save the {kind} again with {how}") and other not in err.value.remedy
+    assert str(err.value).endswith(err.value.remedy)
+    m = manifest_of(path)
+    m["format_version"] = persist.FORMAT_VERSION + 1
+    rewrite(path, m)
+    with pytest.raises(FormatVersionError) as err:
+        load(path)
+    assert f"save the {kind} again" in err.value.remedy and other not in err.value.remedy
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_missing_and_extra_tensor_names(saved, kind):
     path, load = saved[kind]
     m = manifest_of(path)

@@ -15,7 +15,9 @@ import torch
 from conftest import (
     BranchyNet,
     DropoutNet,
+    EarlyExitNet,
     ReshapeNet,
+    ReturnsState,
     assert_equal_tree,
     edited_forward,
     hook_reads,
@@ -24,7 +26,7 @@ from conftest import (
 from torch import nn
 
 import torchlens as tl
-from torchlens.errors import InvalidArgumentError, ReplayNotExactError, SiteNotFoundError
+from torchlens.errors import InvalidArgumentError, ReplayNotExactError, SiteNotFoundError, ValueNotSavedError
 
 SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared"  # beside the repository root
 SEED_DIR = str(SHARED / "acceptance" / "seed_fences")
@@ -68,6 +70,83 @@ def test_replay_equals_re_execution_for_block_edits(name, request, zoo_traces):
         if len(outs) == 1 and addr:
             assert_equal_tree(replayed[addr].out, outs[0], atol=ATOL, what=f"{name}:{addr}")
     assert [e.label for e in replayed.edits] == [address]
+
+
+@pytest.mark.parametrize("name", ["tiny_gpt2", "tiny_llama"])
+def test_a_forks_kv_cache_holds_the_edited_keys_and_values(name, request):
+    """``fork.output.past_key_values`` after an MLP ablation at layer 0: every key and value equals the
+    cache of a forward with the same edit done by a plain hook, and growing it leaves the trace's alone."""
+    case = request.getfixturevalue(name)
+    model, (ids,) = case.model, case.args
+    mlp = f"{case.block}.mlp"
+    trace = tl.trace(model, ids, use_cache=True)
+    fork = trace.fork().do(mlp, tl.zero_ablate())
+    handle = model.get_submodule(mlp).register_forward_hook(lambda m, i, o: torch.zeros_like(o))
+    try:
+        with torch.no_grad():
+            want = model(ids, use_cache=True)
+    finally:
+        handle.remove()
+    with torch.no_grad():
+        plain = model(ids, use_cache=True).past_key_values
+    got, parent = fork.output.past_key_values, trace.output.past_key_values
+    base = fork[case.block.rsplit(".", 2)[0]].out.past_key_values  # transformer / model: returns the cache too
+    assert torch.allclose(fork.output.logits, want.logits, atol=ATOL)
+    assert len(got.layers) == len(want.past_key_values.layers) == 2
+    for i, layer in enumerate(want.past_key_values.layers):
+        for kind in ("keys", "values"):
+            for cache in (got, base):
+                assert torch.allclose(getattr(cache.layers[i], kind), getattr(layer, kind), atol=ATOL), (i, kind)
+            assert torch.equal(getattr(parent.layers[i], kind), getattr(plain.layers[i], kind))  # parent's as it was
+    assert not torch.allclose(got.layers[1].keys, parent.layers[1].keys, atol=ATOL)  # the edit reached the cache
+    length = parent.get_seq_length()
+    got.update(got.layers[0].keys[..., :1, :], got.layers[0].values[..., :1, :], 0)
+    assert got.get_seq_length() == length + 1 and parent.get_seq_length() == length
+
+
+def test_a_held_state_replay_cannot_rebuild_is_withheld_not_stale():
+    """An object the model returns beside its output (as a cache): a fork holds its replayed tensor; when an
+    in-place write through a view made the recorded op not describe it, reading it raises, naming why."""
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = ReturnsState().eval()
+    fork = tl.trace(model, x).fork().do("fc1", tl.scale(2.0))
+    want = edited_forward(model, "fc1", lambda o: o * 2, (x,))
+    assert torch.allclose(fork.output[1].t, want[1].t, atol=1e-6)
+    torch.manual_seed(0)
+    model = ReturnsState(overwrite=True).eval()
+    trace = tl.trace(model, x)
+    fork = trace.fork().do("fc1", tl.scale(2.0))
+    want = edited_forward(model, "fc1", lambda o: o * 2, (x,))
+    assert torch.allclose(fork.output[0], want[0], atol=1e-6)  # the rest of the output is there
+    with pytest.raises(ReplayNotExactError, match="cannot give its HeldState: its t comes from op linear_2") as err:
+        _ = fork.output[1].t
+    assert "model=model, inputs=x" in err.value.remedy
+    real = trace.fork().do("fc1", tl.scale(2.0), model=model, inputs=x)  # the remedy
+    assert torch.allclose(real.output[1].t, want[1].t, atol=1e-6)
+
+
+def test_forking_a_save_trace_names_every_missing_op_at_once_and_re_execution(tiny_gpt2):
+    """A trace that kept only the blocks' outputs: one error lists every op the replay needs (keeping
+    exactly those makes it work, equal to a plain hook), and names model=, inputs= as the remedy."""
+    model, (ids,) = tiny_gpt2.model, tiny_gpt2.args
+    blocks = [tl.module("transformer.h.0"), tl.module("transformer.h.1")]
+    mlp = "transformer.h.0.mlp"
+    trace = tl.trace(model, ids, save=blocks)
+    fork = trace.fork()
+    for attempt in (lambda: fork.do(mlp, tl.zero_ablate()), lambda: trace.forks([(mlp, tl.zero_ablate())])):
+        with pytest.raises(ValueNotSavedError) as err:
+            attempt()
+        missing = err.value.missing
+        assert len(missing) > 1 and all(not trace[label].record.saved for label in missing)
+        assert all(repr(label) in str(err.value) for label in missing)
+        assert "model=model, inputs=x" in err.value.remedy
+        assert fork.recipe == [] and fork.edits == []
+    want = edited_forward(model, mlp, torch.zeros_like, (ids,))
+    kept = tl.trace(model, ids, save=[*blocks, *missing]).fork().do(mlp, tl.zero_ablate())  # one more try suffices
+    assert torch.allclose(kept.output.logits, want.logits, atol=ATOL)
+    real = fork.do(mlp, tl.zero_ablate(), model=model, inputs=ids)  # the remedy named first
+    assert torch.allclose(real.output.logits, want.logits, atol=ATOL)
 
 
 def test_replay_only_reexecutes_downstream_ops(gpt2_small, zoo_traces):
@@ -130,6 +209,34 @@ def test_replay_at_op_level_sites(shared_twice):
     assert torch.allclose(fork.output, edited_forward(model, "block.1", lambda o: o * 2, (x,)), atol=1e-6)
     captured = tl.trace(model, x, intervene=tl.when(tl.func("tanh"), tl.scale(2.0)))
     assert torch.allclose(fork.output, captured.output, atol=1e-6)
+
+
+def test_a_multi_pass_module_keeps_its_pass_labels_on_every_fork_path(shared_twice):
+    """Trace, replayed fork, re-executed fork and a guard fallback name each pass alike (``block:2``)."""
+    model, (x,) = shared_twice.model, shared_twice.args
+    trace = tl.trace(model, x)
+    replayed = trace.fork().do("inp", tl.scale(2.0))
+    reexecuted = trace.fork().do("inp", tl.scale(2.0), model=model, inputs=x)
+    want = [c.label for c in trace.modules]
+    assert want[:3] == ["", "inp", "block:1"]
+    for fork in (replayed, reexecuted):
+        assert fork.find_sites(tl.module("block")).labels == ["block:1", "block:2"]
+        assert [c.label for c in fork.modules] == want
+        assert fork.ops[-1].parents == trace.ops[-1].parents  # its records still know their trace
+    reads, _ = hook_reads(model, (x,))
+    assert torch.allclose(trace["block:2"].out, reads["block"][1])
+    with_edit = edited_forward(model, "inp", lambda o: o * 2, (x,))
+    assert torch.allclose(reexecuted.output, with_edit, atol=1e-6)
+    assert torch.allclose(reexecuted["block:2"].out, replayed["block:2"].out, atol=1e-6)
+    # a changed guard that falls back to re-execution: labelled as a capture of the edited run is
+    torch.manual_seed(1)
+    early, x = EarlyExitNet().eval(), torch.randn(1, 8)
+    with pytest.warns(tl.errors.ReplayFellBack):
+        fallback = tl.trace(early, x).fork().do("layers.0", tl.scale(3.0), replay="fallback")
+    captured = tl.trace(early, x, intervene=tl.when("layers.0", tl.scale(3.0)))
+    assert len(captured.calls_of("exit")) > 1
+    assert [c.label for c in fallback.modules] == [c.label for c in captured.modules]
+    assert fallback.find_sites(tl.module("exit")).labels == captured.find_sites(tl.module("exit")).labels
 
 
 def test_edit_of_the_last_module_reaches_the_output(small_mlp, mlp_input):

@@ -11,7 +11,7 @@ from typing import Any
 
 __all__ = [
     "AmbiguousSiteError", "AmbiguousTokenError", "CaptureError", "CaptureMemoryError", "DatasetError",
-    "DatasetFormatError", "DatasetRowError", "DrawingScaledDown", "EditError", "EditHadNoEffect",
+    "DatasetFormatError", "DatasetRowError", "DrawingScaledDown", "EditDtypeError", "EditError", "EditHadNoEffect",
     "EditHadNoEffectError", "EditNotAppliedError", "EditShapeError", "EmptySelectionError", "FacetReadOnlyError",
     "FingerprintMismatchError", "FormatVersionError", "FunctionsNotResolved", "FusedKernelError",
     "GraphvizNotFoundError", "GuardChangedError", "InvalidArgumentError", "JobMismatchError", "LegacyArgumentError",
@@ -140,6 +140,12 @@ class EditShapeError(EditError, ValueError):
     remedy = "Give a tensor whose shape broadcasts to the activation's shape, or use a function edit."
 
 
+class EditDtypeError(EditError, TypeError):
+    """A function edit returned a value of another dtype than the activation it replaces."""
+
+    remedy = "End the edit with .to(activation.dtype) (compute in another dtype inside it if you need to)."
+
+
 class EditNotAppliedError(EditError):
     """An edit's site never fired during the forward, so nothing was edited."""
 
@@ -209,7 +215,8 @@ class RecipeError(TorchLensError):
 class RecipeFormatError(RecipeError, ValueError):
     """A .tlspec/ or saved trace on disk is malformed, hostile or from a newer format."""
 
-    remedy = "Re-save the recipe with this TorchLens version; never hand-edit the manifest."
+    remedy = ("Save it again with this TorchLens version (trace.save(path) for a trace, fork.save_intervention(path) "
+              "for a recipe); never hand-edit the manifest.")
 
 
 class FingerprintMismatchError(RecipeError):
@@ -227,7 +234,7 @@ class NotPortableError(RecipeError):
 class FormatVersionError(RecipeFormatError):
     """The save was written by a newer TorchLens in a format this version cannot read."""
 
-    remedy = "Upgrade TorchLens to the version named, or re-save with this one."
+    remedy = "Upgrade TorchLens to the version named, or save it again with this one."
 
 
 class UnsafePathError(RecipeFormatError):

@@ -19,7 +19,7 @@ from ..errors import ReplayNotExactError, ValueNotSavedError
 from .records import GUARD, INPUT, Deferred, ModuleCall, Op, Ref
 from .selectors import Selector
 from .steps import Step
-from .tree import flatten, unflatten
+from .tree import flatten, held_tensors, unflatten
 
 __all__ = ["MISSING", "DataRead", "Graph"]
 
@@ -124,6 +124,9 @@ class Graph:
         self._output_raw: Any = None
         self._output_refs: list[Ref | None] = []
         self._output_deferred = False  # output tensors are read through their ops (kept on disk)
+        # id(object) -> (object, [(path, Ref | None)]): the tensors an object of the output that flatten keeps
+        # whole (a KV cache) holds, and the ops that produced them (see note_held)
+        self._held: dict[int, tuple[Any, list[tuple[tuple, Ref | None]]]] = {}
         self._graph_ready = False
         self._values: dict[int, Any] = {}
         self._stale: dict[int, int] = {}  # op index -> position after which its memory was overwritten
@@ -336,6 +339,13 @@ class Graph:
         else:
             same.append(call)
 
+    def take_records(self) -> None:
+        """Point every op and module call at this trace: a fork that became a re-executed capture
+        owns that capture's records (the capture itself is dropped, and records link weakly)."""
+        ref = weakref.ref(self)
+        for record in (*self.ops, *self.calls):
+            record._trace_ref = ref
+
     def passes_of(self, address: str) -> int:
         """How many calls of the module at ``address`` were recorded (``ModuleCall.n_passes``)."""
         return len(self._calls_by_address.get(address, ()))
@@ -390,6 +400,22 @@ class Graph:
         refs = [self.producer_ref(leaf, before) if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
         return refs, spec
 
+    def note_held(self, output: Any) -> None:
+        """Note the ops that produced the tensors held inside objects of ``output`` that ``flatten``
+        keeps whole (a KV cache's keys and values, made by ``cat`` or an in-place update), while the
+        ids still name them: a fork's output holds its own values there (``Trace.held_now``)."""
+        held: dict[int, tuple[Any, list[tuple[tuple, Ref | None]]]] = {}
+        end = len(self.ops)
+        # the model output, and module outputs that are not a bare tensor (a base model returning the cache)
+        for value in (output, *(c._out for c in self.calls if c._out is not None and type(c._out) is not torch.Tensor)):
+            for leaf in flatten(value)[0]:
+                if leaf is None or isinstance(leaf, (torch.Tensor, int, float, bool, str)) or id(leaf) in held:
+                    continue
+                refs = [(path, self.producer_ref(t, end)) for path, t in held_tensors(leaf)]
+                if any(ref is not None for _, ref in refs):
+                    held[id(leaf)] = (leaf, refs)
+        self._held = held
+
     def record_data_read(self, position: int, ref: Ref | None, code: Any, lineno: int, name: str, *,
                          func: Any = None, args_spec: Any = None, seen: Any = None) -> None:
         """Note a read of tensor data into Python made before op ``position`` (a guard)."""
@@ -443,6 +469,7 @@ class Graph:
                     call._out = None
             for op in self.ops:
                 op.args = op.kwargs = None
+        self.note_held(output)  # after save= dropped module outputs: only the kept ones are scanned
         self._defer_output()
 
     def _defer_output(self) -> None:

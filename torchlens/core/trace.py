@@ -21,6 +21,7 @@ from ..errors import (
     AmbiguousSiteError,
     EmptySelectionError,
     InvalidArgumentError,
+    ReplayNotExactError,
     SiteNotFoundError,
     TokenizerRequiredError,
     TooManySitesError,
@@ -34,7 +35,7 @@ from .services import services
 from .sites import ModuleSites, Site, Sites
 from .steps import REPLAY, Step
 from .text import decode_tokens, input_ids_of, token_position
-from .tree import Pending, flatten, unflatten
+from .tree import Pending, Withheld, flatten, held_tensors, replace_held, unflatten
 
 __all__ = ["DataRead", "Fork", "ForkState", "Trace"]
 
@@ -64,6 +65,10 @@ class Trace(Graph, TraceActions):
         if not pending_ok and isinstance(v, Pending):
             v = self._values[index] = v.resolve()  # built once, on the first read
         return v
+
+    def has_value(self, index: int) -> bool:
+        """Whether op ``index``'s output can be read here (kept by the capture, or a fork's own value)."""
+        return index in self._values or self.ops[index].saved
 
     def held_values(self) -> list[Any]:
         """What this trace keeps beyond its ops' recorded outputs (a fork's recomputed values; an
@@ -167,6 +172,10 @@ class Trace(Graph, TraceActions):
         changed = False
         for i, ref in enumerate(call.out_refs):
             if ref is None:
+                if self._held and id(raw_leaves[i]) in self._held:
+                    v = self.held_now(raw_leaves[i])
+                    changed = changed or v is not raw_leaves[i]
+                    raw_leaves[i] = v
                 continue
             v = self.seen_value(ref, call)
             if v is not raw_leaves[i]:
@@ -194,7 +203,36 @@ class Trace(Graph, TraceActions):
             # the recorded op does not describe what was returned, the returned tensor does.
             if ref is not None and self.stale_after(ref.index) is None:
                 leaves[i] = self.seen_value(ref)
+            elif ref is None and self._held and id(leaves[i]) in self._held:
+                leaves[i] = self.held_now(leaves[i])
         return unflatten(leaves, spec)
+
+    def held_now(self, obj: Any) -> Any:
+        """``obj``, an object of the model output that ``flatten`` keeps whole (a KV cache), as this
+        trace has it: a copy holding this fork's values for the tensors replay recomputed (a cache's
+        keys and values after an edit upstream of them), else ``obj`` itself."""
+        entry = self._held.get(id(obj))
+        if entry is None or entry[0] is not obj:
+            return obj
+        current = dict(held_tensors(obj))
+        new = dict(current)
+        changed = False
+        for path, ref in entry[1]:
+            if ref is None or path not in current or (ref.index not in self._values
+                                                      and self._substitution(ref.index) is None):
+                continue
+            if self.stale_after(ref.index) is not None:  # memory written again through a view: not op's value
+                return Withheld(obj, ReplayNotExactError(
+                    f"this fork cannot give its {type(obj).__name__}: its {'.'.join(str(key) for _, key in path)} "
+                    f"comes from op {self.ops[ref.index].label}, whose memory an in-place op overwrote through a "
+                    "view before the model returned, so replay cannot rebuild it, and the recorded one is stale",
+                    op_label=self.ops[ref.index].label,
+                    remedy="Re-execute the real forward: fork.do(site, edit, model=model, inputs=x)."))
+            v = self.seen_value(ref)
+            if v is not current[path]:
+                new[path] = v
+                changed = True
+        return replace_held(obj, new) if changed else obj
 
     @property
     def output_refs(self) -> list[Ref | None]:
@@ -574,6 +612,7 @@ class Fork(Trace):
         """Become ``fresh`` (a re-executed capture) while staying this fork of the same parent."""
         parent, name = self.parent, self.name
         self._share(fresh)
+        self.take_records()  # else they point at ``fresh``, gone once this returns (labels lost their pass)
         self.parent, self.name = parent, name
         self.steps = list(parent.steps)
         self.recipe = list(recipe)

@@ -6,14 +6,16 @@ outputs are taken apart and rebuilt the same way everywhere.
 
 from __future__ import annotations
 
+import copy
+import types
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
 __all__ = [
-    "Pending", "clone_value", "describe_shape", "first_tensor", "flatten", "tensor_leaves", "unflatten",
-    "unflatten_call",
+    "Pending", "Withheld", "clone_value", "describe_shape", "first_tensor", "flatten", "held_tensors",
+    "replace_held", "tensor_leaves", "unflatten", "unflatten_call",
 ]
 
 Tensor = torch.Tensor
@@ -94,3 +96,99 @@ def describe_shape(value: Any) -> Any:
     if len(leaves) == 1:
         return tuple(leaves[0].shape)
     return tuple(tuple(t.shape) for t in leaves)
+
+
+# How deep held_tensors looks inside an object flatten keeps whole: an encoder-decoder cache holds
+# its tensors four steps down (self_attention_cache, layers, 0, keys).
+_HELD_DEPTH = 5
+_NOT_WALKED = (torch.nn.Module, type, types.FunctionType, types.MethodType, types.ModuleType, torch.dtype,
+               torch.device, str, bytes)
+
+
+def held_tensors(value: Any) -> list[tuple[tuple, Tensor]]:
+    """The tensors an object ``flatten`` keeps whole holds (a KV cache: its layers' keys and
+    values), each with its path: ``("a", name)`` an attribute, ``("i", key)`` an item of a list,
+    tuple or dict. Empty for a tensor, a number or an object holding no tensor."""
+    found: list[tuple[tuple, Tensor]] = []
+    seen: set[int] = set()
+
+    def walk(node: Any, path: tuple) -> None:
+        if isinstance(node, Tensor):
+            found.append((path, node))
+            return
+        if len(path) >= _HELD_DEPTH or id(node) in seen or isinstance(node, _NOT_WALKED):
+            return
+        seen.add(id(node))
+        if isinstance(node, (list, tuple)):
+            items: Any = enumerate(node)
+        elif isinstance(node, dict):
+            items = node.items()
+        else:
+            attrs = getattr(node, "__dict__", None)
+            if not attrs:
+                return
+            for name, child in attrs.items():
+                walk(child, (*path, ("a", name)))
+            return
+        for key, child in items:
+            walk(child, (*path, ("i", key)))
+
+    if not isinstance(value, Tensor) and value is not None and not isinstance(value, (int, float, bool, complex)):
+        walk(value, ())
+    return found
+
+
+def replace_held(value: Any, new: dict[tuple, Any]) -> Any:
+    """A copy of ``value`` with the tensor at each path of ``new`` (paths as :func:`held_tensors`
+    gives them) replaced by ``new[path]``. Every object and container on a path is copied, so the
+    copy and ``value`` share tensors only: growing one (a cache's ``update``) never grows the other."""
+    memo: dict[int, Any] = {}
+
+    def rebuilt(node: Any, at: tuple) -> Any:
+        if at in new:
+            return new[at]
+        if id(node) in memo:
+            return memo[id(node)]
+        steps = list(dict.fromkeys(p[len(at)] for p in new if len(p) > len(at) and p[:len(at)] == at))
+        if isinstance(node, tuple):
+            items = list(node)
+            for kind, key in steps:
+                items[key] = rebuilt(node[key], (*at, (kind, key)))
+            out = type(node)(*items) if hasattr(node, "_fields") else type(node)(items)
+        else:
+            out = copy.copy(node)
+            for kind, key in steps:
+                if kind == "a":
+                    setattr(out, key, rebuilt(getattr(node, key), (*at, (kind, key))))
+                else:
+                    out[key] = rebuilt(node[key], (*at, (kind, key)))
+        memo[id(node)] = out
+        return out
+
+    return rebuilt(value, ())
+
+
+class Withheld:
+    """Stands where a fork cannot give an object's edited contents (a KV cache whose tensors replay cannot
+    rebuild): reading anything of it raises ``error``, which says why, instead of handing out stale values."""
+
+    __slots__ = ("kind", "error")
+
+    def __init__(self, obj: Any, error: Exception) -> None:
+        self.kind = type(obj).__name__
+        self.error = error
+
+    def __getattr__(self, name: str) -> Any:
+        raise self.error
+
+    def __getitem__(self, key: Any) -> Any:
+        raise self.error
+
+    def __iter__(self) -> Any:
+        raise self.error
+
+    def __len__(self) -> int:
+        raise self.error
+
+    def __repr__(self) -> str:
+        return f"<withheld {self.kind}: {self.error.args[0].splitlines()[0]}>"

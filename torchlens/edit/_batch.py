@@ -25,11 +25,11 @@ import torch
 
 from ..core.records import Op
 from ..core.steps import Step
-from ..errors import EmptySelectionError, GuardChangedError, InvalidArgumentError
+from ..errors import EmptySelectionError, GuardChangedError, InvalidArgumentError, ValueNotSavedError
 from ._regions import Plan
 from ._slicing import StackedCall, collect_rows
 from ._sweep import sweep
-from .replay import REPLAY_MODES, Replayer, Target, check_against_forward, replay_step
+from .replay import REPLAY_MODES, Replayer, Target, check_against_forward, replay_step, unsaved_for_replay
 
 __all__ = ["RowBatch", "push_all", "push_together", "replay_many"]
 
@@ -284,6 +284,8 @@ def replay_many(forks: Sequence[Any], steps: Sequence[Sequence[Step]], *, rerun:
             for (fork, step), got in zip(now, pushed):
                 if isinstance(got, GuardChangedError):
                     replay_step(fork, step, rerun=rerun, replay=replay)  # alone: falls back or raises
+                elif isinstance(got, ValueNotSavedError):
+                    raise unsaved_for_replay(fork, step, got) from None
                 elif isinstance(got, BaseException):
                     raise got
         if check:

@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
-from ..core.records import Ref
+from ..core.records import INPUT, Op, Ref
 from ..core.trace import DataRead
 from ..core.tree import tensor_leaves, unflatten
 from ..errors import GuardChangedError
 
-__all__ = ["index_leaves", "recompute_read", "same_value", "short"]
+__all__ = ["changed_choice", "index_leaves", "recompute_read", "same_value", "short"]
 
 
 def same_value(a: Any, b: Any) -> bool:
@@ -84,3 +84,54 @@ def short(value: Any, limit: int = 80) -> str:
         text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
+
+
+_ROUTING_WORDS = ("router", "gate", "moe", "expert")
+
+
+def changed_choice(trace: Any, op: Op, old: list[torch.Tensor], new: list[torch.Tensor]) -> str:
+    """What a guard op's changed indices chose, in the terms of the model at hand: a generated token
+    (the op picks along the vocabulary of the model's token embedding: greedy decoding, top-k), the
+    experts a router picks (the op runs inside a routing module), or else what runs next."""
+    where = f"{op.func_name} at {op.source}, op {op.label}"
+    seen = f"recorded {short(old[0] if old else None)}, now {short(new[0] if new else None)}"
+    if _picks_along(trace, op) in _token_vocabularies(trace):
+        return (f"the edit changes the generated token ({where} picks along the vocabulary: {seen}); the tokens "
+                "after it, and every step that reads them, would differ")
+    module = op.module or ""
+    if any(word in module.lower() for word in _ROUTING_WORDS):
+        return f"the edit changes which experts the router at {module} picks ({where}: {seen})"
+    return f"the edit changes the indices {where} chose, which decide what runs next: {seen}"
+
+
+def _picks_along(trace: Any, op: Op) -> int | None:
+    """The size of the last dimension of ``op``'s first tensor argument (what it picks among)."""
+    ref = next((leaf for leaf in op.args_spec[0] if type(leaf) is Ref), None) if op.args_spec else None
+    shape = None if ref is None or ref.elem is not None else trace.ops[ref.index].shape
+    return shape[-1] if isinstance(shape, tuple) and shape and isinstance(shape[-1], int) else None
+
+
+def _token_vocabularies(trace: Any) -> set[int]:
+    """The row counts of the embedding tables the model looks its input tokens up in (their indices
+    come from the model's inputs, possibly through ops such as ``cat``; positions do not)."""
+    ops = trace.ops
+    sizes: set[int] = set()
+    for op in ops:
+        if op.func_name != "embedding" or not op.args_spec:
+            continue
+        leaves = op.args_spec[0]
+        ref = next((leaf for leaf in leaves if type(leaf) is Ref), None)
+        table = next((leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim() == 2), None)
+        if ref is None or table is None or table.shape[0] in sizes:
+            continue
+        todo, seen = [ref.index], set()
+        while todo and len(seen) < 256:  # tokens reach their embedding in a few ops (ids, cat, slicing)
+            i = todo.pop()
+            if i in seen:
+                continue
+            seen.add(i)
+            if ops[i].flags & INPUT:
+                sizes.add(table.shape[0])
+                break
+            todo.extend(r.index for r in ops[i].parent_refs or ())
+    return sizes

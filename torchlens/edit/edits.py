@@ -20,7 +20,7 @@ import torch
 
 from ..core.steps import CAPTURE, Step, check_edit
 from ..core.tree import flatten, unflatten
-from ..errors import EditHadNoEffect, EditHadNoEffectError, EditShapeError, InvalidArgumentError
+from ..errors import EditDtypeError, EditHadNoEffect, EditHadNoEffectError, EditShapeError, InvalidArgumentError
 
 
 @dataclass
@@ -110,6 +110,7 @@ def apply_edit(value: Any, edit: Any, ctx: EditContext) -> Any:
                         f"shape {tuple(value.shape)}",
                         site=ctx.site,
                     ) from None
+        _check_dtypes(value, result, ctx)
         return result
     if isinstance(value, torch.Tensor):
         return _edit_tensor(value, edit, ctx)
@@ -119,6 +120,27 @@ def apply_edit(value: Any, edit: Any, ctx: EditContext) -> Any:
             leaves[i] = _edit_tensor(leaf, edit, ctx)
             return unflatten(leaves, spec)
     raise InvalidArgumentError(f"the output at {ctx.site} holds no tensor to edit")
+
+
+def _check_dtypes(value: Any, result: Any, ctx: EditContext) -> None:
+    """Refuse a function edit's result whose tensors change dtype (matched leaf by leaf when it keeps
+    the value's structure): the ops after the site would fail inside torch (``mixed dtype``) or
+    silently compute in another precision than the recorded run."""
+    if isinstance(value, torch.Tensor) and isinstance(result, torch.Tensor):
+        pairs = [(value, result, "")]
+    else:
+        old, new = flatten(value)[0], flatten(result)[0]
+        if len(old) != len(new):
+            return
+        pairs = [(a, b, f" (tensor {i} of the output)") for i, (a, b) in enumerate(zip(old, new))
+                 if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)]
+    for before, after, where in pairs:
+        if after.dtype != before.dtype:
+            raise EditDtypeError(
+                f"edit at {ctx.site} (landed on {ctx.label}) returned dtype {after.dtype} for an activation of "
+                f"dtype {before.dtype}{where}",
+                site=ctx.site, label=ctx.label, expected_dtype=before.dtype, given_dtype=after.dtype,
+            )
 
 
 def call_edit(edit: Callable, value: Any, ctx: EditContext) -> Any:

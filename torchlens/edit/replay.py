@@ -28,12 +28,12 @@ from ..errors import (
     ValueNotSavedError,
 )
 from ._execute import EVAL_REMEDY, REEXECUTE, ROW_VIEWS, UNINITIALISED, execute, refuse_reason
-from ._guards import index_leaves, recompute_read, same_value, short
+from ._guards import changed_choice, index_leaves, recompute_read, same_value, short
 from ._regions import WHOLE, Corner, Plan, ReplayLog, RowPatch, Rows, diff_region, refine_corner, region_lookup, union
 from ._slicing import plan_op
 from .edits import AppliedEdit, EditContext, apply_edit, count_changed, land_edit
 
-__all__ = ["REPLAY_MODES", "Replayer", "Target", "check_against_forward", "replay_step"]
+__all__ = ["REPLAY_MODES", "Replayer", "Target", "check_against_forward", "replay_step", "unsaved_for_replay"]
 
 # How fork.do handles a changed guard: "strict" raises GuardChangedError; "fallback" re-executes
 # the real forward (the trace must hold its model); "auto" falls back when it can, else raises.
@@ -105,12 +105,51 @@ def replay_step(fork, step: Step, *, model=None, inputs=None, check: bool = Fals
         _reexecute(fork, step, fork.model, fork.args, fork.kwargs, rerun, reason)
         warnings.warn(f"fork {fork.name!r}: {reason}", ReplayFellBack, stacklevel=4)
         return fork
+    except ValueNotSavedError as exc:
+        fork.restore_fork(before, fork.unsaved_steps)
+        raise unsaved_for_replay(fork, step, exc) from None
     except BaseException:
         fork.restore_fork(before, fork.unsaved_steps)
         raise
     if check:
         check_against_forward(fork)
     return fork
+
+
+def unsaved_for_replay(fork, step: Step, first: ValueNotSavedError) -> ValueNotSavedError:
+    """The error for a replay that met an op whose value ``save=`` did not keep (``first``): every op
+    pushing ``step`` down ``fork`` reads and this trace lacks, at once, and re-execution as the remedy."""
+    ops = fork.ops
+    need: set[int] = set()
+    changed: set[int] = set()
+    start = len(ops)
+    for record in step.site.match(fork):
+        target = Target(record)
+        start = min(start, target.position)
+        edited = [r.index for r in record.out_refs if r is not None] if isinstance(record, ModuleCall) \
+            else [record.index]
+        need.update(edited)  # the edit receives the value it replaces
+        changed.update(edited)
+    for op in ops[start:]:  # each op the edit reaches reads its other arguments as recorded
+        if not op.flags & INPUT and any(r.index in changed for r in op.parent_refs):
+            changed.add(op.index)
+            need.update(r.index for r in op.parent_refs if r.index not in changed)
+    for read in fork.data_reads:  # a guard the edit reaches is recomputed from all it reads
+        if read.position >= start and any(r.index in changed for r in read.refs):
+            need.update(r.index for r in read.refs if r.index not in changed)
+    missing = [ops[i].label for i in sorted(need) if not fork.has_value(i)]
+    site = getattr(first, "site", None)
+    if isinstance(site, str) and site not in missing:  # a read the walk above did not foresee
+        missing.append(site)
+    shown = ", ".join(repr(m) for m in missing[:12]) + (f" and {len(missing) - 12} more" if len(missing) > 12 else "")
+    return ValueNotSavedError(
+        f"replaying {step.site.describe()} needs the values of {len(missing)} op(s) this trace did not keep "
+        f"(save= left them out): {shown}",
+        site=step.site.describe(), missing=missing,
+        remedy="Re-execute the real forward instead, which needs no kept value: fork.do(site, edit, model=model, "
+               "inputs=x). Or capture again keeping them: add the labels in this error's .missing to save= (a list of "
+               "labels is a selector), or save=None to keep every value.",
+    )
 
 
 def _reexecute(fork, step: Step, model, args: tuple, kwargs: dict, rerun, how: str) -> None:
@@ -282,12 +321,8 @@ class Replayer:
         if op.flags & GUARD and op.saved:
             old, fresh = index_leaves(op.out), index_leaves(new)
             if len(old) != len(fresh) or not all(same_value(a, b) for a, b in zip(old, fresh)):
-                raise GuardChangedError(
-                    f"the edit changes the indices {op.func_name} chose at {op.source} (op {op.label}; e.g. which "
-                    f"experts a router picks): recorded {short(old[0] if old else None)}, now "
-                    f"{short(fresh[0] if fresh else None)}",
-                    op_label=op.label, source=op.source, guard=op.func_name, recorded=old, new=fresh,
-                )
+                raise GuardChangedError(changed_choice(fork, op, old, fresh), op_label=op.label, source=op.source,
+                                        guard=op.func_name, recorded=old, new=fresh)
         region = WHOLE if plan is None else plan.region
         if isinstance(region, Corner):  # did a causal mask leave the corner's extra block as it was?
             region = refine_corner(self._before(j), new, region)

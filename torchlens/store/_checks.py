@@ -9,12 +9,13 @@ that slips past the named checks still surfaces as a RecipeFormatError.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
-from ..errors import RecipeFormatError
+from ..errors import FormatVersionError, RecipeFormatError
 
-__all__ = ["MAX_DEPTH", "MAX_DIM", "check_int", "fail", "guarded", "loads_json"]
+__all__ = ["MAX_DEPTH", "MAX_DIM", "check_int", "fail", "guarded", "loading", "loads_json"]
 
 MAX_DEPTH = 64  # nesting of stored values and selectors
 MAX_DIM = 1 << 48  # largest dimension a stored shape may declare
@@ -67,3 +68,31 @@ def guarded(build: Callable[..., Any], *args: Any) -> Any:
             raise
         raise fail(f"the save is malformed: {type(exc).__name__}: {str(exc)[:200]}",
                    unexpected=type(exc).__name__) from exc
+
+
+# What to do about a save that does not load, said of the kind of save at hand (the class remedies
+# speak of both kinds).
+_SAVE_AGAIN = {
+    ("trace", RecipeFormatError): "Save the trace again with trace.save(path) from this TorchLens version; never "
+                                  "hand-edit its manifest.",
+    ("trace", FormatVersionError): "Upgrade TorchLens to the version named, or save the trace again with this "
+                                   "one (trace.save(path)).",
+    ("recipe", RecipeFormatError): "Save the recipe again with fork.save_intervention(path) from this TorchLens "
+                                   "version; never hand-edit its manifest.",
+    ("recipe", FormatVersionError): "Upgrade TorchLens to the version named, or save the recipe again with this "
+                                    "one (fork.save_intervention(path)).",
+}
+
+
+@contextmanager
+def loading(kind: str) -> Iterator[None]:
+    """Around the load of a ``kind`` save (``"trace"`` or ``"recipe"``): a format error that gives its
+    class's remedy is raised again with the remedy for that kind (save *the trace* again ...)."""
+    try:
+        yield
+    except RecipeFormatError as exc:
+        cls = type(exc)
+        remedy = _SAVE_AGAIN.get((kind, cls))
+        if remedy is None or exc.remedy != cls.remedy:
+            raise
+        raise cls(exc.message, remedy=remedy, **exc.fields) from exc.__cause__

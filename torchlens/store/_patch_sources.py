@@ -49,7 +49,8 @@ class StoredSource:
             raise SiteNotFoundError(
                 f"the saved patch source holds no value for {key!r}; it holds {sorted(self.values)[:8]}",
                 site=key,
-                remedy="Re-save the recipe from a trace or fork where this edit reached that site.",
+                remedy="Save it again (fork.save_intervention(path) for a recipe, trace.save(path) for a trace) "
+                       "from a fork where this edit reached that site: a save keeps only the source values it read.",
             )
         return _Found(self.values[key])
 

@@ -38,7 +38,7 @@ from ..errors import (
     TorchLensError,
     UnknownHelperError,
 )
-from ._checks import fail, guarded
+from ._checks import fail, guarded, loading
 from ._fingerprints import (
     check_fingerprint_dict,
     check_model_fingerprint,
@@ -185,7 +185,8 @@ def decode_edit(obj: Any, dec: Decoder, pickled: list[Any] | None, where: str) -
         return value
     if kind == "pickle" and set(obj) == {"kind", "index"}:
         if pickled is None:
-            raise fail(f"{where}: a pickled edit in a recipe that carries no pickled code")
+            raise fail(f"{where}: a pickled edit in a save that carries no pickled code (a trace never does, a "
+                       "recipe only at level='pickle')")
         index = obj["index"]
         if type(index) is not int or not 0 <= index < len(pickled):
             raise fail(f"{where}: pickled edit index {index!r:.20} is out of range")
@@ -388,27 +389,28 @@ def load_intervention(path: Any, *, allow_pickle: bool = False, check_fingerprin
         PickleNotAllowedError: the recipe holds pickled code and ``allow_pickle`` is false.
     """
     check_path_arg(path)
-    with SavedDir(path) as d:
-        m = read_manifest(d, "recipe")
-        unknown = set(m) - _RECIPE_KEYS
-        if unknown:
-            raise fail(f"the manifest has unknown fields {sorted(unknown)[:5]}")
-        level = m.get("level")
-        if level not in LEVELS or m.get("executes_code_on_load") is not (level == "pickle"):
-            raise fail(f"level must be one of {LEVELS} and executes_code_on_load must say whether it pickles")
-        files = m.get("files")
-        if level == "portable" and isinstance(files, dict) and "pickle" in files:
-            raise fail("a portable recipe must not carry pickled code")
-        if level == "pickle" and not allow_pickle:
-            raise PickleNotAllowedError(f"{d.path} was saved with level='pickle': loading it runs code from the file",
-                                        path=str(d.path))
-        tensors = read_tensors(d, m)
-        raw = read_file_entry(d, m, "pickle", required=False)
-    pickled = None
-    if raw is not None:
-        obj = pickle.loads(raw)  # noqa: S301 - only with allow_pickle=True, which the caller chose
-        pickled = obj if isinstance(obj, list) else None
-    return guarded(_build_recipe, m, tensors, pickled, d.path, check_fingerprint)
+    with loading("recipe"):
+        with SavedDir(path) as d:
+            m = read_manifest(d, "recipe")
+            unknown = set(m) - _RECIPE_KEYS
+            if unknown:
+                raise fail(f"the manifest has unknown fields {sorted(unknown)[:5]}")
+            level = m.get("level")
+            if level not in LEVELS or m.get("executes_code_on_load") is not (level == "pickle"):
+                raise fail(f"level must be one of {LEVELS} and executes_code_on_load must say whether it pickles")
+            files = m.get("files")
+            if level == "portable" and isinstance(files, dict) and "pickle" in files:
+                raise fail("a portable recipe must not carry pickled code")
+            if level == "pickle" and not allow_pickle:
+                raise PickleNotAllowedError(
+                    f"{d.path} was saved with level='pickle': loading it runs code from the file", path=str(d.path))
+            tensors = read_tensors(d, m)
+            raw = read_file_entry(d, m, "pickle", required=False)
+        pickled = None
+        if raw is not None:
+            obj = pickle.loads(raw)  # noqa: S301 - only with allow_pickle=True, which the caller chose
+            pickled = obj if isinstance(obj, list) else None
+        return guarded(_build_recipe, m, tensors, pickled, d.path, check_fingerprint)
 
 
 def _build_recipe(m: dict[str, Any], tensors: dict[str, torch.Tensor], pickled: list[Any] | None, path: Path,

@@ -23,7 +23,7 @@ from ..core.records import EDIT, INPUT, Deferred, ModuleCall, Op
 from ..core.selectors import as_selector
 from ..core.tree import unflatten
 from ..errors import NotPortableError
-from ._checks import MAX_DEPTH, MAX_DIM, fail, guarded, loads_json
+from ._checks import MAX_DEPTH, MAX_DIM, fail, guarded, loading, loads_json
 from ._fingerprints import fingerprint_of
 from ._fn_allowlist import function_name, function_table
 from ._ondisk import (
@@ -292,8 +292,9 @@ def load_trace(path: Any) -> Any:
             FormatVersionError and UnsafePathError say which).
     """
     check_path_arg(path)
-    with SavedDir(path) as d:
-        manifest = read_manifest(d, "trace")
-        tensors = read_tensors(d, manifest)
-        tensors.update(read_views(manifest, tensors))
-    return guarded(build_trace, manifest, tensors)
+    with loading("trace"):
+        with SavedDir(path) as d:
+            manifest = read_manifest(d, "trace")
+            tensors = read_tensors(d, manifest)
+            tensors.update(read_views(manifest, tensors))
+        return guarded(build_trace, manifest, tensors)
