@@ -1,0 +1,388 @@
+"""``tl.generate``: per-step traces of a real generation, step sites, edits during generation.
+
+References are plain: ``model.generate`` with the same arguments, forward hooks that count the
+model's calls (call ``k`` is step ``k``), and hand-written decoding loops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from conftest import SmallMLP, assert_model_clean, hook_state
+
+import torchlens as tl
+from torchlens.errors import (
+    EmptyGenerationError,
+    GenerationStrategyError,
+    NoGenerateError,
+    PositionNotInStepError,
+    StepEditShapeError,
+    StepNotFoundError,
+    StepSiteOutsideGenerationError,
+)
+
+MODELS = {"tiny_gpt2": ("transformer.h.0", "transformer.h.1.mlp", "transformer.ln_f"),
+          "tiny_llama": ("model.layers.0", "model.layers.1.self_attn", "model.norm")}
+
+
+@pytest.fixture(params=list(MODELS))
+def lm(request):
+    """A tiny causal LM (GPT-2, Llama with rotary and GQA), its prompt and three sites."""
+    case = request.getfixturevalue(request.param)
+    return case.model, case.args[0], MODELS[request.param]
+
+
+def hooked_generate(model, address: str, edit: Callable[[Any], Any] | None = None, steps=None, **kwargs):
+    """``model.generate`` with a forward hook on ``address`` counting the model's calls: returns the
+    generate output and the hook's value at each call (after ``edit``, applied at ``steps``)."""
+    module = model.get_submodule(address)
+    calls, seen = [0], []
+
+    def count(mod, args, kwargs_, out):
+        calls[0] += 1
+
+    def hook(mod, args, out):
+        k = calls[0]  # the model's call this module call belongs to (counted as the model returns)
+        if edit is not None and (steps is None or k in steps):
+            out = edit(out)
+        seen.append(out.detach().clone() if isinstance(out, torch.Tensor) else out[0].detach().clone())
+        return out
+
+    handles = [module.register_forward_hook(hook), model.register_forward_hook(count, with_kwargs=True)]
+    try:
+        out = model.generate(**kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return out, seen
+
+
+def add_first(vector: torch.Tensor) -> Callable[[Any], Any]:
+    """A hook edit adding ``vector`` to a module's output (its first tensor)."""
+    def edit(out):
+        if isinstance(out, tuple):
+            return (out[0] + vector, *out[1:])
+        return out + vector
+    return edit
+
+
+# -- step 1: the generation itself ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"cache_implementation": "static"}, {"use_cache": False}],
+                         ids=["dynamic_cache", "static_cache", "no_cache"])
+def test_tokens_equal_plain_generate_and_model_is_left_clean(lm, kwargs):
+    model, ids, _ = lm
+    want = model.generate(ids, max_new_tokens=6, do_sample=False, **kwargs)
+    before = hook_state(model)
+    gen = tl.generate(model, ids, max_new_tokens=6, do_sample=False, **kwargs)
+    assert_model_clean(model, before)
+    assert torch.equal(gen.sequences, want)
+    assert torch.equal(gen.tokens, want[:, ids.shape[1]:])
+    assert len(gen.steps) == 6 and len(gen) == 6
+    for k, step in enumerate(gen.steps):
+        assert torch.equal(step.token, want[:, ids.shape[1] + k])
+    p = ids.shape[1]
+    if kwargs.get("use_cache", True):
+        assert [s.positions for s in gen.steps] == [range(0, p)] + [range(p + k - 1, p + k) for k in range(1, 6)]
+    else:
+        assert [s.positions for s in gen.steps] == [range(0, p + k) for k in range(6)]
+
+
+def test_step_logits_equal_generates_raw_logits(lm):
+    model, ids, _ = lm
+    want = model.generate(ids, max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    gen = tl.generate(model, ids, max_new_tokens=5, do_sample=False)
+    for k, step in enumerate(gen.steps):
+        assert torch.allclose(step.logits.float(), want.logits[k], atol=1e-6, rtol=0)
+        assert torch.equal(step.token, step.logits.argmax(-1))
+
+
+def test_seeded_sampling_reproduces_generate_with_the_same_seed(lm):
+    model, ids, _ = lm
+    torch.manual_seed(7)
+    want = model.generate(ids, max_new_tokens=6, do_sample=True, top_k=0)
+    state = torch.get_rng_state()
+    gen = tl.generate(model, ids, max_new_tokens=6, do_sample=True, top_k=0, seed=7)
+    assert torch.equal(gen.sequences, want)
+    assert torch.equal(torch.get_rng_state(), state), "seed= must leave the global RNG as it was"
+    torch.manual_seed(7)
+    again = tl.generate(model, ids, max_new_tokens=6, do_sample=True, top_k=0)  # seeded by the caller
+    assert torch.equal(again.sequences, want)
+
+
+def test_a_step_is_a_trace_with_ops_module_calls_and_sites(tiny_gpt2):
+    model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    gen = tl.generate(model, ids, max_new_tokens=3, do_sample=False)
+    step = gen.steps[2]
+    assert isinstance(step.trace, tl.Trace)
+    assert "transformer.h.0" in step.modules.addresses
+    assert any(op.func_name == "linear" or op.func_name == "addmm" for op in step.ops)
+    assert step["transformer.h.0"].out.shape == (1, 1, 32)
+    assert gen.steps[-1] is gen.steps[2]
+    assert "positions 7..7" in repr(step)  # prompt 6 tokens: step 2 reads position 6 + 2 - 1
+
+
+def test_text_with_a_tokenizer(tiny_llama, word_tokenizer):
+    model = tiny_llama.model
+    prompt = "w3 w17 w42 w9"
+    gen = tl.generate(model, prompt, tokenizer=word_tokenizer, max_new_tokens=4, do_sample=False)
+    ids = word_tokenizer(prompt, return_tensors="pt")
+    want = model.generate(**ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(gen.sequences, want)
+    assert gen.text == word_tokenizer.batch_decode(want, skip_special_tokens=True)
+    assert gen.prompt_length == 4
+
+
+@pytest.fixture(scope="module")
+def word_tokenizer():
+    """A word-level tokenizer of 'w0' .. 'w127' (built in memory: no download)."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    core = Tokenizer(models.WordLevel({f"w{i}": i for i in range(128)}, unk_token="w0"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=core)
+
+
+# -- a hand-written decoding loop ------------------------------------------------------------
+
+
+def greedy_loop(n_new: int, cached: bool = True) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+    """A greedy decoding loop: ``n_new`` model calls, each choosing one token."""
+    def loop(model, ids):
+        seq, cache, step_in = ids, None, ids
+        for _ in range(n_new):
+            out = model(input_ids=step_in, cache=cache, use_cache=cached)
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], dim=1)
+            cache, step_in = (out.cache, nxt) if cached else (None, seq)
+        return seq
+    return loop
+
+
+@pytest.mark.parametrize("cached", [True, False], ids=["kv_cache", "no_cache"])
+def test_a_hand_written_loop_is_recorded_step_by_step(lm, cached):
+    model, ids, sites = lm
+    loop = greedy_loop(5, cached)
+    seen = []
+    handle = model.get_submodule(sites[0]).register_forward_hook(lambda m, i, o: seen.append(o.detach().clone()))
+    try:
+        with torch.no_grad():
+            want = loop(model, ids)
+    finally:
+        handle.remove()
+    before = hook_state(model)
+    gen = tl.generate(model, ids, loop=loop)
+    assert_model_clean(model, before)
+    assert torch.equal(gen.sequences, want) and len(gen.steps) == 5
+    got = gen.read(sites[0])
+    assert sorted(got) == list(range(5))
+    for k in range(5):
+        assert torch.equal(got[k], seen[k])
+    p = ids.shape[1]
+    assert gen.steps[3].positions == (range(p + 2, p + 3) if cached else range(0, p + 3))
+
+
+# -- step 2: sites that address steps --------------------------------------------------------
+
+
+def test_reads_at_every_step_equal_call_counting_hooks(lm):
+    model, ids, sites = lm
+    gen = tl.generate(model, ids, max_new_tokens=6, do_sample=False)
+    for site in sites:
+        _, seen = hooked_generate(model, site, input_ids=ids, max_new_tokens=6, do_sample=False)
+        got = gen.read(site)
+        first = {k: v if isinstance(v, torch.Tensor) else v[0] for k, v in got.items()}
+        assert sorted(first) == list(range(6)) and len(seen) == 6
+        for k in range(6):
+            assert torch.equal(first[k], seen[k]), (site, k)
+        one = gen[tl.at_step(site, 4)]  # gen[...] is gen.read(...)
+        assert torch.equal(one if isinstance(one, torch.Tensor) else one[0], seen[4])
+
+
+def test_at_step_reads_one_step_a_range_and_an_open_range(tiny_llama):
+    model, ids = tiny_llama.model, tiny_llama.args[0]
+    site = "model.layers.1"
+    gen = tl.generate(model, ids, max_new_tokens=6, do_sample=False)
+    _, seen = hooked_generate(model, site, input_ids=ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(gen.read(tl.at_step(site, 2)), seen[2])
+    assert sorted(gen.read(tl.at_step(site, range(1, 4)))) == [1, 2, 3]
+    assert sorted(gen.read(tl.at_step(site, slice(3, None)))) == [3, 4, 5]
+    assert sorted(gen.read(tl.at_step(site, [0, 5]))) == [0, 5]
+    assert torch.equal(gen.read(tl.at_step(site, -1)), seen[5])
+
+
+def test_block_output_at_an_absolute_position(lm):
+    model, ids, sites = lm
+    p = ids.shape[1]
+    gen = tl.generate(model, ids, max_new_tokens=5, do_sample=False)
+    _, seen = hooked_generate(model, sites[0], input_ids=ids, max_new_tokens=5, do_sample=False)
+    # position 2 is a prompt token (step 0, row 2); position p + 2 the token chosen at step 2, read at step 3
+    assert torch.equal(gen.read(tl.at_step(sites[0], 0), position=2), seen[0][:, 2])
+    assert torch.equal(gen.read(tl.at_step(sites[0], 3), position=p + 2), seen[3][:, 0])
+    assert list(gen.read(sites[0], position=p + 2)) == [3]  # only step 3 computed it
+    assert gen.steps_computing(p + 2) == [3]
+    with pytest.raises(PositionNotInStepError, match="computed at step"):
+        gen.read(tl.at_step(sites[0], 1), position=p + 2)
+
+
+def test_a_step_site_outside_a_generation_is_refused(tiny_gpt2):
+    model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    before = hook_state(model)
+    with pytest.raises(StepSiteOutsideGenerationError):
+        tl.trace(model, ids, intervene=tl.when(tl.at_step("transformer.h.0", 1), tl.zero_ablate()))
+    assert_model_clean(model, before)
+
+
+# -- step 3: edits during generation ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("steps", [None, 2, range(1, 4), slice(1, None)], ids=["every", "step2", "range", "open"])
+def test_edits_at_steps_equal_a_call_counting_hook(lm, steps):
+    model, ids, sites = lm
+    d = model.config.hidden_size
+    vector = torch.randn(d, generator=torch.Generator().manual_seed(3)) * 4
+    site = sites[0]
+    when = None if steps is None else (range(steps, steps + 1) if isinstance(steps, int) else
+                                       range(steps.start, 99) if isinstance(steps, slice) else steps)
+    want, seen = hooked_generate(model, site, add_first(vector), when, input_ids=ids, max_new_tokens=6,
+                                 do_sample=False, output_logits=True, return_dict_in_generate=True)
+    plain = model.generate(ids, max_new_tokens=6, do_sample=False)
+    before = hook_state(model)
+    target = site if steps is None else tl.at_step(site, steps)
+    gen = tl.generate(model, ids, max_new_tokens=6, do_sample=False, intervene=[(target, tl.add(vector))])
+    assert_model_clean(model, before)
+    assert torch.equal(gen.sequences, want.sequences)
+    for k, step in enumerate(gen.steps):
+        assert torch.allclose(step.logits.float(), want.logits[k], atol=1e-6, rtol=0), k
+        assert torch.allclose(gen.read(tl.at_step(site, k)), seen[k], atol=1e-6, rtol=0)
+    if steps is None:  # the steering changed the text: the comparison is not vacuous
+        assert not torch.equal(gen.sequences, plain)
+
+
+def test_a_when_step_and_a_function_edit_at_one_step(tiny_gpt2):
+    model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    site = "transformer.h.1"
+    hook_edit = add_first(torch.full((32,), 2.0))
+    want, _ = hooked_generate(model, site, hook_edit, range(3, 4), input_ids=ids, max_new_tokens=5,
+                              do_sample=False, output_logits=True, return_dict_in_generate=True)
+    gen = tl.generate(model, ids, max_new_tokens=5, do_sample=False,
+                      intervene=tl.when(tl.at_step(site, 3), lambda act, *, ctx: hook_edit(act)))
+    assert torch.equal(gen.sequences, want.sequences)
+    for k in range(5):
+        assert torch.allclose(gen.steps[k].logits, want.logits[k], atol=1e-6, rtol=0)
+    assert gen.steps[3].trace.edits and not gen.steps[2].trace.edits
+
+
+def test_seeded_sampling_with_a_steering_vector_equals_the_hooked_run(tiny_llama):
+    model, ids = tiny_llama.model, tiny_llama.args[0]
+    vector = torch.randn(64, generator=torch.Generator().manual_seed(5)) * 3
+    torch.manual_seed(11)
+    want, _ = hooked_generate(model, "model.layers.0", add_first(vector), None, input_ids=ids, max_new_tokens=6,
+                              do_sample=True)
+    gen = tl.generate(model, ids, max_new_tokens=6, do_sample=True, seed=11,
+                      intervene=[("model.layers.0", tl.add(vector))])
+    assert torch.equal(gen.sequences, want)
+
+
+# -- bad input: typed errors, the model left as it was ----------------------------------------
+
+
+def test_a_step_beyond_the_generation_says_how_many_steps(tiny_gpt2):
+    model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    gen = tl.generate(model, ids, max_new_tokens=3, do_sample=False)
+    with pytest.raises(StepNotFoundError, match="3 step") as err:
+        gen.steps[3]
+    assert err.value.n_steps == 3 and err.value.remedy
+    with pytest.raises(StepNotFoundError, match="3 step"):
+        gen.read(tl.at_step("transformer.h.0", 5))
+    with pytest.raises(StepNotFoundError):
+        gen.read(tl.at_step("transformer.h.0", range(1, 6)))
+    before = hook_state(model)
+    with pytest.raises(StepNotFoundError, match="at most 3 step"):
+        tl.generate(model, ids, max_new_tokens=3, intervene=[(tl.at_step("transformer.h.0", 4), tl.zero_ablate())])
+    assert_model_clean(model, before)
+
+
+def test_max_new_tokens_zero_is_refused(tiny_gpt2):
+    model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    before = hook_state(model)
+    with pytest.raises(EmptyGenerationError, match="max_new_tokens=0") as err:
+        tl.generate(model, ids, max_new_tokens=0)
+    assert err.value.remedy
+    assert_model_clean(model, before)
+
+
+def test_a_model_without_generate_needs_a_loop(mlp_input):
+    model = SmallMLP().eval()
+    before = hook_state(model)
+    with pytest.raises(NoGenerateError, match="no generate") as err:
+        tl.generate(model, mlp_input)
+    assert "loop=" in err.value.remedy
+    assert_model_clean(model, before)
+
+
+def test_a_loop_that_never_calls_the_model_is_refused(tiny_gpt2):
+    model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    with pytest.raises(EmptyGenerationError, match="never called"):
+        tl.generate(model, ids, loop=lambda m, x: x)
+
+
+@pytest.mark.parametrize("kwargs", [{"num_beams": 2}, {"num_beams": 2, "do_sample": True},
+                                    {"penalty_alpha": 0.6, "top_k": 4}], ids=["beam", "beam_sample", "contrastive"])
+def test_beam_search_and_other_strategies_are_refused_by_name(tiny_gpt2, kwargs):
+    model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    before = hook_state(model)
+    with pytest.raises(GenerationStrategyError, match="greedy decoding and sampling") as err:
+        tl.generate(model, ids, max_new_tokens=3, **kwargs)
+    assert "loop=" in err.value.remedy
+    assert_model_clean(model, before)
+
+
+def test_an_edit_that_fits_the_prompt_pass_only_names_the_step_and_shapes(tiny_gpt2):
+    model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    before = hook_state(model)
+    prompt_shaped = torch.zeros(1, ids.shape[1], 32)
+    with pytest.raises(StepEditShapeError, match=r"at step 1 \(1 position") as err:
+        tl.generate(model, ids, max_new_tokens=3, intervene=[("transformer.h.0", prompt_shaped)])
+    assert err.value.step == 1 and err.value.activation_shape == (1, 1, 32)
+    assert isinstance(err.value, tl.EditShapeError)
+    assert_model_clean(model, before)
+    ok = tl.generate(model, ids, max_new_tokens=3, intervene=[(tl.at_step("transformer.h.0", 0), prompt_shaped)])
+    assert len(ok.steps) == 3
+
+
+def test_an_interrupt_mid_generation_leaves_the_model_clean(tiny_gpt2):
+    model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    calls = [0]
+
+    def interrupted(model, ids):
+        for _ in range(5):
+            model(input_ids=ids)
+            calls[0] += 1
+            if calls[0] == 2:
+                raise KeyboardInterrupt
+        return ids
+
+    before = hook_state(model)
+    with pytest.raises(KeyboardInterrupt):
+        tl.generate(model, ids, loop=interrupted)
+    assert_model_clean(model, before)
+    assert calls[0] == 2
+
+
+def test_a_hook_on_the_model_itself_fires_once_per_step(tiny_gpt2):
+    model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    calls = []
+    handle = model.register_forward_hook(lambda m, i, o: calls.append(o.logits.shape[1]))
+    try:
+        before = hook_state(model)
+        tl.generate(model, ids, max_new_tokens=4, do_sample=False)
+        assert_model_clean(model, before)
+    finally:
+        handle.remove()
+    assert calls == [ids.shape[1], 1, 1, 1]
