@@ -386,3 +386,44 @@ def test_a_hook_on_the_model_itself_fires_once_per_step(tiny_gpt2):
     finally:
         handle.remove()
     assert calls == [ids.shape[1], 1, 1, 1]
+
+
+# -- step 4: save= bounds what a long generation keeps ---------------------------------------
+
+
+def test_save_keeps_only_the_requested_site_at_every_step(lm):
+    model, ids, sites = lm
+    gen = tl.generate(model, ids, max_new_tokens=6, do_sample=False, save=sites[0])
+    full = tl.generate(model, ids, max_new_tokens=6, do_sample=False)
+    _, seen = hooked_generate(model, sites[0], input_ids=ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(gen.sequences, full.sequences)
+    for k, step in enumerate(gen.steps):
+        call = step.trace.module_call(sites[0])
+        produced = {step.trace.ops[r.index].label for r in call.out_refs if r is not None}
+        kept = {op.label for op in step.trace.ops if op.saved and not op.is_input}
+        assert kept == produced, k
+        assert len(step.trace.ops) == len(full.steps[k].trace.ops)  # the graph is still recorded
+        assert torch.equal(gen.read(tl.at_step(sites[0], k)), seen[k])
+    other = next(op for op in gen.steps[1].trace.ops if not op.saved)
+    with pytest.raises(tl.errors.ValueNotSavedError):
+        _ = other.out
+
+
+def test_module_reads_with_a_module_engine_keep_no_op_graph(lm):
+    model, ids, sites = lm
+    vector = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    want, seen = hooked_generate(model, sites[0], add_first(vector), range(2, 99), input_ids=ids, max_new_tokens=5,
+                                 do_sample=False, output_logits=True, return_dict_in_generate=True)
+    gen = tl.generate(model, ids, max_new_tokens=5, do_sample=False, save=[sites[0]], backend="hooks",
+                      intervene=[(tl.at_step(sites[0], slice(2, None)), tl.add(vector))])
+    assert torch.equal(gen.sequences, want.sequences)
+    for k, step in enumerate(gen.steps):
+        assert len(step.trace.ops) == 0
+        assert torch.allclose(gen.read(tl.at_step(sites[0], k)), seen[k], atol=1e-6, rtol=0)
+        assert torch.allclose(step.logits.float(), want.logits[k], atol=1e-6, rtol=0)
+
+
+def test_save_with_a_step_is_refused(tiny_gpt2):
+    model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    with pytest.raises(tl.errors.InvalidArgumentError, match="every step"):
+        tl.generate(model, ids, max_new_tokens=2, save=tl.at_step("transformer.h.0", 1))
