@@ -427,3 +427,115 @@ def test_save_with_a_step_is_refused(tiny_gpt2):
     model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
     with pytest.raises(tl.errors.InvalidArgumentError, match="every step"):
         tl.generate(model, ids, max_new_tokens=2, save=tl.at_step("transformer.h.0", 1))
+
+
+# -- step 5: a fork of a step-k edit, by re-execution -----------------------------------------
+
+
+def hooked_edits(model, edits: dict[str, tuple[Callable[[Any], Any], range]], **kwargs):
+    """``model.generate`` with forward hooks editing each ``address`` at the model calls in its range."""
+    calls = [0]
+    handles = [model.register_forward_hook(lambda m, a, k, o: calls.__setitem__(0, calls[0] + 1), with_kwargs=True)]
+    for address, (edit, steps) in edits.items():
+        handles.append(model.get_submodule(address).register_forward_hook(
+            lambda m, i, o, edit=edit, steps=steps: edit(o) if calls[0] in steps else None))
+    try:
+        return model.generate(**kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@pytest.mark.parametrize("cache", [{}, {"cache_implementation": "static"}], ids=["dynamic_cache", "static_cache"])
+def test_a_fork_of_a_step_k_edit_resumes_from_the_cache_and_equals_a_hooked_generate(lm, cache):
+    model, ids, sites = lm
+    vector = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(3)) * 4
+    gen = tl.generate(model, ids, max_new_tokens=8, do_sample=False, **cache)
+    parent_tokens, parent_read = gen.sequences.clone(), gen.read(tl.at_step(sites[0], 5))
+    want = hooked_edits(model, {sites[0]: (add_first(vector), range(3, 4))}, input_ids=ids, max_new_tokens=8,
+                        do_sample=False, output_logits=True, return_dict_in_generate=True, **cache)
+    before = hook_state(model)
+    fork = gen.fork().do(tl.at_step(sites[0], 3), tl.add(vector))
+    assert_model_clean(model, before)
+    assert torch.equal(fork.sequences, want.sequences)
+    assert not torch.equal(fork.sequences, gen.sequences)  # the edit changed the text
+    for k, step in enumerate(fork.steps):
+        assert torch.allclose(step.logits.float(), want.logits[k], atol=1e-6, rtol=0), k
+    p = ids.shape[1]
+    assert [s.positions for s in fork.steps] == [range(0, p)] + [range(p + k - 1, p + k) for k in range(1, 8)]
+    record = fork.record
+    assert record.reused == [0, 1, 2] and record.regenerated == [3, 4, 5, 6, 7]
+    assert record.how.startswith("resumed at step 3")
+    differs = (want.sequences != gen.sequences)[0].nonzero()[0].item()
+    assert record.diverged_at == differs and record.diverged_step == differs - p
+    assert fork.steps[1].trace is gen.steps[1].trace  # shared, not re-run
+    assert torch.equal(gen.sequences, parent_tokens)  # the parent is unchanged
+    assert torch.equal(gen.read(tl.at_step(sites[0], 5)), parent_read)
+
+
+def test_a_fork_that_keeps_every_token_says_the_text_did_not_diverge(tiny_llama):
+    model, ids = tiny_llama.model, tiny_llama.args[0]
+    gen = tl.generate(model, ids, max_new_tokens=6, do_sample=False)
+    small = torch.full((64,), 1e-3)
+    fork = gen.fork().do(tl.at_step("model.layers.1", 2), tl.add(small))
+    want = hooked_edits(model, {"model.layers.1": (add_first(small), range(2, 3))}, input_ids=ids, max_new_tokens=6,
+                        do_sample=False, output_logits=True, return_dict_in_generate=True)
+    assert torch.equal(fork.sequences, gen.sequences) and torch.equal(fork.sequences, want.sequences)
+    assert fork.record.diverged_at is None and fork.record.regenerated == [2, 3, 4, 5]
+    assert not torch.equal(fork.steps[2].logits, gen.steps[2].logits)  # the edit did land
+    for k, step in enumerate(fork.steps):
+        assert torch.allclose(step.logits, want.logits[k], atol=1e-6, rtol=0)
+
+
+def test_a_fork_of_a_seeded_sampling_redraws_as_the_hooked_run_with_the_same_seed(lm):
+    model, ids, sites = lm
+    vector = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(4)) * 4
+    gen = tl.generate(model, ids, max_new_tokens=7, do_sample=True, top_k=0, seed=5)
+    fork = gen.fork().do(tl.at_step(sites[0], 4), tl.add(vector))
+    torch.manual_seed(5)
+    want = hooked_edits(model, {sites[0]: (add_first(vector), range(4, 5))}, input_ids=ids, max_new_tokens=7,
+                        do_sample=True, top_k=0)
+    assert torch.equal(fork.sequences, want)
+    assert torch.equal(fork.sequences[:, :ids.shape[1] + 4], gen.sequences[:, :ids.shape[1] + 4])
+    assert fork.record.how.startswith("resumed at step 4")
+
+
+def test_forks_chain_and_an_every_step_edit_regenerates_from_the_prompt(tiny_gpt2):
+    model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    gen = tl.generate(model, ids, max_new_tokens=6, do_sample=False)
+    a, b = torch.full((32,), 3.0), torch.full((32,), -2.0)
+    fork = gen.fork().do(tl.at_step("transformer.h.1", range(2, 4)), tl.add(a)).do("transformer.h.0", tl.add(b))
+    want = hooked_edits(model, {"transformer.h.1": (add_first(a), range(2, 4)), "transformer.h.0": (add_first(b),
+                                range(0, 99))}, input_ids=ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(fork.sequences, want)
+    assert fork.record.how.startswith("regenerated from the prompt") and fork.record.reused == []
+    assert len(fork.edits) == 2 and len(gen.edits) == 0
+
+
+def test_a_fork_of_a_loop_regenerates_from_the_prompt(tiny_gpt2):
+    model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    loop = greedy_loop(5)
+    gen = tl.generate(model, ids, loop=loop)
+    vector = torch.full((32,), 5.0)
+    fork = gen.fork().do(tl.at_step("transformer.h.1", 2), tl.add(vector))
+    calls = [0]
+    handles = [model.register_forward_hook(lambda m, a, k, o: calls.__setitem__(0, calls[0] + 1), with_kwargs=True),
+               model.transformer.h[1].register_forward_hook(lambda m, i, o: o + vector if calls[0] == 2 else None)]
+    try:
+        with torch.no_grad():
+            want = loop(model, ids)
+    finally:
+        for h in handles:
+            h.remove()
+    assert torch.equal(fork.sequences, want)
+    assert fork.record.how == "regenerated from the prompt: a decoding loop runs from its inputs"
+    assert fork.record.regenerated == [0, 1, 2, 3, 4]
+
+
+def test_a_fork_edit_beyond_the_steps_is_refused(tiny_gpt2):
+    model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    gen = tl.generate(model, ids, max_new_tokens=3, do_sample=False)
+    before = hook_state(model)
+    with pytest.raises(StepNotFoundError, match="3 step"):
+        gen.fork().do(tl.at_step("transformer.h.0", 5), tl.zero_ablate())
+    assert_model_clean(model, before)

@@ -38,7 +38,7 @@ from .errors import (
     TorchLensError,
     UnsupportedModelError,
 )
-from .generation import GenerationStep, GenerationTrace, at_step, generate
+from .generation import GenerationFork, GenerationStep, GenerationTrace, at_step, generate
 from .plugins import plugins
 from .store.datasets import ActivationDataset, cache_activations, load_activations, map_dataset
 from .store.recipes import Recipe, load_intervention
@@ -64,6 +64,7 @@ __all__ = [
     "EmptySelectionError",
     "Fork",
     "FusedKernelError",
+    "GenerationFork",
     "GenerationStep",
     "GenerationTrace",
     "Helper",

@@ -2,12 +2,15 @@
 
 ``tl.generate(model, ids, max_new_tokens=8)`` runs the model's own ``generate`` (or your decoding
 loop, ``loop=fn``) and captures every call of the model's forward as one step; sites address
-steps with ``tl.at_step(site, k | range | list)`` (a plain site: every step), and edits given to
-``intervene=`` apply during generation, at the steps they name.
+steps with ``tl.at_step(site, k | range | list)`` (a plain site: every step), edits given to
+``intervene=`` apply during generation, at the steps they name, and ``gen.fork().do(site, edit)``
+edits a finished generation by re-running it from the first step the edit reaches.
 """
 
+from .fork import ForkRecord
 from .run import generate
 from .sites import AtStep, at_step
-from .trace import GenerationStep, GenerationTrace, StepList
+from .trace import GenerationFork, GenerationStep, GenerationTrace, StepList
 
-__all__ = ["AtStep", "GenerationStep", "GenerationTrace", "StepList", "at_step", "generate"]
+__all__ = ["AtStep", "ForkRecord", "GenerationFork", "GenerationStep", "GenerationTrace", "StepList", "at_step",
+           "generate"]

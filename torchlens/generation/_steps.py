@@ -21,11 +21,13 @@ import torch
 from torch import nn
 
 from ..api import _trace
+from ..core.inputs import split_inputs
 from ..core.steps import Step
-from ..errors import EditShapeError, StepEditShapeError
+from ..errors import EditShapeError, EmptyGenerationError, StepEditShapeError
 from .sites import StepSet
 
-__all__ = ["StepCapture", "StepRecord", "input_length", "positions_before"]
+__all__ = ["GenerationRun", "StepCapture", "StepRecord", "cache_of", "input_length", "positions_before",
+           "record_steps", "run_generate"]
 
 _NO_FORWARD = object()
 # the model's own hook dictionaries: while a step's capture calls the model again, they are set
@@ -44,6 +46,27 @@ class StepRecord:
     rng_state: torch.Tensor | None = field(default=None, repr=False)
 
 
+@dataclass
+class GenerationRun:
+    """How a generation was made, so a fork can make it again: inputs, decoding, capture settings."""
+
+    inputs: Any
+    loop: Callable[..., Any] | None
+    kwargs: dict
+    save: Any
+    backend: str | None
+    tokenizer: Any
+    start_rng: torch.Tensor = field(repr=False)
+
+
+def cache_of(kwargs: dict) -> tuple[str | None, Any]:
+    """The keyword and object of the KV cache a model call receives ((None, None): none)."""
+    for key in ("cache", "past_key_values"):
+        if kwargs.get(key) is not None:
+            return key, kwargs[key]
+    return None, None
+
+
 def input_length(args: tuple, kwargs: dict) -> int | None:
     """How many positions a model call computes: the sequence length of its token ids or embeddings."""
     for key in ("input_ids", "inputs_embeds", "decoder_input_ids"):
@@ -57,7 +80,7 @@ def input_length(args: tuple, kwargs: dict) -> int | None:
 
 def positions_before(kwargs: dict) -> int:
     """Positions the KV cache a model call receives already holds (0: no cache, an empty one)."""
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    _, cache = cache_of(kwargs)
     if cache is None:
         return 0
     length = getattr(cache, "get_seq_length", None)
@@ -79,16 +102,17 @@ class StepCapture:
         save: ``save=`` of every step's capture (None: every value).
         backend: the capture engine of every step (None: the cheapest that serves it).
         on_step: called with each finished :class:`StepRecord`.
+        first: the index of the first step captured (a fork resuming at step ``k`` counts from ``k``).
     """
 
     def __init__(self, model: nn.Module, edits: list[tuple[Any, StepSet, Any]], save: Any, backend: str | None,
-                 on_step: Callable[[StepRecord], None]) -> None:
+                 on_step: Callable[[StepRecord], None], first: int = 0) -> None:
         self.model = model
         self.edits = edits
         self.save = save
         self.backend = backend
         self.on_step = on_step
-        self.count = 0
+        self.count = first
         self._owner: int | None = None
         self._inside = False
         self._previous: Any = _NO_FORWARD
@@ -154,3 +178,28 @@ class StepCapture:
     def _restore_hooks(self, held: dict[str, Any]) -> None:
         for name, hooks in held.items():
             setattr(self.model, name, hooks)
+
+
+def record_steps(model: nn.Module, run: GenerationRun, edits: list[tuple[Any, StepSet, Any]], *,
+                 inputs: Any = None, kwargs: dict | None = None, first: int = 0) -> tuple[list[StepRecord], Any]:
+    """Run ``run``'s decoding (on other ``inputs`` / ``kwargs`` when given: a fork resuming at step
+    ``first``) with one capture per model call; the step records and what the decoding returned.
+
+    Raises:
+        EmptyGenerationError: the decoding never called the model.
+    """
+    inputs = run.inputs if inputs is None else inputs
+    records: list[StepRecord] = []
+    with StepCapture(model, edits, run.save, run.backend, records.append, first=first):
+        if run.loop is not None:
+            output = run.loop(model, inputs)
+        else:
+            output = run_generate(model, inputs, run.kwargs if kwargs is None else kwargs)
+    if not records:
+        raise EmptyGenerationError("the decoding loop never called the model, so there is no step to record")
+    return records, output
+
+
+def run_generate(model: nn.Module, inputs: Any, kwargs: dict) -> Any:
+    args, kw = split_inputs(inputs)
+    return model.generate(*args, **kw, **kwargs, disable_compile=True)

@@ -11,18 +11,16 @@ import torch
 from torch import nn
 
 from ..api import check_model
-from ..core.inputs import split_inputs
 from ..core.selectors import Selector, as_selector
-from ..core.steps import Step, check_edit
+from ..core.steps import Step
 from ..errors import (
     EmptyGenerationError,
     GenerationStrategyError,
     InvalidArgumentError,
     NoGenerateError,
-    StepNotFoundError,
 )
-from ._steps import StepCapture, StepRecord
-from .sites import StepSet, split_step
+from ._steps import GenerationRun, record_steps
+from .sites import StepSet, check_reached, edit_triple, split_step
 from .trace import GenerationTrace
 
 __all__ = ["generate"]
@@ -85,25 +83,14 @@ def generate(model: nn.Module, inputs: Any, *, loop: Callable[[nn.Module, Any], 
         raise InvalidArgumentError("save= keeps its sites at every step; tl.at_step is for reads and edits",
                                    remedy="Pass plain sites to save=, then read the steps you want.")
     inputs = _encode(inputs, tokenizer)
-    records: list[StepRecord] = []
+    prompt_length = _prompt_length(inputs)
     with torch.random.fork_rng(devices=[], enabled=seed is not None):
         if seed is not None:
             torch.manual_seed(seed)
-        with StepCapture(model, edits, save, backend, records.append):
-            if loop is not None:
-                output = loop(model, inputs)
-            else:
-                output = _run_generate(model, inputs, generate_kwargs)
-    if not records:
-        raise EmptyGenerationError("the decoding loop never called the model, so there is no step to record")
-    _check_reached(edits, len(records))
-    return GenerationTrace(model, records, output=output, prompt_length=_prompt_length(inputs), tokenizer=tokenizer,
-                           intervene=[(site, edit) for site, _, edit in edits])
-
-
-def _run_generate(model: nn.Module, inputs: Any, kwargs: dict) -> Any:
-    args, kw = split_inputs(inputs)
-    return model.generate(*args, **kw, **kwargs, disable_compile=True)
+        run = GenerationRun(inputs, loop, dict(generate_kwargs), save, backend, tokenizer, torch.get_rng_state())
+        records, output = record_steps(model, run, edits)
+    check_reached(edits, len(records))
+    return GenerationTrace(model, records, output=output, prompt_length=prompt_length, run=run, edits=edits)
 
 
 def _encode(inputs: Any, tokenizer: Any) -> Any:
@@ -137,18 +124,12 @@ def _edits(intervene: Any) -> list[tuple[Selector, StepSet, Any]]:
     out = []
     for item in items:
         if isinstance(item, Step):
-            site, edit = item.site, item.edit
+            out.append(edit_triple(item.site, item.edit))
         elif _is_pair(item):
-            site, edit = item
-            check_edit(edit)
+            out.append(edit_triple(*item))
         else:
             raise InvalidArgumentError(f"intervene= takes (site, edit) pairs or tl.when(site, edit); got "
                                        f"{type(item).__name__} {item!r:.60}")
-        inner, steps = split_step(site)
-        if steps.negative():
-            raise InvalidArgumentError(f"{site!r}: an edit's steps count from 0 (the number of steps is not known "
-                                       "before generating)", remedy="Give steps from 0: tl.at_step(site, 5).")
-        out.append((inner, steps, edit))
     return out
 
 
@@ -189,16 +170,4 @@ def _check_generate(model: nn.Module, kwargs: dict) -> None:
 def _check_reach(edits: list[tuple[Selector, StepSet, Any]], max_new_tokens: Any) -> None:
     """Before generating: an edit's step beyond ``max_new_tokens`` steps can never be reached."""
     if isinstance(max_new_tokens, numbers.Integral) and max_new_tokens > 0:
-        _check_reached(edits, int(max_new_tokens), before=True)
-
-
-def _check_reached(edits: list[tuple[Selector, StepSet, Any]], n: int, before: bool = False) -> None:
-    for inner, steps, _ in edits:
-        highest = steps.highest()
-        if highest is not None and highest >= n:
-            ran = f"can run at most {n} step(s)" if before else f"ran {n} step(s)"
-            raise StepNotFoundError(
-                f"the edit at {inner.describe()} names step {highest}, but this generation {ran} (0..{n - 1}); "
-                f"step 0 reads the prompt", step=highest, n_steps=n,
-                remedy="Name steps below the number of steps (max_new_tokens steps with a KV cache), "
-                       "or an open range: tl.at_step(site, slice(k, None)).")
+        check_reached(edits, int(max_new_tokens), before=True)

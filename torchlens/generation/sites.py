@@ -13,9 +13,10 @@ from typing import Any
 
 from ..core.records import ModuleCall, Op
 from ..core.selectors import Record, Selector, as_selector
+from ..core.steps import check_edit
 from ..errors import InvalidArgumentError, StepNotFoundError, StepSiteOutsideGenerationError
 
-__all__ = ["AtStep", "StepSet", "at_step", "split_step"]
+__all__ = ["AtStep", "StepSet", "at_step", "check_reached", "edit_triple", "split_step"]
 
 
 class StepSet:
@@ -148,3 +149,29 @@ def split_step(site: Any) -> tuple[Selector, StepSet]:
     if isinstance(site, AtStep):
         return site.site, site.steps
     return as_selector(site), StepSet(None)
+
+
+def edit_triple(site: Any, edit: Any) -> tuple[Selector, StepSet, Any]:
+    """``(inner site, steps, edit)`` of one edit during generation.
+
+    Raises:
+        InvalidArgumentError: not an edit, or steps counted from the end (unknown before generating).
+    """
+    check_edit(edit)
+    inner, steps = split_step(site)
+    if steps.negative():
+        raise InvalidArgumentError(f"{site!r}: an edit's steps count from 0 (the number of steps is not known "
+                                   "before generating)", remedy="Give steps from 0: tl.at_step(site, 5).")
+    return inner, steps, edit
+
+
+def check_reached(edits: list[tuple[Selector, StepSet, Any]], n: int, before: bool = False) -> None:
+    for inner, steps, _ in edits:
+        highest = steps.highest()
+        if highest is not None and highest >= n:
+            ran = f"can run at most {n} step(s)" if before else f"ran {n} step(s)"
+            raise StepNotFoundError(
+                f"the edit at {inner.describe()} names step {highest}, but this generation {ran} (0..{n - 1}); "
+                f"step 0 reads the prompt", step=highest, n_steps=n,
+                remedy="Name steps below the number of steps (max_new_tokens steps with a KV cache), "
+                       "or an open range: tl.at_step(site, slice(k, None)).")

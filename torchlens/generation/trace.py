@@ -18,10 +18,11 @@ from ..core.sites import Site
 from ..core.trace import Trace
 from ..core.tree import first_tensor
 from ..errors import InvalidArgumentError, PositionNotInStepError, StepNotFoundError
-from ._steps import StepRecord
-from .sites import split_step
+from ._steps import GenerationRun, StepRecord
+from .fork import ForkRecord, rerun
+from .sites import StepSet, edit_triple, split_step
 
-__all__ = ["GenerationStep", "GenerationTrace", "StepList"]
+__all__ = ["GenerationFork", "GenerationStep", "GenerationTrace", "StepList"]
 
 
 def _logits_of(output: Any) -> torch.Tensor | None:
@@ -158,15 +159,31 @@ class GenerationTrace:
     """
 
     def __init__(self, model: Any, records: list[StepRecord], *, output: Any, prompt_length: int,
-                 tokenizer: Any = None, intervene: list[Any] | None = None) -> None:
+                 run: GenerationRun, edits: list[tuple[Any, StepSet, Any]]) -> None:
         self.model = model
+        self._set(records, output)
+        self.prompt_length = prompt_length
+        self.run = run  # how it was made (inputs, decoding, capture settings): what a fork re-runs
+        self.edits = list(edits)  # (site, steps, edit) applied while generating
+
+    def _set(self, records: list[StepRecord], output: Any) -> None:
+        self.records = list(records)
         self.output = output  # what generate (or the loop) returned
         seq = getattr(output, "sequences", output)
         self.sequences: torch.Tensor | None = seq if isinstance(seq, torch.Tensor) else None
-        self.prompt_length = prompt_length
-        self.tokenizer = tokenizer
-        self.intervene = list(intervene or [])
         self.steps = StepList([GenerationStep(self, k, r) for k, r in enumerate(records)])
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.run.tokenizer
+
+    def fork(self) -> Any:
+        """A branch of this generation to edit after the fact: ``gen.fork().do(tl.at_step(site, k), edit)``.
+
+        Returns:
+            a :class:`GenerationFork`; this generation is never changed.
+        """
+        return GenerationFork(self)
 
     @property
     def tokens(self) -> torch.Tensor | None:
@@ -224,6 +241,42 @@ class GenerationTrace:
     def __repr__(self) -> str:
         new = None if self.tokens is None else self.tokens.shape[1]
         return f"<GenerationTrace {len(self.steps)} steps, prompt {self.prompt_length} tokens, {new} new>"
+
+
+class GenerationFork(GenerationTrace):
+    """A branch of a generation; ``do`` edits it by re-running the steps the edit reaches and those after.
+
+    The steps before the first step an edit reaches are the parent's (shared, not re-run). From
+    there the model runs again, for real: Hugging Face ``generate`` resumes from a copy of the
+    parent's KV cache cropped to what that step received, with the random number generator as it
+    was then (a sampled token is redrawn from the same state). A decoding loop, a cache that
+    cannot be cropped, or an edit that reaches step 0 regenerates from the prompt. ``record``
+    says which steps were reused and which re-run, how, and where the text first diverged.
+    """
+
+    def __init__(self, parent: GenerationTrace) -> None:
+        super().__init__(parent.model, parent.records, output=parent.output, prompt_length=parent.prompt_length,
+                         run=parent.run, edits=parent.edits)
+        self.parent = parent
+        self.record: ForkRecord | None = None
+
+    def do(self, site: Any, edit: Any) -> GenerationFork:
+        """Apply ``edit`` at ``site`` (a plain site: every step; ``tl.at_step(site, k | range | list)``)
+        and re-run the generation from the first step it reaches.
+
+        Returns:
+            this fork, for chaining; ``fork.record`` describes what was re-run.
+
+        Raises:
+            StepNotFoundError: the edit's first step is beyond this generation's steps.
+            StepEditShapeError: the edit does not fit the activation at some step.
+        """
+        triple = edit_triple(site, edit)
+        records, output, record = rerun(self, triple)
+        self._set(records, output)
+        self.edits = [*self.edits, triple]
+        self.record = record
+        return self
 
 
 def _read(trace: Trace, selector: Any) -> Any:
