@@ -539,3 +539,27 @@ def test_a_fork_edit_beyond_the_steps_is_refused(tiny_gpt2):
     with pytest.raises(StepNotFoundError, match="3 step"):
         gen.fork().do(tl.at_step("transformer.h.0", 5), tl.zero_ablate())
     assert_model_clean(model, before)
+
+
+# -- patching across generations ---------------------------------------------------------------
+
+
+def test_patch_from_a_generation_reads_the_same_step_of_it(tiny_llama):
+    model, clean_ids = tiny_llama.model, tiny_llama.args[0]
+    corrupt_ids = clean_ids.clone()
+    corrupt_ids[0, 2] = 11
+    site = "model.layers.0"
+    clean = tl.generate(model, clean_ids, max_new_tokens=6, do_sample=False)
+    corrupt = tl.generate(model, corrupt_ids, max_new_tokens=6, do_sample=False)
+    _, clean_seen = hooked_generate(model, site, input_ids=clean_ids, max_new_tokens=6, do_sample=False)
+    want = hooked_edits(model, {site: (lambda out: clean_seen[3].clone(), range(3, 4))}, input_ids=corrupt_ids,
+                        max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    fork = corrupt.fork().do(tl.at_step(site, 3), tl.patch_from(clean))
+    assert torch.equal(fork.sequences, want.sequences)
+    assert torch.equal(fork.read(tl.at_step(site, 3)), clean_seen[3])
+    for k, step in enumerate(fork.steps):
+        assert torch.allclose(step.logits, want.logits[k], atol=1e-6, rtol=0)
+    # the last block patched at every step: the corrupted run then chooses the clean run's tokens
+    every = tl.generate(model, corrupt_ids, max_new_tokens=6, do_sample=False,
+                        intervene=[("model.layers.1", tl.patch_from(clean))])
+    assert torch.equal(every.tokens, clean.tokens) and not torch.equal(corrupt.tokens, clean.tokens)

@@ -11,6 +11,7 @@ the generation raises or is interrupted.
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -26,8 +27,8 @@ from ..core.steps import Step
 from ..errors import EditShapeError, EmptyGenerationError, StepEditShapeError
 from .sites import StepSet
 
-__all__ = ["GenerationRun", "StepCapture", "StepRecord", "cache_of", "input_length", "positions_before",
-           "record_steps", "run_generate"]
+__all__ = ["GenerationRun", "StepCapture", "StepRecord", "cache_of", "for_step", "input_length",
+           "positions_before", "record_steps", "run_generate"]
 
 _NO_FORWARD = object()
 # the model's own hook dictionaries: while a step's capture calls the model again, they are set
@@ -93,6 +94,17 @@ def positions_before(kwargs: dict) -> int:
     return 0
 
 
+def for_step(edit: Any, k: int) -> Any:
+    """``edit`` as step ``k`` applies it: an edit reading another generation (``tl.patch_from(gen)``)
+    reads that generation's step ``k``; any other edit is itself."""
+    pick = getattr(getattr(edit, "source", None), "step_trace", None)
+    if not callable(pick):
+        return edit
+    edit = copy.copy(edit)
+    edit.source = pick(k)
+    return edit
+
+
 class StepCapture:
     """Within ``with``, each call of ``model`` from this thread is captured as one step.
 
@@ -149,7 +161,7 @@ class StepCapture:
         k = self.count
         start, length = positions_before(kwargs), input_length(args, kwargs)
         rng = torch.get_rng_state()
-        steps = [Step(site, edit) for site, when, edit in self.edits if when.contains(k)]
+        steps = [Step(site, for_step(edit, k)) for site, when, edit in self.edits if when.contains(k)]
         hooks = self._set_hooks_aside()
         try:
             trace = _trace(self.model, args, kwargs, save=self.save, intervene=steps or None, backend=self.backend)

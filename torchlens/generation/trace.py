@@ -205,6 +205,14 @@ class GenerationTrace:
     def __len__(self) -> int:
         return len(self.steps)
 
+    def step_trace(self, k: int) -> Trace:
+        """Step ``k``'s trace; what ``tl.patch_from(gen)`` reads at step ``k`` of another generation.
+
+        Raises:
+            StepNotFoundError: ``k`` is beyond this generation's steps.
+        """
+        return self.steps[k].trace
+
     def steps_computing(self, position: int) -> list[int]:
         """The steps that computed absolute ``position`` (one with a KV cache; every later one without)."""
         return [s.index for s in self.steps if s._length is not None and position in s.positions]
