@@ -19,6 +19,7 @@ from torchlens.errors import (
     GenerationStrategyError,
     NoGenerateError,
     PositionNotInStepError,
+    SiteNotInStepError,
     StepEditShapeError,
     StepNotFoundError,
     StepSiteOutsideGenerationError,
@@ -563,3 +564,35 @@ def test_patch_from_a_generation_reads_the_same_step_of_it(tiny_llama):
     every = tl.generate(model, corrupt_ids, max_new_tokens=6, do_sample=False,
                         intervene=[("model.layers.1", tl.patch_from(clean))])
     assert torch.equal(every.tokens, clean.tokens) and not torch.equal(corrupt.tokens, clean.tokens)
+
+
+def embeds_after_the_prompt(n_new: int) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+    """A GPT-2 greedy loop that embeds new tokens itself: ``transformer.wte`` runs in the prompt pass only."""
+    def loop(model, ids):
+        out = model(input_ids=ids, use_cache=True)
+        seq = ids
+        for _ in range(n_new - 1):
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], dim=1)
+            out = model(inputs_embeds=model.transformer.wte(nxt), cache=out.cache, use_cache=True)
+        return torch.cat([seq, out.logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return loop
+
+
+def test_a_site_of_the_prompt_pass_only_names_the_steps_it_ran_at(tiny_gpt2):
+    model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    loop = embeds_after_the_prompt(4)
+    gen = tl.generate(model, ids, loop=loop)
+    assert len(gen.steps) == 4 and gen.steps[2].positions == range(ids.shape[1] + 1, ids.shape[1] + 2)
+    assert gen.steps_running("transformer.wte") == [0]
+    with pytest.raises(SiteNotInStepError, match=r"did not run at step 1; it ran at step\(s\) \[0\]") as err:
+        gen.read("transformer.wte")
+    assert "tl.at_step" in err.value.remedy
+    assert gen.read(tl.at_step("transformer.wte", 0)).shape == (1, ids.shape[1], 32)
+    before = hook_state(model)
+    with pytest.raises(SiteNotInStepError, match="at step 1") as err:
+        tl.generate(model, ids, loop=loop, intervene=[("transformer.wte", tl.scale(2.0))])
+    assert isinstance(err.value, tl.EditNotAppliedError) and err.value.step == 1
+    assert_model_clean(model, before)
+    edited = tl.generate(model, ids, loop=loop, intervene=[(tl.at_step("transformer.wte", 0), tl.scale(2.0))])
+    assert len(edited.steps) == 4

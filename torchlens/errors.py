@@ -20,8 +20,8 @@ __all__ = [
     "PositionNotInStepError",
     "PickleNotAllowedError", "PluginError", "RecipeError", "RecipeExistsError", "RecipeFormatError",
     "RecipeHelperError", "ReplayError", "ReplayFellBack", "ReplayNotExactError", "ShardWriteError",
-    "ShimUnsupportedError", "SiteError", "SiteNotFoundError", "StepEditShapeError", "StepNotFoundError",
-    "StepSiteOutsideGenerationError", "StopCapture", "TokenizerRequiredError",
+    "ShimUnsupportedError", "SiteError", "SiteNotFoundError", "SiteNotInStepError", "StepEditShapeError",
+    "StepNotFoundError", "StepSiteOutsideGenerationError", "StopCapture", "TokenizerRequiredError",
     "TooManySitesError", "TorchLensError", "TraceStoreWriteError", "UnknownHelperError", "UnsafePathError",
     "UnsupportedModelError", "ValueNotSavedError", "all_error_classes",
 ]
@@ -339,6 +339,8 @@ class ShimUnsupportedError(TorchLensError, NotImplementedError):
 class GenerationError(TorchLensError):
     """Running or reading a generation (``tl.generate``) failed; the model is left as it was."""
 
+    remedy = "See the generation guide (docs/generation.md) for what tl.generate runs, reads and refuses."
+
 
 class NoGenerateError(GenerationError, UnsupportedModelError):
     """The model has no ``generate`` method and no decoding loop was given."""
@@ -371,6 +373,13 @@ class PositionNotInStepError(GenerationError, SiteError, IndexError):
     """The step did not compute that position (with a KV cache a step computes only its new tokens)."""
 
     remedy = "Read the position at the step that computed it (gen.step_of(position)), or read it without a step."
+
+
+class SiteNotInStepError(GenerationError, SiteNotFoundError, EditNotAppliedError):
+    """The site did not run at that step of the generation (e.g. it runs in the prompt pass only)."""
+
+    remedy = ("Address only the steps where it runs: tl.at_step(site, steps) (the message lists them; "
+              "gen.steps_running(site) too).")
 
 
 class StepSiteOutsideGenerationError(GenerationError, SiteError):

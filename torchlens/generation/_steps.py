@@ -24,7 +24,13 @@ from torch import nn
 from ..api import _trace
 from ..core.inputs import split_inputs
 from ..core.steps import Step
-from ..errors import EditShapeError, EmptyGenerationError, StepEditShapeError
+from ..errors import (
+    EditNotAppliedError,
+    EditShapeError,
+    EmptyGenerationError,
+    SiteNotInStepError,
+    StepEditShapeError,
+)
 from .sites import StepSet
 
 __all__ = ["GenerationRun", "StepCapture", "StepRecord", "cache_of", "for_step", "input_length",
@@ -165,8 +171,10 @@ class StepCapture:
         hooks = self._set_hooks_aside()
         try:
             trace = _trace(self.model, args, kwargs, save=self.save, intervene=steps or None, backend=self.backend)
-        except StepEditShapeError:
+        except (StepEditShapeError, SiteNotInStepError):
             raise
+        except EditNotAppliedError as err:
+            raise SiteNotInStepError(f"at step {k}: {err.message}", step=k, **err.fields) from err
         except EditShapeError as err:
             where = "" if length is None else f" ({length} position(s) from {start})"
             raise StepEditShapeError(f"at step {k}{where}: {err.message}", step=k, positions=length,

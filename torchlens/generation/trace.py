@@ -17,7 +17,14 @@ import torch
 from ..core.sites import Site
 from ..core.trace import Trace
 from ..core.tree import first_tensor
-from ..errors import InvalidArgumentError, PositionNotInStepError, StepNotFoundError
+from ..errors import (
+    InvalidArgumentError,
+    PositionNotInStepError,
+    SiteError,
+    SiteNotFoundError,
+    SiteNotInStepError,
+    StepNotFoundError,
+)
 from ._steps import GenerationRun, StepRecord
 from .fork import ForkRecord, rerun
 from .sites import StepSet, edit_triple, split_step
@@ -234,15 +241,34 @@ class GenerationTrace:
         """
         inner, steps = split_step(site)
         chosen = steps.resolve(len(self.steps))
-        if steps.single:
-            return self.steps[chosen[0]].read(inner, position=position)
         out = {}
         for k in chosen:
             step = self.steps[k]
-            if position is not None and position not in step.positions:
+            if position is not None and position not in step.positions and not steps.single:
                 continue
-            out[k] = step.read(inner, position=position)
-        return out
+            try:
+                out[k] = step.read(inner, position=position)
+            except SiteNotFoundError as err:
+                if isinstance(err, SiteNotInStepError):
+                    raise
+                ran = self.steps_running(inner)
+                if not ran:
+                    raise
+                raise SiteNotInStepError(f"{inner.describe()} did not run at step {k}; it ran at step(s) {ran}",
+                                         step=k, steps=ran, site=inner.describe()) from err
+        return out[chosen[0]] if steps.single else out
+
+    def steps_running(self, site: Any) -> list[int]:
+        """The steps at which ``site`` ran (a site of the prompt pass only: ``[0]``)."""
+        inner, _ = split_step(site)
+        found = []
+        for step in self.steps:
+            try:
+                step.trace.find_sites(step.trace.bind(inner, strings_as_modules=True))
+            except SiteError:
+                continue
+            found.append(step.index)
+        return found
 
     __getitem__ = read
 
