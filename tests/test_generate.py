@@ -596,3 +596,14 @@ def test_a_site_of_the_prompt_pass_only_names_the_steps_it_ran_at(tiny_gpt2):
     assert_model_clean(model, before)
     edited = tl.generate(model, ids, loop=loop, intervene=[(tl.at_step("transformer.wte", 0), tl.scale(2.0))])
     assert len(edited.steps) == 4
+
+
+def test_a_generation_shows_its_tokens_and_steps_in_a_notebook(tiny_llama, word_tokenizer):
+    model = tiny_llama.model
+    gen = tl.generate(model, "w3 w17 w42 w9", tokenizer=word_tokenizer, max_new_tokens=3, do_sample=False)
+    html = gen._repr_html_()
+    for k in range(3):
+        assert f'title="step {k}: position {4 + k}"' in html
+        assert f"<b>{word_tokenizer.decode(gen.tokens[:, k])}</b>" in html
+    assert html.count("<tr><td>") == 3 and "4 tokens" in html
+    assert "<table" in gen.steps[1]._repr_html_()

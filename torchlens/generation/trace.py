@@ -10,6 +10,7 @@ computes every position so far. ``step.positions`` says which, for any decoding 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from html import escape
 from typing import Any
 
 import torch
@@ -100,6 +101,9 @@ class GenerationStep:
 
     def __getitem__(self, key: str | int) -> Site:
         return self.trace[key]
+
+    def _repr_html_(self) -> str:
+        return self.trace._repr_html_()
 
     def read(self, site: Any, *, position: int | None = None) -> Any:
         """The value at ``site`` in this step (what a forward hook sees), optionally at one absolute position.
@@ -271,6 +275,27 @@ class GenerationTrace:
         return found
 
     __getitem__ = read
+
+    def _repr_html_(self) -> str:
+        """The generated tokens (each titled with the step that chose it), then a row per step."""
+        def word(ids: torch.Tensor) -> str:
+            shown = str(ids.tolist()) if self.tokenizer is None else self.tokenizer.decode(ids)
+            return escape(shown)
+
+        tokens = "" if self.tokens is None else " ".join(
+            f'<span title="step {k}: position {self.prompt_length + k}"><b>{word(self.tokens[:, k])}</b></span>'
+            for k in range(self.tokens.shape[1]))
+        rows = []
+        for step in self.steps:
+            token = step.token
+            where = "?" if step._length is None else f"{step.positions.start}..{step.positions.stop - 1}"
+            rows.append(f"<tr><td>{step.index}</td><td>{where}</td><td>{'-' if token is None else word(token)}</td>"
+                        f"<td>{len(step.trace.ops)}</td><td>{len(step.trace.calls)}</td>"
+                        f"<td>{len(step.trace.edits)}</td></tr>")
+        head = "".join(f"<th>{h}</th>" for h in ("step", "positions", "token", "ops", "module calls", "edits"))
+        return (f'<div class="tl-box"><b>GenerationTrace</b>: {len(self.steps)} steps, prompt '
+                f"{self.prompt_length} tokens<p>{tokens}</p><details><summary>steps</summary><table><thead><tr>"
+                f"{head}</tr></thead><tbody>{''.join(rows)}</tbody></table></details></div>")
 
     def __repr__(self) -> str:
         new = None if self.tokens is None else self.tokens.shape[1]
