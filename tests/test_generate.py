@@ -379,7 +379,7 @@ def test_an_interrupt_mid_generation_leaves_the_model_clean(tiny_gpt2):
 def test_a_hook_on_the_model_itself_fires_once_per_step(tiny_gpt2):
     model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
     calls = []
-    handle = model.register_forward_hook(lambda m, i, o: calls.append(o.logits.shape[1]))
+    handle = model.register_forward_hook(lambda m, a, kw, o: calls.append(kw["input_ids"].shape[1]), with_kwargs=True)
     try:
         before = hook_state(model)
         tl.generate(model, ids, max_new_tokens=4, do_sample=False)
@@ -607,3 +607,32 @@ def test_a_generation_shows_its_tokens_and_steps_in_a_notebook(tiny_llama, word_
         assert f"<b>{word_tokenizer.decode(gen.tokens[:, k])}</b>" in html
     assert html.count("<tr><td>") == 3 and "4 tokens" in html
     assert "<table" in gen.steps[1]._repr_html_()
+
+
+def test_a_left_padded_batch_and_a_dict_output_equal_plain_generate(tiny_llama):
+    model = tiny_llama.model
+    ids = torch.tensor([[0, 0, 3, 17, 42], [5, 9, 100, 5, 77]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    want = model.generate(**inputs, max_new_tokens=5, do_sample=False, return_dict_in_generate=True,
+                          output_logits=True)
+    _, seen = hooked_generate(model, "model.layers.1", input_ids=ids, attention_mask=mask, max_new_tokens=5,
+                              do_sample=False)
+    passed = {"plain": [], "ours": []}  # generate reads the forward's signature to choose what it passes
+    for who in passed:
+        handle = model.register_forward_pre_hook(lambda m, a, kw, who=who: passed[who].append(sorted(kw)),
+                                                 with_kwargs=True)
+        try:
+            if who == "plain":
+                model.generate(**inputs, max_new_tokens=5, do_sample=False)
+            else:
+                gen = tl.generate(model, inputs, max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
+        finally:
+            handle.remove()
+    assert passed["ours"] == passed["plain"] and "position_ids" in passed["plain"][0]
+    assert torch.equal(gen.sequences, want.sequences) and gen.output.sequences is gen.sequences
+    assert gen.steps[0].positions == range(0, 5) and gen.steps[2].positions == range(6, 7)
+    for k, step in enumerate(gen.steps):
+        assert torch.equal(step.token, want.sequences[:, 5 + k])
+        assert torch.allclose(step.logits, want.logits[k], atol=1e-6, rtol=0)
+        assert torch.equal(gen.read(tl.at_step("model.layers.1", k)), seen[k])

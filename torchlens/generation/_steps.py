@@ -12,6 +12,7 @@ the generation raises or is interrupted.
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -152,6 +153,9 @@ class StepCapture:
             own["forward"] = self._previous
 
     def _wrapper(self) -> Callable[..., Any]:
+        # the forward's own signature shows through (``__wrapped__``): generate reads it to decide which
+        # inputs to pass (position_ids, logits_to_keep ...), and must pass what it passes to the model
+        @functools.wraps(self._forward)
         def forward(*args: Any, **kwargs: Any) -> Any:
             if self._inside or threading.get_ident() != self._owner:
                 return self._forward(*args, **kwargs)  # the capture's own call, or another thread's
