@@ -636,3 +636,21 @@ def test_a_left_padded_batch_and_a_dict_output_equal_plain_generate(tiny_llama):
         assert torch.equal(step.token, want.sequences[:, 5 + k])
         assert torch.allclose(step.logits, want.logits[k], atol=1e-6, rtol=0)
         assert torch.equal(gen.read(tl.at_step("model.layers.1", k)), seen[k])
+
+
+def test_compare_two_generations_names_the_first_differing_step_op_and_token(tiny_llama):
+    model, ids = tiny_llama.model, tiny_llama.args[0]
+    gen = tl.generate(model, ids, max_new_tokens=6, do_sample=False)
+    vector = torch.randn(64, generator=torch.Generator().manual_seed(3)) * 4
+    fork = gen.fork().do(tl.at_step("model.layers.1", 2), tl.add(vector))
+    diff = gen.compare(fork)
+    assert diff.first_step_differs == 2 and diff.logit_max_abs[:2] == [0.0, 0.0] and diff.logit_max_abs[2] > 0
+    assert diff.diverged_at == fork.record.diverged_at is not None
+    p = diff.diverged_at
+    assert diff.tokens == (gen.sequences[:, p].tolist(), fork.sequences[:, p].tolist())
+    assert not diff.step_comparison.same and "model.layers.1" in str(diff.step_comparison.first_divergence)
+    assert f"position {p}" in str(diff) and not diff.same
+    same = gen.compare(tl.generate(model, ids, max_new_tokens=6, do_sample=False))
+    assert same.same and same.step_comparison is None and "same text" in str(same)
+    with pytest.raises(tl.errors.InvalidArgumentError, match="differ in length"):
+        gen.compare(tl.generate(model, ids[:, :4], max_new_tokens=6, do_sample=False))

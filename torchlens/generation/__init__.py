@@ -7,10 +7,11 @@ steps with ``tl.at_step(site, k | range | list)`` (a plain site: every step), ed
 edits a finished generation by re-running it from the first step the edit reaches.
 """
 
+from .compare import GenerationComparison
 from .fork import ForkRecord
 from .run import generate
 from .sites import AtStep, at_step
 from .trace import GenerationFork, GenerationStep, GenerationTrace, StepList
 
-__all__ = ["AtStep", "ForkRecord", "GenerationFork", "GenerationStep", "GenerationTrace", "StepList", "at_step",
-           "generate"]
+__all__ = ["AtStep", "ForkRecord", "GenerationComparison", "GenerationFork", "GenerationStep", "GenerationTrace",
+           "StepList", "at_step", "generate"]

@@ -19,6 +19,7 @@ import torch
 
 from ..errors import StepNotFoundError
 from ._steps import cache_of, record_steps
+from .compare import first_token_difference
 from .sites import StepSet, check_reached
 
 if TYPE_CHECKING:
@@ -72,7 +73,7 @@ def rerun(gen: GenerationTrace, triple: tuple[Any, StepSet, Any]) -> tuple[list[
         start, how = first, f"resumed at step {first} from the parent's KV cache"
     check_reached([triple], len(records))
     seq = getattr(output, "sequences", output)
-    position = _first_difference(gen.sequences, seq if isinstance(seq, torch.Tensor) else None, gen.prompt_length)
+    position = first_token_difference(gen.sequences, seq if isinstance(seq, torch.Tensor) else None, gen.prompt_length)
     record = ForkRecord(first, list(range(start)), list(range(start, len(records))), how, position,
                         None if position is None else position - gen.prompt_length)
     return records, output, record
@@ -118,14 +119,3 @@ def _first_step(steps: StepSet) -> int:
     if steps.items is not None:
         return min(steps.items)
     return steps.start
-
-
-def _first_difference(before: torch.Tensor | None, after: torch.Tensor | None, prompt_length: int) -> int | None:
-    """The first position (after the prompt) whose token differs in any row; a length change counts."""
-    if before is None or after is None:
-        return None
-    n = min(before.shape[1], after.shape[1])
-    differs = (before[:, :n] != after[:, :n]).any(dim=0).nonzero()
-    if len(differs):
-        return max(int(differs[0]), prompt_length)
-    return None if before.shape[1] == after.shape[1] else n

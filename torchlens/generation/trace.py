@@ -27,6 +27,7 @@ from ..errors import (
     StepNotFoundError,
 )
 from ._steps import GenerationRun, StepRecord
+from .compare import GenerationComparison, compare_generations
 from .fork import ForkRecord, rerun
 from .sites import StepSet, edit_triple, split_step
 
@@ -187,6 +188,15 @@ class GenerationTrace:
     @property
     def tokenizer(self) -> Any:
         return self.run.tokenizer
+
+    def compare(self, other: GenerationTrace, *, atol: float = 1e-5, rtol: float = 1e-4) -> GenerationComparison:
+        """This generation and ``other`` step by step: where logits first differ (that step's traces
+        compared op by op, as ``tl.debug.compare``), and where the text diverges.
+
+        Raises:
+            InvalidArgumentError: ``other`` is not a generation, or the prompts differ in length.
+        """
+        return compare_generations(self, other, atol=atol, rtol=rtol)
 
     def fork(self) -> Any:
         """A branch of this generation to edit after the fact: ``gen.fork().do(tl.at_step(site, k), edit)``.
