@@ -654,3 +654,36 @@ def test_compare_two_generations_names_the_first_differing_step_op_and_token(tin
     assert same.same and same.step_comparison is None and "same text" in str(same)
     with pytest.raises(tl.errors.InvalidArgumentError, match="differ in length"):
         gen.compare(tl.generate(model, ids[:, :4], max_new_tokens=6, do_sample=False))
+
+
+def test_an_interrupt_inside_a_step_of_generate_leaves_the_model_clean(tiny_llama):
+    model, ids = tiny_llama.model, tiny_llama.args[0]
+
+    def interrupt(act, *, ctx):
+        raise KeyboardInterrupt
+
+    before = hook_state(model)
+    with pytest.raises(KeyboardInterrupt):
+        tl.generate(model, ids, max_new_tokens=5, intervene=[(tl.at_step("model.layers.1.mlp", 2), interrupt)])
+    assert_model_clean(model, before)
+    assert torch.equal(tl.generate(model, ids, max_new_tokens=3, do_sample=False).sequences,
+                       model.generate(ids, max_new_tokens=3, do_sample=False))
+
+
+def test_a_forward_the_user_put_in_the_instance_slot_is_given_back(tiny_gpt2):
+    import copy
+
+    model, ids = copy.deepcopy(tiny_gpt2.model), tiny_gpt2.args[0]
+    calls = [0]
+    own = model.forward
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return own(*args, **kwargs)
+
+    model.forward = counted
+    want = model.generate(ids, max_new_tokens=4, do_sample=False)
+    calls[0] = 0
+    gen = tl.generate(model, ids, max_new_tokens=4, do_sample=False)
+    assert model.__dict__["forward"] is counted and calls[0] == 4  # it ran once per step, inside the capture
+    assert torch.equal(gen.sequences, want)
