@@ -38,6 +38,7 @@ from .errors import (
     TorchLensError,
     UnsupportedModelError,
 )
+from .generation import GenerationFork, GenerationStep, GenerationTrace, at_step, generate
 from .plugins import plugins
 from .store.datasets import ActivationDataset, cache_activations, load_activations, map_dataset
 from .store.recipes import Recipe, load_intervention
@@ -63,6 +64,9 @@ __all__ = [
     "EmptySelectionError",
     "Fork",
     "FusedKernelError",
+    "GenerationFork",
+    "GenerationStep",
+    "GenerationTrace",
     "Helper",
     "LegacyArgumentError",
     "ModuleCall",
@@ -84,12 +88,14 @@ __all__ = [
     "__version__",
     "add",
     "arch",
+    "at_step",
     "cache_activations",
     "debug",
     "draw",
     "errors",
     "extract",
     "func",
+    "generate",
     "in_module",
     "load_activations",
     "load_intervention",

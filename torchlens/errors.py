@@ -12,15 +12,17 @@ from typing import Any
 __all__ = [
     "AmbiguousSiteError", "AmbiguousTokenError", "CaptureError", "CaptureMemoryError", "DatasetError",
     "DatasetFormatError", "DatasetRowError", "DrawingScaledDown", "EditDtypeError", "EditError", "EditHadNoEffect",
-    "EditHadNoEffectError", "EditNotAppliedError", "EditShapeError", "EmptySelectionError", "FacetReadOnlyError",
-    "FingerprintMismatchError", "FormatVersionError", "FunctionsNotResolved", "FusedKernelError",
-    "GraphvizNotFoundError", "GuardChangedError", "InvalidArgumentError", "JobMismatchError", "LegacyArgumentError",
-    "NotPortableError", "OptionalDependencyError", "OutOfOrderError", "PaddingNotSupportedError",
-    "PickleNotAllowedError", "PluginError", "RecipeError", "RecipeExistsError", "RecipeFormatError",
-    "RecipeHelperError", "ReplayError", "ReplayFellBack", "ReplayNotExactError", "ShardWriteError",
-    "ShimUnsupportedError", "SiteError", "SiteNotFoundError", "StopCapture", "TextError", "TokenNotFoundError",
-    "TokenizerRequiredError", "TooManySitesError", "TorchLensError", "TraceStoreWriteError", "UnknownHelperError",
-    "UnsafePathError", "UnsupportedModelError", "ValueNotSavedError", "all_error_classes",
+    "EditHadNoEffectError", "EditNotAppliedError", "EditShapeError", "EmptyGenerationError", "EmptySelectionError",
+    "FacetReadOnlyError", "FingerprintMismatchError", "FormatVersionError", "FunctionsNotResolved",
+    "FusedKernelError", "GenerationError", "GenerationStrategyError", "GraphvizNotFoundError", "GuardChangedError",
+    "InvalidArgumentError", "JobMismatchError", "LegacyArgumentError", "NoGenerateError", "NotPortableError",
+    "OptionalDependencyError", "OutOfOrderError", "PaddingNotSupportedError", "PickleNotAllowedError", "PluginError",
+    "PositionNotInStepError", "RecipeError", "RecipeExistsError", "RecipeFormatError", "RecipeHelperError",
+    "ReplayError", "ReplayFellBack", "ReplayNotExactError", "ShardWriteError", "ShimUnsupportedError", "SiteError",
+    "SiteNotFoundError", "SiteNotInStepError", "StepEditShapeError", "StepNotFoundError",
+    "StepSiteOutsideGenerationError", "StopCapture", "TextError", "TokenNotFoundError", "TokenizerRequiredError",
+    "TooManySitesError", "TorchLensError", "TraceStoreWriteError", "UnknownHelperError", "UnsafePathError",
+    "UnsupportedModelError", "ValueNotSavedError", "all_error_classes",
 ]
 
 
@@ -374,6 +376,68 @@ class ShimUnsupportedError(TorchLensError, NotImplementedError):
     """The shim cannot honour this call of the original library."""
 
     remedy = "TorchLens runs the local eager forward; see the migration guide for the equivalent."
+
+
+# -- generation (tl.generate) ------------------------------------------------------------
+
+
+class GenerationError(TorchLensError):
+    """Running or reading a generation (``tl.generate``) failed; the model is left as it was."""
+
+    remedy = "See the generation guide (docs/generation.md) for what tl.generate runs, reads and refuses."
+
+
+class NoGenerateError(GenerationError, UnsupportedModelError):
+    """The model has no ``generate`` method and no decoding loop was given."""
+
+    remedy = ("Pass a Hugging Face model (a GenerationMixin), or your own decoding loop: "
+              "tl.generate(model, inputs, loop=fn), where fn(model, inputs) calls the model once per step "
+              "and returns the token ids.")
+
+
+class GenerationStrategyError(GenerationError, NotImplementedError):
+    """The decoding strategy (beam search, assisted, contrastive ...) is not one ``tl.generate`` runs."""
+
+    remedy = ("Use greedy decoding (do_sample=False) or sampling (do_sample=True, with seed=), one beam; "
+              "or write the strategy as a decoding loop: tl.generate(model, inputs, loop=fn).")
+
+
+class EmptyGenerationError(GenerationError, ValueError):
+    """The generation would choose no token (``max_new_tokens=0``), or the loop never called the model."""
+
+    remedy = "Ask for at least one new token (max_new_tokens >= 1); a loop must call model(...) at least once."
+
+
+class StepNotFoundError(GenerationError, SiteError, IndexError):
+    """A step index beyond the steps the generation ran (their number is given)."""
+
+    remedy = "Use a step between 0 and the number of steps minus one (len(gen.steps)); step 0 reads the prompt."
+
+
+class PositionNotInStepError(GenerationError, SiteError, IndexError):
+    """The step did not compute that position (with a KV cache a step computes only its new tokens)."""
+
+    remedy = "Read the position at the step that computed it (gen.step_of(position)), or read it without a step."
+
+
+class SiteNotInStepError(GenerationError, SiteNotFoundError, EditNotAppliedError):
+    """The site did not run at that step of the generation (e.g. it runs in the prompt pass only)."""
+
+    remedy = ("Address only the steps where it runs: tl.at_step(site, steps) (the message lists them; "
+              "gen.steps_running(site) too).")
+
+
+class StepSiteOutsideGenerationError(GenerationError, SiteError):
+    """A site with a step (``tl.at_step``) was given to something that records one forward, not a generation."""
+
+    remedy = "Pass it to tl.generate(..., intervene=...) or to a generation trace (gen.read), or drop tl.at_step."
+
+
+class StepEditShapeError(GenerationError, EditShapeError):
+    """An edit fits some steps (the prompt pass) but not another (a one-token step): the step and shapes are named."""
+
+    remedy = ("Give an edit that broadcasts over the sequence axis (a vector of the hidden size, or shape "
+              "(1, 1, d)), a function edit, or restrict it to the steps it fits: tl.at_step(site, 0).")
 
 
 def all_error_classes() -> list[type[TorchLensError]]:
