@@ -13,6 +13,7 @@ from torch import nn
 from ..api import check_model
 from ..core.selectors import Selector, as_selector
 from ..core.steps import Step
+from ..core.text import is_text, text_inputs, tokenizer_for
 from ..errors import (
     EmptyGenerationError,
     GenerationStrategyError,
@@ -82,7 +83,8 @@ def generate(model: nn.Module, inputs: Any, *, loop: Callable[[nn.Module, Any], 
     if isinstance(save, StepSet) or _has_steps(save):
         raise InvalidArgumentError("save= keeps its sites at every step; tl.at_step is for reads and edits",
                                    remedy="Pass plain sites to save=, then read the steps you want.")
-    inputs = _encode(inputs, tokenizer)
+    tokenizer = tokenizer_for(model, tokenizer)
+    inputs = _encode(model, inputs, tokenizer)
     prompt_length = _prompt_length(inputs)
     with torch.random.fork_rng(devices=[], enabled=seed is not None):
         if seed is not None:
@@ -93,13 +95,13 @@ def generate(model: nn.Module, inputs: Any, *, loop: Callable[[nn.Module, Any], 
     return GenerationTrace(model, records, output=output, prompt_length=prompt_length, run=run, edits=edits)
 
 
-def _encode(inputs: Any, tokenizer: Any) -> Any:
-    if isinstance(inputs, str) or (isinstance(inputs, list) and inputs and all(isinstance(s, str) for s in inputs)):
-        if tokenizer is None:
-            raise InvalidArgumentError("text inputs need a tokenizer to become token ids",
-                                       remedy="Pass tokenizer= a Hugging Face tokenizer, or give token ids.")
-        return dict(tokenizer(inputs, return_tensors="pt"))
-    return inputs
+def _encode(model: nn.Module, inputs: Any, tokenizer: Any) -> Any:
+    """Token ids for ``generate`` from text (the one text rule, ``core.text``); other inputs as given."""
+    if not is_text(inputs):
+        return inputs
+    args, kwargs = text_inputs(inputs, model, tokenizer)
+    kwargs.pop("position_ids", None)  # generate counts positions from the attention mask itself
+    return args[0] if args else kwargs
 
 
 def _prompt_length(inputs: Any) -> int:
