@@ -644,6 +644,7 @@ def test_compare_two_generations_names_the_first_differing_step_op_and_token(tin
     vector = torch.randn(64, generator=torch.Generator().manual_seed(3)) * 4
     fork = gen.fork().do(tl.at_step("model.layers.1", 2), tl.add(vector))
     diff = gen.compare(fork)
+    assert str(tl.debug.compare(gen, fork)) == str(diff)  # the public entry point compares generations too
     assert diff.first_step_differs == 2 and diff.logit_max_abs[:2] == [0.0, 0.0] and diff.logit_max_abs[2] > 0
     assert diff.diverged_at == fork.record.diverged_at is not None
     p = diff.diverged_at

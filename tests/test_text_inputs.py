@@ -267,3 +267,20 @@ def test_activation_patching_takes_text_through_the_models_tokenizer(tiny_gpt2, 
     ids = [tl.trace(model, torch.tensor([ids_of(gpt_tok, t)])) for t in (PROMPT, corrupted)]
     want = activation_patching(*ids, metric, positions=[3, -1])
     assert torch.equal(got.values, want.values) and got.values.shape == (2, 2)
+
+
+def test_patching_positions_may_be_token_strings(tiny_gpt2, gpt_tok):
+    model = tiny_gpt2.model
+    clean = tl.trace(model, PROMPT, tokenizer=gpt_tok)
+    corrupted = tl.trace(model, "The city of France is in Paris", tokenizer=gpt_tok)
+    metric = logit_diff(4, 7)
+    got = activation_patching(clean, corrupted, metric, positions=[" Paris", -1])
+    want = activation_patching(clean, corrupted, metric, positions=[3, -1])  # " Paris" is token 3 of the clean prompt
+    assert torch.equal(got.values, want.values) and got.labels["position"] == [3, 6]
+    heads = activation_patching(clean, corrupted, metric, site="heads", positions=" city")
+    assert torch.equal(heads.values, activation_patching(clean, corrupted, metric, site="heads", positions=[1]).values)
+    with pytest.raises(TokenNotFoundError):
+        activation_patching(clean, corrupted, metric, positions=[" mat"])
+    doubled = tl.trace(model, "The city of the city", tokenizer=gpt_tok)
+    with pytest.raises(AmbiguousTokenError):
+        activation_patching(doubled, doubled, metric, positions=[" city"])

@@ -300,8 +300,10 @@ def compare(a: Any, b: Any, *, atol: float = 1e-5, rtol: float = 1e-4) -> Compar
     """Align two traces (or a trace and a fork) op by op and report where they differ.
 
     Args:
-        a: a trace or fork (captured, replayed, or loaded with ``tl.load_trace``).
-        b: the trace or fork to compare it with.
+        a: a trace or fork (captured, replayed, or loaded with ``tl.load_trace``), or a generation
+            (``tl.generate``): two generations compare step by step (``GenerationComparison``: the
+            first differing step, op and token).
+        b: the trace, fork or generation to compare it with.
         atol: absolute tolerance: an element differs when ``|a - b| > atol + rtol * |b|``.
         rtol: relative tolerance, in the same rule.
 
@@ -313,6 +315,8 @@ def compare(a: Any, b: Any, *, atol: float = 1e-5, rtol: float = 1e-4) -> Compar
     Raises:
         InvalidArgumentError: ``a`` or ``b`` is not a trace, or a tolerance is negative.
     """
+    if hasattr(a, "steps") and callable(getattr(a, "compare", None)):  # generations compare step by step
+        return a.compare(b, atol=atol, rtol=rtol)
     for name, t in (("a", a), ("b", b)):
         if not (hasattr(t, "ops") and hasattr(t, "calls") and hasattr(t, "value")):
             raise InvalidArgumentError(f"compare() takes traces or forks; {name} is a {type(t).__name__}")

@@ -28,7 +28,7 @@ from ..core.trace import Trace
 from ..core.tree import first_tensor, flatten, unflatten
 from ..edit.edits import when
 from ..edit.reads import OutputRead, replay_reads
-from ..errors import GuardChangedError, InvalidArgumentError
+from ..errors import GuardChangedError, InvalidArgumentError, TokenNotFoundError
 from . import plots
 from .heads import head_patch_site
 from .patching_metrics import MetricReads, logit_diff, logits_of, metric_position, prob, score
@@ -221,6 +221,36 @@ def _layers(model: Any, kind: str, layers: Sequence[int] | None) -> list[int]:
     return arch(model).layer_indices(layers, "attn" if kind == "heads" else kind)
 
 
+def _token_positions(positions: Any, clean: Trace, corrupted: Trace) -> Any:
+    """``positions`` with token strings (``" Paris"``) replaced by their position: found in the clean
+    prompt, else in the corrupted one, at the same position in every prompt of the batch.
+
+    Raises:
+        TokenNotFoundError / AmbiguousTokenError: the string is in neither prompt, or occurs twice.
+        InvalidArgumentError: the prompts of a batch hold it at different positions.
+    """
+    if positions is None or not any(isinstance(p, str) for p in ([positions] if isinstance(positions, (int, str))
+                                                                  else positions)):
+        return positions
+    items = [positions] if isinstance(positions, str) else list(positions)
+    return [p if not isinstance(p, str) else _token_position(p, clean, corrupted) for p in items]
+
+
+def _token_position(token: str, clean: Trace, corrupted: Trace) -> int:
+    try:
+        source, found = clean, {clean.position(token, row=r) for r in range(len(clean.str_tokens))}
+    except TokenNotFoundError as missing:
+        try:
+            source, found = corrupted, {corrupted.position(token, row=r) for r in range(len(corrupted.str_tokens))}
+        except TokenNotFoundError:
+            raise missing from None
+    if len(found) > 1:
+        raise InvalidArgumentError(f"token {token!r} sits at positions {sorted(found)} in different prompts of the "
+                                   f"{source.name} batch; a patching position is one column for every prompt",
+                                   remedy="Give the position as an int.")
+    return found.pop()
+
+
 def _positions(positions: Sequence[int] | int | None, seq: int) -> list[int]:
     """Sequence positions, ``-1`` the last; outside the prompt refused, never wrapped."""
     if positions is None:
@@ -257,7 +287,8 @@ def activation_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any]
             at one position: its slice of the output projection's input, that row).
         layers: which blocks (default: all); negative ones count from the end (``-1``: the last).
         positions: which positions (default: all; for ``heads``, every position at once);
-            negative ones count from the end.
+            negative ones count from the end; a token string (``" Paris"``) names the position
+            of that token in the clean prompt (else the corrupted one), when it occurs once.
         progress: show a progress bar (None: when stderr is a terminal).
         batch_size: how many cells replay together (``Trace.forks``: one read of each weight per
             batch instead of per cell). Each cell of a batch holds its recomputed rows until the
@@ -284,6 +315,7 @@ def activation_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any]
     name = getattr(metric, "__name__", "metric")
     base_clean, base_corrupted = score(metric, clean.output), score(metric, corrupted.output)
     scorer = _Cells(corrupted, metric, batch_size)
+    positions = _token_positions(positions, clean, corrupted)
     if site == "heads":  # without positions=, each head at every position (no sequence length needed)
         at = None if positions is None else _positions(positions, _seq_len(corrupted))
         values, dims, labels = _head_grid(clean, corrupted, scorer, rows, arch(model).n_heads, at, progress)
