@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .._interrupts import Attached
 from ..core.records import INPUT, OPEN, ModuleCall, Op
 from ..core.steps import Step
 from ..core.trace import Trace
@@ -100,7 +101,7 @@ class HooksEngine:
             hooks.on_output(address, on_output)
         output = None
         complete = True
-        with torch.set_grad_enabled(request.grad), hooks:
+        with Attached(_grad_mode(request.grad), hooks):
             try:
                 output = request.model(*request.args, **request.kwargs)
             except StopCapture:
@@ -112,6 +113,12 @@ class HooksEngine:
                 call._out = handed_out
         trace.finish(output, steps=request.intervene, grad=request.grad, complete=complete)
         return trace
+
+
+def _grad_mode(grad: bool) -> object:
+    """The grad mode of a capture, set on entry (``torch.set_grad_enabled`` sets it when made,
+    before ``Attached`` holds Ctrl-C off)."""
+    return torch.enable_grad() if grad else torch.no_grad()
 
 
 def _versions(value: object) -> list[int | None]:
@@ -201,20 +208,28 @@ class FunctionModeEngine:
         hooks.on_every_module(recorder.enter_module, recorder.exit_module)
         output = None
         complete = True
-        with torch.set_grad_enabled(request.grad), hooks, recorder:
-            try:
-                output = model(*request.args, **request.kwargs)
-            except StopCapture:
-                complete = False
-        recorder.flush()
-        recorder.settle()
-        for call in trace.calls:  # calls a stopped (until=) forward never finished
-            if call.op_end == OPEN:
-                call.op_end = len(trace.ops)
-        if _any_offload(hooks.modules()):  # the full search reads every module's attributes
-            defer_offloaded_weights(trace, model)  # offloaded weights: references, not a second copy
-        if request.sink is not None:
-            request.sink.close()
+        try:
+            with Attached(_grad_mode(request.grad), hooks, recorder):
+                try:
+                    output = model(*request.args, **request.kwargs)
+                except StopCapture:
+                    complete = False
+            recorder.flush()
+            recorder.settle()
+            for call in trace.calls:  # calls a stopped (until=) forward never finished
+                if call.op_end == OPEN:
+                    call.op_end = len(trace.ops)
+            if _any_offload(hooks.modules()):  # the full search reads every module's attributes
+                defer_offloaded_weights(trace, model)  # offloaded weights: references, not a second copy
+            if request.sink is not None:
+                request.sink.close()
+        except BaseException:
+            # the forward raised or was interrupted (Ctrl-C): a disk store takes back what it wrote,
+            # so no half-written trace is left to be taken for a whole one
+            abort = getattr(request.sink, "abort", None)
+            if abort is not None:
+                abort()
+            raise
         trace.finish(output, steps=request.intervene, save=request.save, grad=request.grad, complete=complete,
                      stale=recorder.stale, output_refs=recorder.output_refs(output))
         return trace
