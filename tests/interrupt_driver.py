@@ -90,24 +90,21 @@ def on_nth_call(owner, name: str, n: int, before: bool = True):
     patch(owner, name, wrapped)
 
 
-def globals_left() -> list[str]:
-    """What a capture may have left in torch's or TorchLens's process-wide state."""
+def global_measures() -> dict[str, object]:
+    """What a capture may leave in torch's or TorchLens's process-wide state, measured."""
     from torch.overrides import _get_current_function_mode_stack
 
-    left = []
-    if _get_current_function_mode_stack():
-        left.append("a TorchFunctionMode on the stack")
-    if global_state()[1:4] != (0, 0, 0):
-        left.append("global module hooks")
-    if not torch.is_grad_enabled():
-        left.append("grad mode off")
-    if not gc.isenabled():
-        left.append("garbage collector off")
-    if _attach.ACTIVE_WRAPPERS or _copies._PREVIOUS or _copies._HOOKS or _copies._HELD:
-        left.append("capture registries not empty")
-    if any(v is _copies._reduce for v in copyreg.dispatch_table.values()):
-        left.append("a copy reduction of a module type")
-    return left
+    return {
+        "function modes": len(_get_current_function_mode_stack()),
+        "global module hooks": global_state()[1:4],
+        "grad mode": torch.is_grad_enabled(),
+        "garbage collector": gc.isenabled(),
+        "active wrappers": len(_attach.ACTIVE_WRAPPERS),
+        "noted slots": len(_copies._PREVIOUS),
+        "noted hooks": len(_copies._HOOKS),
+        "held types": len(_copies._HELD),
+        "copy reductions": sum(v is _copies._reduce for v in copyreg.dispatch_table.values()),
+    }
 
 
 def first(value):
@@ -153,6 +150,7 @@ def run_scenario(operation: str, point: str, work: pathlib.Path) -> dict:
     model.transformer.h[layer].mlp.act = trigger
     trigger.calls = 0
     before_hooks = hook_state(model)
+    before_globals = global_measures()
     before_params = copy.deepcopy(model.state_dict())
     report: dict = {"interrupted": False}
     edit = tl.scale(2.0)
@@ -264,7 +262,7 @@ def run_scenario(operation: str, point: str, work: pathlib.Path) -> dict:
     report["params_equal"] = after.keys() == before_params.keys() and all(
         torch.equal(after[k], before_params[k]) for k in after)
     report["training"] = model.training
-    report["globals_left"] = globals_left()
+    report["globals_left"] = [k for k, v in global_measures().items() if v != before_globals[k]]
     report["artefact"] = artefact(operation, target)
     report["debris"] = sorted(p.name for p in work.iterdir() if p.name.startswith("."))
     if operation == "fork" and g is not None:

@@ -18,6 +18,7 @@ from ..errors import StopCapture
 from ..hookspecs import hookimpl
 from ._memory import GcPause
 from ._offload import defer_offloaded_weights
+from ._random import active_dropout, warn_random
 from ._recorder import Recorder
 from .hooks import ModuleHooks
 from .request import CaptureRequest, module_address
@@ -106,6 +107,9 @@ class HooksEngine:
                 output = request.model(*request.args, **request.kwargs)
             except StopCapture:
                 complete = False
+        dropout = active_dropout(hooks.named().items())  # no ops recorded: the modules say
+        if dropout:
+            warn_random(request.model, [], dropout)
         for call, handed_out, versions in handed:
             # The object the forward really used (what a forward hook sees, with its autograd
             # graph) is kept when the model left it as it was; the copy otherwise.
@@ -232,6 +236,8 @@ class FunctionModeEngine:
             raise
         trace.finish(output, steps=request.intervene, save=request.save, grad=request.grad, complete=complete,
                      stale=recorder.stale, output_refs=recorder.output_refs(output))
+        if recorder.random:
+            warn_random(model, recorder.random, [])
         return trace
 
 

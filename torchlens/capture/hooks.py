@@ -93,6 +93,11 @@ class ModuleHooks:
         self.module("")
         return list(self._named)
 
+    def named(self) -> dict[str, nn.Module]:
+        """Every module of the model by address (shared modules once, under their first name)."""
+        self.module("")
+        return self._named
+
     def modules(self) -> list[nn.Module]:
         """Every module of the model (shared modules once), in ``names()`` order."""
         self.module("")
