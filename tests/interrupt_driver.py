@@ -283,7 +283,7 @@ def artefact(operation: str, target: pathlib.Path) -> str:
         return "absent"
     if operation == "store":  # complete once its index is written; not a save: load_trace refuses it
         leftover = sorted(p.name for p in target.iterdir())
-        return "complete" if "trace-store.json" in leftover else f"left {leftover}"
+        return "complete" if "trace-store.json" in leftover else "empty" if not leftover else f"left {leftover}"
     load = {"dataset": tl.load_activations, "save_trace": tl.load_trace, "save_recipe": tl.load_intervention}
     try:
         loaded = load[operation](target)

@@ -105,7 +105,7 @@ def test_ctrl_c_during_a_save_leaves_a_whole_save_or_none(reports, scenario):
 
 @pytest.mark.parametrize(("operation", "artefacts"), [
     ("trace", {"none"}),
-    ("store", {"absent", "complete"}),
+    ("store", {"absent", "empty", "complete"}),  # empty: made, Ctrl-C before the capture began; reusable
     ("dataset", {"absent", "refused:DatasetFormatError", "complete"}),  # absent: before the job made it
 ])
 def test_ctrl_c_from_the_parent_process(operation, artefacts, tmp_path):
