@@ -49,8 +49,12 @@ def _why(model: Any, ops: list[Any], dropout: list[str]) -> str:
 def _described(ops: list[Any], dropout: list[str]) -> str:
     if ops:
         where = [f"{op.label} in {op.module or 'the model'}" for op in ops]
-        return f"{len(ops)} ops drew random numbers ({_listed(where)})"
-    return f"{len(dropout)} dropout modules are on ({_listed(dropout)})"
+        return f"{_count(len(ops), 'op')} drew random numbers ({_listed(where)})"
+    return f"{_count(len(dropout), 'dropout module')} on ({_listed(dropout)})"
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"
 
 
 def warn_random(model: Any, ops: list[Any], dropout: list[str]) -> None:
