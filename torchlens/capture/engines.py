@@ -102,12 +102,13 @@ class HooksEngine:
             hooks.on_output(address, on_output)
         output = None
         complete = True
-        with Attached(_grad_mode(request.grad), hooks):
+        with Attached(_GradMode(request.grad), hooks):
             try:
                 output = request.model(*request.args, **request.kwargs)
             except StopCapture:
                 complete = False
-        dropout = active_dropout(hooks.named().items())  # no ops recorded: the modules say
+        # no ops recorded: the dropout modules say (model.eval() turns every one off: not looked for then)
+        dropout = active_dropout(hooks.named().items()) if request.model.training else None
         if dropout:
             warn_random(request.model, [], dropout)
         for call, handed_out, versions in handed:
@@ -119,10 +120,22 @@ class HooksEngine:
         return trace
 
 
-def _grad_mode(grad: bool) -> object:
-    """The grad mode of a capture, set on entry (``torch.set_grad_enabled`` sets it when made,
-    before ``Attached`` holds Ctrl-C off)."""
-    return torch.enable_grad() if grad else torch.no_grad()
+class _GradMode:
+    """The grad mode of a capture, set on entry and restored on exit (``torch.set_grad_enabled``
+    sets it when made, before ``Attached`` holds Ctrl-C off)."""
+
+    __slots__ = ("grad", "before")
+
+    def __init__(self, grad: bool) -> None:
+        self.grad = grad
+        self.before = True
+
+    def __enter__(self) -> None:
+        self.before = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(self.grad)
+
+    def __exit__(self, *exc: object) -> None:
+        torch._C._set_grad_enabled(self.before)
 
 
 def _versions(value: object) -> list[int | None]:
@@ -213,7 +226,7 @@ class FunctionModeEngine:
         output = None
         complete = True
         try:
-            with Attached(_grad_mode(request.grad), hooks, recorder):
+            with Attached(_GradMode(request.grad), hooks, recorder):
                 try:
                     output = model(*request.args, **request.kwargs)
                 except StopCapture:
