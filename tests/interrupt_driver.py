@@ -265,6 +265,7 @@ def run_scenario(operation: str, point: str, work: pathlib.Path) -> dict:
     report["globals_left"] = [k for k, v in global_measures().items() if v != before_globals[k]]
     report["artefact"] = artefact(operation, target)
     report["debris"] = sorted(p.name for p in work.iterdir() if p.name.startswith("."))
+    report["files"] = sorted(p.name for p in target.iterdir()) if target.is_dir() else []
     if operation == "fork" and g is not None:
         report["fork_output_after"] = g.output.logits.sum().item()
     # -- and the same operation again, uninterrupted ----------------------------------------------------

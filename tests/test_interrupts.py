@@ -95,7 +95,9 @@ def test_ctrl_c_during_a_store_capture_takes_back_its_shards(reports, scenario):
 
 @pytest.mark.parametrize("scenario", [s for s in SCENARIOS if s.startswith("dataset@")])
 def test_ctrl_c_during_a_dataset_job_leaves_it_resumable(reports, scenario):
-    check(reports, scenario)  # "again": the rerun resumes, and its files equal an uninterrupted job's
+    report = check(reports, scenario)  # "again": the rerun resumes, and its files equal an uninterrupted job's
+    assert "manifest.json" in report["files"]
+    assert not [name for name in report["files"] if ".tmp-" in name]  # no half-written shard left
 
 
 @pytest.mark.parametrize("scenario", [s for s in SCENARIOS if s.startswith("save_")])
