@@ -267,14 +267,22 @@ def tiny_gpt2_config(n_layer: int = 2) -> Any:
     return transformers.GPT2Config(n_layer=n_layer, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
 
 
-@pytest.fixture(scope="session")
-def tiny_gpt2() -> Case:
+TINY_GPT2_IDS = ((1, 2, 3, 4, 5, 6),)
+
+
+def build_tiny_gpt2() -> nn.Module:
+    """The ``tiny_gpt2`` fixture's model, built anew (seeded, eval mode): for a test or a child process
+    that changes it (train mode, a patched module) or runs without pytest."""
     import transformers
 
     config = tiny_gpt2_config()
-    model = _seeded(lambda: transformers.GPT2LMHeadModel(config))
-    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
-    return Case("tiny_gpt2", model, (ids,), block="transformer.h.0", inputs_for_do=ids)
+    return _seeded(lambda: transformers.GPT2LMHeadModel(config))
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2() -> Case:
+    ids = torch.tensor(TINY_GPT2_IDS)
+    return Case("tiny_gpt2", build_tiny_gpt2(), (ids,), block="transformer.h.0", inputs_for_do=ids)
 
 
 @pytest.fixture(scope="session")
@@ -604,11 +612,7 @@ def x() -> torch.Tensor:
 @pytest.fixture(scope="module")
 def gpt2() -> nn.Module:
     """A 2-layer random-weight GPT-2 (a module's own ``gpt2`` fixture takes precedence)."""
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
-    return transformers.GPT2LMHeadModel(config).eval()
+    return build_tiny_gpt2()
 
 
 def manifest_of(path: pathlib.Path) -> dict:

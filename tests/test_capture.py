@@ -7,27 +7,38 @@ hooks (cloned inside the hook: the value at that moment) or from hand computatio
 
 from __future__ import annotations
 
+import copy
 import inspect
 import linecache
 import os
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import (
+    TINY_GPT2_IDS,
     ControlFlowNet,
     InPlaceNet,
     RaisingNet,
     SharedTwice,
     assert_equal_tree,
     assert_model_clean,
+    build_tiny_gpt2,
     global_state,
     hook_reads,
     hook_state,
 )
 
 import torchlens as tl
-from torchlens.errors import AmbiguousSiteError, TooManySitesError, ValueNotSavedError
+from torchlens.core.records import RANDOM
+from torchlens.errors import (
+    AmbiguousSiteError,
+    RandomForwardError,
+    RandomOpsWarning,
+    TooManySitesError,
+    ValueNotSavedError,
+)
 
 
 def _line_of(cls: type, fragment: str) -> str:
@@ -366,3 +377,84 @@ def test_forward_slots_give_every_slot_back_exactly_as_it_was():
     assert "forward" not in plain.__dict__
     assert patched.__dict__["forward"] is custom
     assert torch.equal(plain(x), torch.nn.functional.linear(x, plain.weight, plain.bias))
+
+
+# -- a model in training mode (issue 28) ------------------------------------------------------------
+
+
+@pytest.fixture
+def training_gpt2():
+    """The tiny GPT-2 in training mode (dropout on), its inputs, a corrupted prompt and the state to compare."""
+    model = build_tiny_gpt2().train()
+    ids = torch.tensor(TINY_GPT2_IDS)
+    corrupted = ids.clone()
+    corrupted[0, 2] = 9
+    return model, ids, corrupted, hook_state(model), copy.deepcopy(model.state_dict())
+
+
+def _unchanged(model, hooks, params):
+    assert_model_clean(model, hooks)
+    assert model.training
+    after = model.state_dict()
+    assert after.keys() == params.keys() and all(torch.equal(after[k], params[k]) for k in after)
+
+
+@pytest.mark.parametrize("backend", [None, "hooks"])
+def test_capture_in_training_mode_warns_naming_the_random_ops_and_eval(training_gpt2, backend):
+    model, ids, _, hooks, params = training_gpt2
+    with pytest.warns(RandomOpsWarning) as seen:
+        trace = tl.trace(model, ids, backend=backend, save=["transformer.h.0"] if backend else None)
+    message = str(seen[0].message)
+    assert "model.eval()" in message and "training mode" in message
+    if backend is None:  # every op recorded: the ops that drew random numbers, each with its module
+        drew = [op for op in trace.ops if op.flags & RANDOM]
+        assert [op.func_name for op in drew][:3] == ["dropout", "scaled_dot_product_attention", "dropout"]
+        assert f"{drew[0].label} in transformer.drop" in message and f"{len(drew)} ops" in message
+    else:  # module outputs only: the dropout modules that are on
+        assert "transformer.drop, transformer.h.0.attn.attn_dropout" in message
+    assert seen[0].filename == __file__  # shown at the caller's line, not inside TorchLens
+    _unchanged(model, hooks, params)
+
+
+def test_capture_in_eval_mode_does_not_warn(tiny_gpt2):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RandomOpsWarning)
+        tl.trace(tiny_gpt2.model, *tiny_gpt2.args)
+        tl.extract(tiny_gpt2.model, tiny_gpt2.args[0], ["transformer.h.0"])
+
+
+@pytest.mark.parametrize("workflow", ["activation", "attribution", "causal"])
+def test_patching_in_training_mode_refuses_naming_eval_first(training_gpt2, workflow):
+    model, ids, corrupted, hooks, params = training_gpt2
+    metric = tl.patching.logit_diff(3, 4)
+    run = {
+        "activation": lambda: tl.patching.activation_patching(ids, corrupted, metric, model=model),
+        "attribution": lambda: tl.patching.attribution_patching(ids, corrupted, metric, model=model),
+        "causal": lambda: tl.patching.causal_trace(model, ids, [1], answer=3),
+    }[workflow]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RandomOpsWarning)
+        with pytest.raises(RandomForwardError) as info:
+            run()
+    assert info.value.remedy.startswith("Call model.eval()")
+    assert "do(site, edit" not in info.value.remedy  # a fork's remedy does not apply to a workflow
+    assert "training mode" in info.value.message and "dropout_1 in transformer.drop" in info.value.message
+    _unchanged(model, hooks, params)
+
+
+def test_attribution_patching_refuses_dropout_switched_on_after_capture(training_gpt2):
+    """Traces captured in eval mode, the model put back in training mode: the gradient forward would be random."""
+    model, ids, corrupted, hooks, params = training_gpt2
+    model.eval()
+    clean_trace, corrupted_trace = tl.trace(model, ids), tl.trace(model, corrupted)
+    model.train()
+    with pytest.raises(RandomForwardError) as info:
+        tl.patching.attribution_patching(clean_trace, corrupted_trace, tl.patching.logit_diff(3, 4))
+    assert info.value.remedy.startswith("Call model.eval()")
+    assert info.value.modules[:2] == ["transformer.drop", "transformer.h.0.attn.attn_dropout"]
+    _unchanged(model, hooks, params)
+    model.eval()  # and in eval mode it runs: the estimate's baseline is the corrupted run's metric
+    result = tl.patching.attribution_patching(clean_trace, corrupted_trace, tl.patching.logit_diff(3, 4))
+    with torch.no_grad():
+        logits = model(corrupted).logits
+    assert result.corrupted == pytest.approx(float(logits[0, -1, 3] - logits[0, -1, 4]), abs=1e-5)

@@ -17,10 +17,11 @@ __all__ = [
     "FusedKernelError", "GenerationError", "GenerationStrategyError", "GraphvizNotFoundError", "GuardChangedError",
     "InvalidArgumentError", "JobMismatchError", "LegacyArgumentError", "NoGenerateError", "NotPortableError",
     "OptionalDependencyError", "OutOfOrderError", "PaddingNotSupportedError", "PickleNotAllowedError", "PluginError",
-    "PositionNotInStepError", "RecipeError", "RecipeExistsError", "RecipeFormatError", "RecipeHelperError",
-    "ReplayError", "ReplayFellBack", "ReplayNotExactError", "ShardWriteError", "ShimUnsupportedError", "SiteError",
-    "SiteNotFoundError", "SiteNotInStepError", "StepEditShapeError", "StepNotFoundError",
-    "StepSiteOutsideGenerationError", "StopCapture", "TextError", "TokenNotFoundError", "TokenizerRequiredError",
+    "PositionNotInStepError", "RandomForwardError", "RandomOpsWarning", "RecipeError", "RecipeExistsError",
+    "RecipeFormatError", "RecipeHelperError", "ReplayError", "ReplayFellBack", "ReplayNotExactError",
+    "ShardWriteError", "ShimUnsupportedError", "SiteError", "SiteNotFoundError", "SiteNotInStepError",
+    "StepEditShapeError", "StepNotFoundError", "StepSiteOutsideGenerationError", "StopCapture", "TextError",
+    "TokenNotFoundError", "TokenizerRequiredError",
     "TooManySitesError", "TorchLensError", "TraceStoreWriteError", "UnknownHelperError", "UnsafePathError",
     "UnsupportedModelError", "ValueNotSavedError", "all_error_classes",
 ]
@@ -189,6 +190,19 @@ class GuardChangedError(ReplayNotExactError):
 
     remedy = ("Let replay fall back to re-executing the real forward: fork.do(site, edit, replay='fallback') "
               "(needs the trace's model), or re-execute explicitly: fork.do(site, edit, model=model, inputs=x).")
+
+
+class RandomForwardError(ReplayNotExactError):
+    """The forward drew random numbers (dropout left on by training mode, ``torch.rand``...), so a
+    workflow comparing runs of it would compare random draws."""
+
+    remedy = ("Call model.eval() before capturing (training mode leaves dropout on), then capture again; a "
+              "random op of the model's own (noise, sampling) needs a fixed seed or its removal.")
+
+
+class RandomOpsWarning(UserWarning):
+    """Warning: the captured forward drew random numbers (dropout left on by training mode, ...);
+    replay and the patching workflows refuse those ops."""
 
 
 class ReplayFellBack(UserWarning):

@@ -22,6 +22,7 @@ import torch
 from .._progress import track
 from ..api import trace as capture
 from ..arch.resolve import arch
+from ..capture._random import refuse_random
 from ..core.indices import python_indices
 from ..core.steps import REPLAY, Step
 from ..core.trace import Trace
@@ -309,6 +310,7 @@ def activation_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any]
     _check_batch(batch_size)
     clean, corrupted = _as_trace(model, clean, "clean"), _as_trace(model, corrupted, "corrupted")
     _check_pair(clean, corrupted)
+    refuse_random("activation patching", clean, corrupted)
     model = model if model is not None else _model_of(corrupted, clean)
     corrupted.ensure_graph()  # once here, not once per fork
     rows = _layers(model, site, layers)
@@ -443,6 +445,7 @@ def causal_trace(model: Any, ids: torch.Tensor, subject: Sequence[int], *, answe
     view = arch(model)
     embed = view.module("embed")
     clean = capture(model, ids)
+    refuse_random("causal tracing", clean)
     if answer is None:
         answer = int(logits_of(clean.output)[0, -1].argmax())
     if noise is None:

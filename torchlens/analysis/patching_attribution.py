@@ -19,6 +19,7 @@ import torch
 
 from ..api import trace as capture
 from ..arch.resolve import arch
+from ..capture._random import refuse_random
 from ..core.tree import first_tensor, flatten, unflatten
 from ..errors import InvalidArgumentError
 from .heads import attention_at
@@ -60,6 +61,7 @@ def attribution_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any
     clean, corrupted = _as_trace(model, clean, "clean"), _as_trace(model, corrupted, "corrupted")
     _check_pair(clean, corrupted)
     model = model if model is not None else _model_of(corrupted, clean)
+    refuse_random("attribution patching", clean, corrupted, model=model)  # its gradients would be a random graph's
     rows = _layers(model, site, layers)
     view = arch(model)
     if site == "heads":

@@ -119,6 +119,7 @@ class Recorder(TorchFunctionMode, CopyOnWrite, ModuleCalls):
         self.storage: dict[int, list[int]] | None = None
         self.stale: dict[int, int] = {}
         self.unsettled: list[tuple[ModuleCall, list, Any]] = []  # module outputs kept unrebuilt (``settle``)
+        self.random: list[Op] = []  # ops that drew random numbers (flagged RANDOM): the capture warns
         # Ops recorded inline are noted as rows first, made records by ``flush`` (``add_rows``).
         self.pending: list[tuple] = []
         self.add_rows = trace.add_recorded_tensor_ops
@@ -296,6 +297,8 @@ class Recorder(TorchFunctionMode, CopyOnWrite, ModuleCalls):
         value = list(out) if multi and type(out) is list else out
         op = Op(index, label, func, info.name, value, module, module_pass, code, line, args, kwargs, flags,
                 self.trace_ref, lasti)
+        if flags & RANDOM:
+            self.random.append(op)
         if not self.transient:
             trace.add_recorded_op(op, multi)
         else:

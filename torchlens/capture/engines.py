@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .._interrupts import Attached
 from ..core.records import INPUT, OPEN, ModuleCall, Op
 from ..core.steps import Step
 from ..core.trace import Trace
@@ -17,6 +18,7 @@ from ..errors import StopCapture
 from ..hookspecs import hookimpl
 from ._memory import GcPause
 from ._offload import defer_offloaded_weights
+from ._random import active_dropout, warn_random
 from ._recorder import Recorder
 from .hooks import ModuleHooks
 from .request import CaptureRequest, module_address
@@ -100,11 +102,15 @@ class HooksEngine:
             hooks.on_output(address, on_output)
         output = None
         complete = True
-        with torch.set_grad_enabled(request.grad), hooks:
+        with Attached(_GradMode(request.grad), hooks):
             try:
                 output = request.model(*request.args, **request.kwargs)
             except StopCapture:
                 complete = False
+        # no ops recorded: the dropout modules say (model.eval() turns every one off: not looked for then)
+        dropout = active_dropout(hooks.named().items()) if request.model.training else None
+        if dropout:
+            warn_random(request.model, [], dropout)
         for call, handed_out, versions in handed:
             # The object the forward really used (what a forward hook sees, with its autograd
             # graph) is kept when the model left it as it was; the copy otherwise.
@@ -112,6 +118,24 @@ class HooksEngine:
                 call._out = handed_out
         trace.finish(output, steps=request.intervene, grad=request.grad, complete=complete)
         return trace
+
+
+class _GradMode:
+    """The grad mode of a capture, set on entry and restored on exit (``torch.set_grad_enabled``
+    sets it when made, before ``Attached`` holds Ctrl-C off)."""
+
+    __slots__ = ("grad", "before")
+
+    def __init__(self, grad: bool) -> None:
+        self.grad = grad
+        self.before = True
+
+    def __enter__(self) -> None:
+        self.before = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(self.grad)
+
+    def __exit__(self, *exc: object) -> None:
+        torch._C._set_grad_enabled(self.before)
 
 
 def _versions(value: object) -> list[int | None]:
@@ -201,22 +225,32 @@ class FunctionModeEngine:
         hooks.on_every_module(recorder.enter_module, recorder.exit_module)
         output = None
         complete = True
-        with torch.set_grad_enabled(request.grad), hooks, recorder:
-            try:
-                output = model(*request.args, **request.kwargs)
-            except StopCapture:
-                complete = False
-        recorder.flush()
-        recorder.settle()
-        for call in trace.calls:  # calls a stopped (until=) forward never finished
-            if call.op_end == OPEN:
-                call.op_end = len(trace.ops)
-        if _any_offload(hooks.modules()):  # the full search reads every module's attributes
-            defer_offloaded_weights(trace, model)  # offloaded weights: references, not a second copy
-        if request.sink is not None:
-            request.sink.close()
+        try:
+            with Attached(_GradMode(request.grad), hooks, recorder):
+                try:
+                    output = model(*request.args, **request.kwargs)
+                except StopCapture:
+                    complete = False
+            recorder.flush()
+            recorder.settle()
+            for call in trace.calls:  # calls a stopped (until=) forward never finished
+                if call.op_end == OPEN:
+                    call.op_end = len(trace.ops)
+            if _any_offload(hooks.modules()):  # the full search reads every module's attributes
+                defer_offloaded_weights(trace, model)  # offloaded weights: references, not a second copy
+            if request.sink is not None:
+                request.sink.close()
+        except BaseException:
+            # the forward raised or was interrupted (Ctrl-C): a disk store takes back what it wrote,
+            # so no half-written trace is left to be taken for a whole one
+            abort = getattr(request.sink, "abort", None)
+            if abort is not None:
+                abort()
+            raise
         trace.finish(output, steps=request.intervene, save=request.save, grad=request.grad, complete=complete,
                      stale=recorder.stale, output_refs=recorder.output_refs(output))
+        if recorder.random:
+            warn_random(model, recorder.random, [])
         return trace
 
 

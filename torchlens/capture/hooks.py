@@ -18,6 +18,7 @@ from typing import Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .._interrupts import HoldInterrupts
 from ..core.names import nearest
 from ..errors import SiteNotFoundError
 from ._attach import (
@@ -92,6 +93,11 @@ class ModuleHooks:
         self.module("")
         return list(self._named)
 
+    def named(self) -> dict[str, nn.Module]:
+        """Every module of the model by address (shared modules once, under their first name)."""
+        self.module("")
+        return self._named
+
     def modules(self) -> list[nn.Module]:
         """Every module of the model (shared modules once), in ``names()`` order."""
         self.module("")
@@ -153,21 +159,27 @@ class ModuleHooks:
         self._owner = threading.get_ident()
         pre, post, handles = self._pre, self._post, self._handles
         try:
-            self._held = hold_types(self.modules() if self._every else [self.module(a) for a in pre])
-            for address in pre:
-                module = self.module(address)
-                if pre[address]:
-                    handles.append(attach(module, self._make_pre(address, module), pre=True))
-                if post[address]:
-                    handles.append(attach(module, self._make_post(address, module, bool(pre[address])), pre=False))
-            if self._every:
-                self._attach_every()
+            with HoldInterrupts():  # a Ctrl-C meanwhile is raised once every hook is on, then all come off
+                self._held = hold_types(self.modules() if self._every else [self.module(a) for a in pre])
+                for address in pre:
+                    module = self.module(address)
+                    if pre[address]:
+                        handles.append(attach(module, self._make_pre(address, module), pre=True))
+                    if post[address]:
+                        handles.append(attach(module, self._make_post(address, module, bool(pre[address])),
+                                              pre=False))
+                if self._every:
+                    self._attach_every()
         except BaseException:
             self.__exit__(None, None, None)
             raise
         return self
 
     def __exit__(self, *exc: object) -> None:
+        with HoldInterrupts():  # a Ctrl-C meanwhile is raised once every hook and wrapper is off
+            self._detach()
+
+    def _detach(self) -> None:
         if self._slots:
             with SLOT_LOCK:
                 unwrap(self._slots)  # each slot back to what it held
@@ -349,16 +361,17 @@ class ForwardSlots:
         return forward
 
     def restore(self) -> None:
-        for module, previous, wrapper in reversed(self._saved):
-            own = module.__dict__
-            forget_slot(wrapper)
-            if previous is NO_FORWARD:
-                own.pop("forward", None)
-            else:
-                own["forward"] = previous
-        self._saved.clear()
-        release_types(self._held)
-        self._held = []
+        with HoldInterrupts():  # every slot back, also when Ctrl-C is pressed meanwhile
+            for module, previous, wrapper in reversed(self._saved):
+                own = module.__dict__
+                forget_slot(wrapper)
+                if previous is NO_FORWARD:
+                    own.pop("forward", None)
+                else:
+                    own["forward"] = previous
+            self._saved.clear()
+            release_types(self._held)
+            self._held = []
 
     def __enter__(self) -> ForwardSlots:
         return self

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from .._interrupts import HoldInterrupts
 from ..errors import FormatVersionError, InvalidArgumentError, RecipeExistsError, UnsafePathError
 from ._checks import check_int, fail, loads_json
 from ._safetensors import check_declared, read_safetensors, write_safetensors
@@ -276,6 +277,12 @@ def _check_target(target: Path, overwrite: bool) -> None:
 
 
 def _swap_into_place(tmp: Path, target: Path, overwrite: bool) -> None:
+    # Ctrl-C held off: between the two renames of an overwrite, neither save is in place
+    with HoldInterrupts():
+        _swap(tmp, target, overwrite)
+
+
+def _swap(tmp: Path, target: Path, overwrite: bool) -> None:
     if not os.path.lexists(target):
         try:
             os.rename(tmp, target)

@@ -110,6 +110,9 @@ def write_shard(out: pathlib.Path, index: int, columns: dict[str, list[torch.Ten
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise _write_error(f"writing {final.name} in {out} failed", exc, shard=index) from exc
+    except BaseException:  # Ctrl-C mid-write: the half-written file goes (a resumed job writes the shard again)
+        tmp.unlink(missing_ok=True)
+        raise
     return {"file": final.name, "bytes": 8 + len(raw) + pos, "sha256": digest.hexdigest()}
 
 
@@ -145,6 +148,9 @@ def commit_manifest(out: pathlib.Path, manifest: dict[str, Any]) -> None:
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise _write_error(f"writing {path} failed", exc) from exc
+    except BaseException:  # Ctrl-C: the previous manifest stays, the half-written one goes
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_manifest(out: pathlib.Path) -> dict[str, Any] | None:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from .._interrupts import HoldInterrupts
 from ..core.records import Deferred, Ref
 from ..core.tree import flatten, unflatten
 from ..errors import InvalidArgumentError, TraceStoreWriteError
@@ -118,6 +119,7 @@ class TraceStore:
                 f"store={str(self.path)!r} exists and is not an empty directory",
                 remedy="Pass a new (or empty) directory for the trace's shards.",
             )
+        self._made_dir = not self.path.exists()  # ``abort`` removes a directory this store made
         self.path.mkdir(parents=True, exist_ok=True)
         self.budget = budget
         self._where: dict[str, int] = {}  # tensor name -> shard index (finished shards)
@@ -348,6 +350,26 @@ class TraceStore:
             (self.path / INDEX).write_text(json.dumps(index))
         except OSError as exc:
             raise self._error(exc) from exc
+
+    def abort(self) -> None:
+        """Take back what a capture that did not finish wrote (its forward raised, or Ctrl-C stopped
+        it): every shard, finished or open, and the index; the directory is left as it was before
+        (removed if the store made it), so no partial trace is left on disk and the same call can
+        run again."""
+        with HoldInterrupts():
+            if self._file is not None:
+                with contextlib.suppress(OSError):
+                    self._file.close()
+                self._file = None
+            self._files.clear()
+            self._bases.clear()
+            self._made.clear()
+            for name in [INDEX, *(shard_name(i) for i in range(self.n_shards + 1))]:
+                with contextlib.suppress(OSError):
+                    (self.path / name).unlink(missing_ok=True)
+            if self._made_dir:
+                with contextlib.suppress(OSError):
+                    self.path.rmdir()  # only if empty: nothing but our files was ever in it
 
     def view_of(self, name: str) -> tuple[str, int] | None:
         """``(the stored tensor it views, its storage offset)`` for a value stored as a view (None: it is not)."""
