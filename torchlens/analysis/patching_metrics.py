@@ -144,8 +144,8 @@ def logit_diff(correct: Answer, wrong: Answer, *, position: int = -1) -> Callabl
 
     Raises:
         InvalidArgumentError: an answer that is neither an int nor a 1-D list of ints, per-row
-        answers of different lengths; when applied, an answer list whose length is not the
-        batch size, a token id outside the vocabulary, a position outside the output.
+            answers of different lengths; when applied, an answer list whose length is not the
+            batch size, a token id outside the vocabulary, a position outside the output.
     """
     c, w = _answer(correct, "correct"), _answer(wrong, "wrong")
     if not isinstance(c, int) and not isinstance(w, int) and c.numel() != w.numel():
