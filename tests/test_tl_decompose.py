@@ -16,8 +16,11 @@ import torch
 import torchlens as tl
 from tests.conftest import assert_model_clean, eager_copy, hook_state
 
-tl_hooked = pytest.importorskip("transformer_lens", reason="transformer_lens is not installed (pip install "
-                                "'transformer-lens>=3.9,<4')")
+
+def _need_transformer_lens() -> None:
+    pytest.importorskip("transformer_lens", reason="transformer_lens is not installed (pip install "
+                        "'transformer-lens>=3.9,<4')")
+
 
 pytestmark = pytest.mark.filterwarnings("ignore:HookedTransformer is deprecated:DeprecationWarning")
 
@@ -59,6 +62,7 @@ def _hooked_gpt2(hf: torch.nn.Module, fold_ln: bool = False):
 
 @pytest.fixture(scope="module", params=["sdpa", "eager"])
 def gpt2_pair(request, tiny_gpt2):
+    _need_transformer_lens()
     hf = _randomise(copy.deepcopy(tiny_gpt2.model))
     if request.param == "eager":
         hf = eager_copy(hf)
@@ -196,6 +200,7 @@ def _hooked_llama(hf: torch.nn.Module):
 
 @pytest.fixture(scope="module")
 def llama_pair(tiny_llama):
+    _need_transformer_lens()
     hf = _randomise(copy.deepcopy(tiny_llama.model))
     ids = torch.tensor([[3, 17, 42, 9, 100, 5, 77], [8, 1, 64, 33, 2, 90, 12]])
     with torch.no_grad():
@@ -283,3 +288,18 @@ def test_a_post_norm_model_is_refused(minilm):
         tl.decompose_resid(trace, 1)
     assert info.value.remedy
     assert_model_clean(minilm.model, before)
+
+
+def test_transformerlens_page_maps_the_decomposition_calls():
+    """The migration table maps each TransformerLens call to a TorchLens call that exists."""
+    import pathlib
+    import re
+
+    page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "coming-from-transformerlens.md").read_text()
+    rows = {line.split(" | ")[0]: line.split(" | ")[1] for line in page.splitlines() if line.startswith("| `cache.")}
+    for theirs, ours in (("decompose_resid", "tl.decompose_resid"), ("stack_head_results", "heads=True"),
+                         ("logit_attrs", "tl.logit_attrs"), ("apply_ln_to_stack", "tl.apply_ln_to_stack")):
+        mapped = [v for k, v in rows.items() if f"cache.{theirs}" in k]
+        assert mapped and all(ours in v for v in mapped), theirs
+    for name in re.findall(r"\btl\.(decompose_resid|logit_attrs|apply_ln_to_stack)\b", page):
+        assert callable(getattr(tl, name))
