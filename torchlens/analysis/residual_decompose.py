@@ -118,8 +118,10 @@ def _head_components(trace: Trace, view: Any, layer: int) -> tuple[list[torch.Te
     n_heads, head_dim = head_out.size(-3), head_out.size(-1)
     merged = head_out.transpose(-3, -2).flatten(-2)
     recorded = first_tensor((call.args, call.kwargs))
+    eps = torch.finfo(merged.dtype).eps
     if weight.size(0) != n_heads * head_dim or (recorded is not None and recorded.shape == merged.shape
-                                                and not torch.allclose(recorded, merged, atol=1e-6, rtol=1e-5)):
+                                                and not torch.allclose(recorded, merged, rtol=16 * eps,
+                                                                       atol=16 * eps)):
         raise UnsupportedModelError(
             f"{address!r} does not read the heads of {facets.label} concatenated head by head "
             f"({n_heads} heads x {head_dim})",
@@ -242,8 +244,9 @@ def _final_norm(trace: Trace, view: Any) -> tuple[torch.Tensor, torch.Tensor, bo
         x = x - x.mean(-1, keepdim=True)
     scale = (x.pow(2).mean(-1, keepdim=True) + eps).sqrt()
     normed = x / scale * weight.float() + (bias.float() if bias is not None else 0.0)
-    recorded = first_tensor(trace[address].out).float()
-    if not torch.allclose(normed, recorded, atol=1e-4, rtol=1e-3):
+    recorded = first_tensor(trace[address].out)
+    tol = max(1e-3, 4 * torch.finfo(recorded.dtype).eps)
+    if not torch.allclose(normed, recorded.float(), atol=tol, rtol=tol):
         raise UnsupportedModelError(
             f"the final norm {address!r} ({type(norm).__name__}) is not (x{' - mean' if centred else ''}) / scale "
             "* weight (+ bias) with its weight and eps, so its scale cannot be applied to components",
@@ -274,7 +277,8 @@ def apply_ln_to_stack(trace: Any, stack: Any) -> torch.Tensor:
         stack: a :class:`ResidualStack` or a tensor ``[..., batch, position, d_model]``.
 
     Raises:
-        InvalidArgumentError: a stack of another shape. UnsupportedModelError: a final norm of another kind.
+        InvalidArgumentError: a stack of another shape.
+        UnsupportedModelError: a final norm of another kind.
     """
     view = arch(_model_of(trace))
     scale, _, centred, _ = _final_norm(trace, view)
@@ -326,7 +330,8 @@ def logit_attrs(trace: Any, stack: Any, tokens: Any, incorrect_tokens: Any = Non
 
     Raises:
         InvalidArgumentError: an id outside the vocabulary, ids of the wrong shape, or a stack of another shape.
-        SiteNotFoundError: no unembedding. UnsupportedModelError: a final norm of another kind.
+        SiteNotFoundError: no unembedding.
+        UnsupportedModelError: a final norm of another kind, or an unembedding that is not a Linear.
     """
     model = _model_of(trace)
     view = arch(model)
