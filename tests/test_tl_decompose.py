@@ -303,3 +303,48 @@ def test_transformerlens_page_maps_the_decomposition_calls():
         assert mapped and all(ours in v for v in mapped), theirs
     for name in re.findall(r"\btl\.(decompose_resid|logit_attrs|apply_ln_to_stack)\b", page):
         assert callable(getattr(tl, name))
+
+
+# -- every family an adapter covers ------------------------------------------------------------------
+
+PRE_NORM = ["gpt2", "gpt_neox", "gpt_neox_serial", "llama", "mistral", "qwen2"]
+
+
+@pytest.mark.parametrize("family", PRE_NORM)
+def test_attributions_sum_to_the_logits_in_every_pre_norm_family(family):
+    """Hand check through each adapter (parallel and serial NeoX, GQA, head_dim apart from width): every
+    component and head, through the final norm and the unembedding, plus the norm's and unembedding's
+    constant, is the model's own logit at every position."""
+    from tests.test_adapters import FAMILIES
+    from torchlens.analysis.patching_lens import find_final_norm
+
+    model = _randomise(FAMILIES[family].build())
+    ids = torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]])
+    before = hook_state(model)
+    trace = tl.trace(model, ids)
+    stack, labels = tl.decompose_resid(trace, heads=True)
+    assert sum(name.startswith("L0H") for name in labels) == tl.arch(model).n_heads
+    answer = torch.tensor([3, 11])
+    attrs = tl.logit_attrs(trace, stack, tokens=answer, position=None)
+    with torch.no_grad():
+        logits = model(ids).logits
+        norm = model.get_submodule(find_final_norm(trace))
+        const = tl.arch(model).module("unembed")(norm(torch.zeros(1, stack.size(-1))))[0]  # beta @ W_U + b_U
+    want = logits[torch.arange(2), :, answer] - const[answer][:, None]
+    assert _max_diff(attrs.sum(0), want) < 1e-4
+    assert_model_clean(model, before)
+
+
+def test_a_norm_after_a_sublayer_is_refused():
+    """Gemma-3 norms each sublayer's output before adding it: no component sum is the residual, so the
+    decomposition refuses rather than return components that do not add up (BERT: the test above)."""
+    from tests.test_adapters import FAMILIES
+
+    model = FAMILIES["gemma3_text"].build()
+    before = hook_state(model)
+    trace = tl.trace(model, torch.tensor([[1, 2, 3, 4]]))
+    with pytest.raises(tl.UnsupportedModelError, match="do not sum to its residual stream") as info:
+        tl.decompose_resid(trace, 1)
+    assert repr(tl.arch(model).adapter) in str(info.value)
+    assert info.value.remedy
+    assert_model_clean(model, before)
