@@ -213,7 +213,8 @@ def _check_sum(stack: torch.Tensor, resid: torch.Tensor, view: Any, boundary: in
         raise UnsupportedModelError(
             f"the components of this {view.adapter!r} model do not sum to its residual stream at boundary "
             f"{boundary} (max abs difference {err:.3g}): its blocks add something besides the attention and MLP "
-            "outputs (a norm after a sublayer, a post-norm residual)",
+            "outputs (a norm after a sublayer, a post-norm residual), or the adapter does not name something "
+            "added to the residual stream (a learned position embedding: Layout(pos_embed=...))",
             remedy="Decomposition needs a pre-norm residual stream (GPT-2, Llama, Mistral, Qwen2, NeoX); read "
             "the sublayer outputs with trace['blocks.{i}.attn'] / ['blocks.{i}.mlp'] instead.",
         )
