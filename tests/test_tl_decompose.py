@@ -255,6 +255,10 @@ def test_answer_outside_the_vocabulary_raises(tiny_gpt2):
         assert info.value.remedy
     with pytest.raises(tl.errors.InvalidArgumentError, match="one id per batch row"):
         tl.logit_attrs(trace, stack, tokens=[1, 2])  # two answers for one row
+    with pytest.raises(tl.errors.InvalidArgumentError, match="the stack must be"):
+        tl.logit_attrs(trace, stack.stack[:, :, :3], tokens=1)  # not this trace's positions
+    with pytest.raises(tl.errors.InvalidArgumentError, match="mode= is one of"):
+        tl.decompose_resid(trace, mode="heads")
     assert_model_clean(tiny_gpt2.model, before)
 
 
