@@ -12,7 +12,7 @@ from torch import nn
 from torchlens.arch import ArchView, Layout, ResidualAdd
 
 LAYOUT = Layout(blocks="h", attn="attn", mlp="mlp", resid_mid=ResidualAdd(1), embed="wte", embed_out="drop",
-                unembed="lm_head")
+                unembed="lm_head", pos_embed="wpe")
 
 
 class GPT2Adapter:

@@ -12,6 +12,7 @@ from ._services import install_services
 from .analysis import plots
 from .analysis.draw import Drawing, draw
 from .analysis.patching_lens import logit_lens
+from .analysis.residual_decompose import ResidualStack, apply_ln_to_stack, decompose_resid, logit_attrs
 from .api import extract, trace
 from .arch import arch
 from .core.records import ModuleCall, Op
@@ -75,6 +76,7 @@ __all__ = [
     "Recipe",
     "RecipeFormatError",
     "ReplayNotExactError",
+    "ResidualStack",
     "Selector",
     "Site",
     "SiteNotFoundError",
@@ -87,10 +89,12 @@ __all__ = [
     "When",
     "__version__",
     "add",
+    "apply_ln_to_stack",
     "arch",
     "at_step",
     "cache_activations",
     "debug",
+    "decompose_resid",
     "draw",
     "errors",
     "extract",
@@ -100,6 +104,7 @@ __all__ = [
     "load_activations",
     "load_intervention",
     "load_trace",
+    "logit_attrs",
     "logit_lens",
     "map_dataset",
     "mean_ablate",

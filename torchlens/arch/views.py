@@ -6,7 +6,8 @@ per family, to one of three kinds of site:
 
 * a module's output — ``blocks.{i}`` / ``blocks.{i}.resid_post`` (the block), ``blocks.{i}.attn``
   (the attention module) and ``blocks.{i}.mlp`` (the MLP, whose output is added to the
-  residual stream), ``embed`` (token embedding), ``unembed`` (the LM head);
+  residual stream), ``embed`` (token embedding), ``pos_embed`` (a learned position embedding
+  added to the residual stream, where the family has one: GPT-2's ``wpe``), ``unembed`` (the LM head);
 * a module's input — ``blocks.{i}.resid_pre``: after capture, the op that produced the
   block's hidden-state input (so a fork's edit reaches every reader of it); during capture,
   the output of the module that produced it (the previous block, or the embedding stage);
@@ -44,7 +45,7 @@ __all__ = [
 ]
 
 KINDS = ("attn", "mlp", "resid_pre", "resid_mid", "resid_post")
-CANONICAL = re.compile(r"^(embed|unembed|blocks\.\d+(\.(attn|mlp|resid_pre|resid_mid|resid_post))?)$")
+CANONICAL = re.compile(r"^(embed|pos_embed|unembed|blocks\.\d+(\.(attn|mlp|resid_pre|resid_mid|resid_post))?)$")
 ADAPTER_REMEDY = (
     "Write an adapter: an object with name, model_types and view(model) -> ArchView (build it with "
     "torchlens.arch.Layout), returned from a torchlens_adapters() hookimpl and registered with "
@@ -252,6 +253,7 @@ class Layout:
     embed: str | None = None
     embed_out: str | None = None  # the module whose output is block 0's input
     unembed: str | None = None
+    pos_embed: str | None = None  # a learned position embedding added to the residual (GPT-2's wpe)
 
     def view(self, model: nn.Module, adapter: str, *, n_heads: int | None = None,
              n_kv_heads: int | None = None, head_dim: int | None = None, d_model: int | None = None,
@@ -300,6 +302,8 @@ class Layout:
                 targets[f"blocks.{i}.resid_mid"] = mid.reason
         targets["embed"] = module_or_absent(self.embed and f"{prefix}{self.embed}", "token embedding")
         targets["unembed"] = module_or_absent(self.unembed, "unembedding (LM head)")
+        targets["pos_embed"] = module_or_absent(self.pos_embed and f"{prefix}{self.pos_embed}",
+                                                "learned position embedding")
         config = getattr(model, "config", None)
         return ArchView(
             adapter=adapter,
@@ -361,7 +365,7 @@ class ArchView:
         """Canonical names this model has; ``kind`` ('mlp', 'resid_post' ...) keeps one per block."""
         if kind is None:
             return [n for n, t in self.targets.items() if not isinstance(t, str)]
-        if kind in ("embed", "unembed"):
+        if kind in ("embed", "pos_embed", "unembed"):
             return [kind] if not isinstance(self.targets.get(kind), str) else []
         if kind not in KINDS and kind != "block":
             raise SiteNotFoundError(f"no canonical site kind {kind!r}; kinds: {[*KINDS, 'block', 'embed']}",
@@ -370,7 +374,8 @@ class ArchView:
         return [f"blocks.{i}{suffix}" for i in range(self.n_layers)
                 if not isinstance(self.targets.get(f"blocks.{i}{suffix}"), str)]
 
-    def layer_indices(self, layers: Iterable[int] | int | None = None, kind: str | None = None) -> list[int]:
+    def layer_indices(self, layers: Iterable[int] | int | None = None, kind: str | None = None, *,
+                      boundaries: bool = False) -> list[int]:
         """Block indices as every workflow reads them: Python's meaning (``-1`` is the last block).
 
         The one owner of what a ``layers=`` argument means (patching grids, causal tracing,
@@ -380,6 +385,10 @@ class ArchView:
             layers: block indices, negative ones counting from the end; None: every block
                 (that has ``kind``).
             kind: a canonical site kind (``"mlp"``, ``"attn"`` ...) the blocks must have.
+            boundaries: index the ``n_layers + 1`` layer boundaries of the residual stream
+                instead of the blocks (0: the embeddings' output, ``n_layers``: the last
+                block's output; ``-1`` is that last one), as ``tl.accumulated_resid`` and
+                ``tl.logit_lens`` rows do.
 
         Returns:
             non-negative block indices, in the order given.
@@ -388,6 +397,12 @@ class ArchView:
             SiteNotFoundError: an index outside ``-n_layers .. n_layers-1``, or a block without ``kind``.
             InvalidArgumentError: an index that is not an int.
         """
+        if boundaries:
+            if layers is None:
+                return list(range(self.n_layers + 1))
+            return python_indices(layers, self.n_layers + 1, what="layer", error=SiteNotFoundError,
+                                  site="layers", axis=f"this {self.adapter} model has {self.n_layers + 1} layer "
+                                  f"boundaries ({self.n_layers} blocks and the embeddings)")
         have = [int(n.split(".")[1]) for n in self.names(kind or "block")]
         if layers is None:
             return have
