@@ -51,6 +51,11 @@ class PatchingResult:
 
     ``clean`` and ``corrupted`` are the metric on the unpatched runs, so
     ``normalized()`` gives the share of the clean–corrupted gap a patch restores.
+
+    ``estimate`` is set by attribution patching only: the raw first-order change of the metric,
+    ``((clean_act - corrupted_act) * grad).sum(-1)`` with the gradient of the metric at the
+    corrupted run (what TransformerLens-style code computes); its ``values`` are then
+    ``corrupted + estimate``, on the scale of exact patching's values.
     """
 
     values: torch.Tensor
@@ -60,6 +65,7 @@ class PatchingResult:
     clean: float | None = None
     corrupted: float | None = None
     notes: dict[str, Any] = field(default_factory=dict)
+    estimate: torch.Tensor | None = None
 
     def normalized(self) -> torch.Tensor:
         """``(values - corrupted) / (clean - corrupted)``: 1 restores the clean metric, 0 changes nothing.
