@@ -216,8 +216,11 @@ def test_attribution_patching_of_heads_equals_gradients_read_with_hooks(case_nam
 
 
 def _baukit_causal_trace(model, ids, subject, answer, noise, samples, seed, kind, layer, position, clean_value):
-    """ROME's trace_with_patch, written with plain hooks: sample s of a batch gets noise row s."""
+    """ROME's trace_with_patch, written with plain hooks: sample s of a batch gets noise row s.
+    ``layer`` may be a list of blocks restored together (``clean_value`` then a list, one per block)."""
     view = tl.arch(model)
+    layers = [] if layer is None else layer if isinstance(layer, list) else [layer]
+    clean_values = clean_value if isinstance(clean_value, list) else [clean_value]
     draws = torch.randn(samples, len(subject), view.d_model, generator=torch.Generator().manual_seed(seed))
     batch = ids.repeat(samples, 1)
 
@@ -226,16 +229,18 @@ def _baukit_causal_trace(model, ids, subject, answer, noise, samples, seed, kind
         out[:, subject] += noise * draws
         return out
 
-    def restore(m, a, out):
-        first = _first(out).clone()
-        first[:, position] = clean_value[0, position]
-        return (first, *out[1:]) if isinstance(out, tuple) else first
+    def restore(clean):
+        def hook(m, a, out):
+            first = _first(out).clone()
+            first[:, position] = clean[0, position]
+            return (first, *out[1:]) if isinstance(out, tuple) else first
+        return hook
 
-    site = f"blocks.{layer}" if kind == "resid_post" else f"blocks.{layer}.{kind}"
     handles = [view.module("embed").register_forward_hook(add_noise)]
-    if layer is not None:
-        handles.append(view.module(site).register_forward_hook(restore))
     try:
+        for block, clean in zip(layers, clean_values):
+            site = f"blocks.{block}" if kind == "resid_post" else f"blocks.{block}.{kind}"
+            handles.append(view.module(site).register_forward_hook(restore(clean)))
         with torch.no_grad():
             logits = model(batch).logits
     finally:
@@ -261,6 +266,50 @@ def test_causal_trace_equals_baukit_style_implementation(tiny_gpt2):
             for p in range(ids.shape[1]):
                 want = _baukit_causal_trace(model, ids, subject, answer, noise, 3, 4, kind, layer, p, clean_value)
                 assert abs(float(result.values[layer, p]) - want) < ATOL, (kind, layer, p)
+
+
+@pytest.mark.parametrize("case_name,window,layers", [("tiny_gpt2_12", 4, [0, 5, -1]), ("tiny_gpt2_12", 5, [6]),
+                                                     ("tiny_llama", 3, None)])
+def test_causal_trace_window_restores_rome_s_window_of_blocks_every_cell(case_name, window, layers, request):
+    """``window=w``: the cell of layer L restores blocks max(0, L - w//2) .. min(n-1, L - w//2 + w - 1)
+    at its position in every noised run (ROME's figures); each cell equals plain hooks restoring
+    those blocks' outputs at that position, to 1e-6."""
+    case = request.getfixturevalue(case_name)
+    model, ids = case.model, case.args[0]
+    n = tl.arch(model).n_layers
+    subject = [0, 1]
+    results = tl.patching.causal_trace(model, ids, subject, samples=2, seed=5, window=window, layers=layers)
+    first = next(iter(results.values()))
+    answer, noise = first.notes["answer"], first.notes["noise"]
+    assert first.notes["window"] == window
+    for kind, result in results.items():
+        want_rows = list(range(n)) if layers is None else [b % n for b in layers]
+        assert result.labels["layer"] == want_rows
+        clean = {b: _read(model, ids, kind, b) for b in range(n)}
+        for i, layer in enumerate(want_rows):
+            span = list(range(max(0, layer - window // 2), min(n - 1, layer - window // 2 + window - 1) + 1))
+            assert len(span) > 1 or n == 1
+            for p in range(ids.shape[1]):
+                want = _baukit_causal_trace(model, ids, subject, answer, noise, 2, 5, kind, span, p,
+                                            [clean[b] for b in span])
+                assert abs(float(result.values[i, p]) - want) < 1e-6, (kind, layer, p, span)
+
+
+def test_causal_trace_window_one_is_the_single_block_trace_and_bad_windows_raise(tiny_gpt2):
+    model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    plain = tl.patching.causal_trace(model, ids, [1, 2], samples=2, seed=2)
+    one = tl.patching.causal_trace(model, ids, [1, 2], samples=2, seed=2, window=1)
+    for kind in plain:
+        assert torch.equal(plain[kind].values, one[kind].values), kind
+    wide = tl.patching.causal_trace(model, ids, [1, 2], samples=2, seed=2, window=2, kinds=["mlp"])["mlp"]
+    assert torch.allclose(wide.values[0], plain["mlp"].values[0], atol=1e-6)  # layer 0's window of 2: block 0 alone
+    assert not torch.allclose(wide.values[1], plain["mlp"].values[1], atol=1e-6)  # layer 1's: blocks 0 and 1
+    before = hook_state(model)
+    for bad in (0, -2, 2.0, True, "3", None):
+        with pytest.raises(InvalidArgumentError, match="window=") as err:
+            tl.patching.causal_trace(model, ids, [1, 2], samples=1, window=bad)
+        assert err.value.remedy
+        assert_model_clean(model, before)
 
 
 @pytest.mark.parametrize("kind", ["resid_pre", "resid_post", "attn", "mlp"])

@@ -52,6 +52,11 @@ class PatchingResult:
 
     ``clean`` and ``corrupted`` are the metric on the unpatched runs, so
     ``normalized()`` gives the share of the clean–corrupted gap a patch restores.
+
+    ``estimate`` is set by attribution patching only: the raw first-order change of the metric,
+    ``((clean_act - corrupted_act) * grad).sum(-1)`` with the gradient of the metric at the
+    corrupted run (what TransformerLens-style code computes); its ``values`` are then
+    ``corrupted + estimate``, on the scale of exact patching's values.
     """
 
     values: torch.Tensor
@@ -61,6 +66,7 @@ class PatchingResult:
     clean: float | None = None
     corrupted: float | None = None
     notes: dict[str, Any] = field(default_factory=dict)
+    estimate: torch.Tensor | None = None
 
     def normalized(self) -> torch.Tensor:
         """``(values - corrupted) / (clean - corrupted)``: 1 restores the clean metric, 0 changes nothing.
@@ -127,9 +133,11 @@ class _Cells:
         for chunk in _chunks(cells, self.batch_size):
             yield from self._score_together(chunk)
 
-    def _score_together(self, cells: list[tuple[str, str, Any]]) -> list[float]:
-        if self.read is None:
-            forks = self.trace.forks([(site, edit) for _, site, edit in cells], names=[c[0] for c in cells])
+    def _score_together(self, cells: list[tuple[str, Any, Any]]) -> list[float]:
+        # a cell restoring several sites passes them as its site: a list of (site, edit) pairs (edit None)
+        if self.read is None or any(isinstance(site, list) for _, site, _ in cells):
+            forks = self.trace.forks([site if isinstance(site, list) else (site, edit) for _, site, edit in cells],
+                                     names=[c[0] for c in cells])
             return [score(self.metric, f.output) for f in forks]
         steps = [Step(self._bound(site), edit, REPLAY) for _, site, edit in cells]
         got = replay_reads([self.trace.fork(name) for name, _, _ in cells], steps, self.read)
@@ -399,7 +407,7 @@ def _seq_len(trace: Trace) -> int:
 
 def causal_trace(model: Any, ids: torch.Tensor, subject: Sequence[int], *, answer: int | None = None,
                  kinds: Sequence[str] = ("resid_post", "attn", "mlp"), noise: float | None = None,
-                 samples: int = 3, seed: int = 1, layers: Sequence[int] | None = None,
+                 samples: int = 3, seed: int = 1, layers: Sequence[int] | None = None, window: int = 1,
                  progress: bool | None = None, batch_size: int = DEFAULT_BATCH) -> dict[str, PatchingResult]:
     """ROME causal tracing: noise the subject tokens' embeddings, restore one clean state at a time.
 
@@ -420,15 +428,21 @@ def causal_trace(model: Any, ids: torch.Tensor, subject: Sequence[int], *, answe
         samples: how many noised runs to average.
         seed: the seed of the noise.
         layers: which blocks (default: all); negative ones count from the end.
+        window: how many consecutive blocks each cell restores, as ROME's figures (``window=10``
+            for ``mlp`` and ``attn``): the cell of layer ``L`` restores, at its position, blocks
+            ``max(0, L - window // 2)`` to ``min(n_layers, L - (-window // 2)) - 1`` (ROME's
+            ``trace_important_window``). 1 (default): that block alone.
         progress: show a progress bar.
         batch_size: how many cells of one noised run replay together (as in :func:`activation_patching`).
 
     Returns:
         ``{kind: PatchingResult}`` over ``("layer", "position")``; ``clean`` is the clean
-        probability and ``corrupted`` the noised one (``notes["answer"]`` the traced token).
+        probability and ``corrupted`` the noised one (``notes["answer"]`` the traced token,
+        ``notes["window"]`` the window).
 
     Raises:
-        InvalidArgumentError: bad ``ids``, ``subject`` (a position outside the prompt) or ``kinds``.
+        InvalidArgumentError: bad ``ids``, ``subject`` (a position outside the prompt), ``kinds``
+            or ``window`` (not a whole number >= 1).
         SiteNotFoundError: a layer out of range.
     """
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1:
@@ -438,6 +452,9 @@ def causal_trace(model: Any, ids: torch.Tensor, subject: Sequence[int], *, answe
     if not subject:
         raise InvalidArgumentError("subject= lists at least one position")
     _check_batch(batch_size)
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise InvalidArgumentError(f"window= is a whole number of blocks >= 1, got {window!r}",
+                                   remedy="Pass window=1 to restore one block per cell, or e.g. window=10 as ROME.")
     bad = [k for k in kinds if k not in KINDS or k == "heads"]
     if bad:
         raise InvalidArgumentError(f"kinds {bad} are not among {KINDS[:-1]}")
@@ -469,20 +486,35 @@ def causal_trace(model: Any, ids: torch.Tensor, subject: Sequence[int], *, answe
     results = {}
     for kind in kinds:
         rows = rows_of[kind]
-        donors = {layer: clean[f"blocks.{layer}.{kind}"].out for layer in rows}
+        spans = {layer: _window(layer, window, view.n_layers) for layer in rows}
+        donors = {b: clean[f"blocks.{b}.{kind}"].out for b in sorted({b for span in spans.values() for b in span})}
         values = torch.zeros(len(rows), seq)
         cells = [(i, layer, p) for p in range(seq) for i, layer in enumerate(rows)]  # one position at a time (one pass)
         for chunk in _chunks(track(cells, desc=f"causal trace {kind}", unit="cell", progress=progress), batch_size):
             totals = [0.0] * len(chunk)
             for scorer in scorers:
-                todo = [(f"{scorer.trace.name}/restore[{layer}.{kind}@{p}]", f"blocks.{layer}.{kind}",
-                         restore_rows(donors[layer], p)) for _, layer, p in chunk]
+                todo = [_restore_cell(scorer.trace.name, kind, spans[layer], p, donors) for _, layer, p in chunk]
                 for k, got in enumerate(scorer.score_all(todo)):
                     totals[k] += got
             for (i, _, p), total in zip(chunk, totals):
                 values[i, p] = total / samples
         results[kind] = PatchingResult(values, ("layer", "position"), {"layer": rows, "position": list(range(seq))},
                                        f"p({answer})", base_clean, base_noised,
-                                       {"answer": answer, "noise": noise, "subject": subject,
+                                       {"answer": answer, "noise": noise, "subject": subject, "window": window,
                                         "ids": [int(i) for i in ids[0]]})
     return results
+
+
+def _window(layer: int, window: int, n_layers: int) -> list[int]:
+    """The blocks a causal-tracing cell of ``layer`` restores (ROME's ``trace_important_window``)."""
+    return list(range(max(0, layer - window // 2), min(n_layers, layer - (-window // 2))))
+
+
+def _restore_cell(name: str, kind: str, span: list[int], p: int, donors: dict[int, Any]) -> tuple[str, Any, Any]:
+    """A causal-tracing cell restoring ``kind`` of the blocks ``span`` at position ``p``, first block
+    first: one ``(name, site, edit)``, or several sites as a list of ``(site, edit)`` pairs."""
+    pairs = [(f"blocks.{b}.{kind}", restore_rows(donors[b], p)) for b in span]
+    label = f"{span[0]}" if len(span) == 1 else f"{span[0]}-{span[-1]}"
+    if len(pairs) == 1:
+        return f"{name}/restore[{label}.{kind}@{p}]", *pairs[0]
+    return f"{name}/restore[{label}.{kind}@{p}]", pairs, None

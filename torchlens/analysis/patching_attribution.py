@@ -48,8 +48,11 @@ def attribution_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any
 
     Returns:
         a :class:`~torchlens.analysis.patching.PatchingResult` over ``("layer", "position")``
-        (``("layer", "head")`` for heads) whose values estimate ``metric(patched)`` (the
-        corrupted run's metric plus the first-order change; ``notes["estimate"]``).
+        (``("layer", "head")`` for heads): ``estimate`` is the raw first-order change of the
+        metric per cell, ``(clean - corrupted) · d metric / d activation`` summed over the
+        features (what TransformerLens-style attribution patching computes), and ``values``
+        estimates ``metric(patched)``: the corrupted run's metric plus ``estimate`` (comparable
+        with :func:`~torchlens.analysis.patching.activation_patching`'s values).
 
     Raises:
         InvalidArgumentError: an unsupported ``site``, a metric that is not a differentiable scalar.
@@ -108,7 +111,8 @@ def attribution_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any
     base_clean, base_corrupted = score(metric, clean.output), float(value.detach())
     return PatchingResult(values + base_corrupted, ("layer", "position"), {"layer": rows, "position": list(range(seq))},
                           getattr(metric, "__name__", "metric"), base_clean, base_corrupted,
-                          {"estimate": "first-order (attribution patching)", "ids": _prompt_ids(clean)})
+                          {"estimate": "first-order (attribution patching)", "ids": _prompt_ids(clean)},
+                          estimate=values)
 
 
 def _heads(clean: Any, corrupted: Any, metric: Callable[[Any], Any], model: Any, rows: list[int],
@@ -136,7 +140,7 @@ def _heads(clean: Any, corrupted: Any, metric: Callable[[Any], Any], model: Any,
     base_clean, base_corrupted = score(metric, clean.output), float(value.detach())
     return PatchingResult(values + base_corrupted, ("layer", "head"), {"layer": rows, "head": list(range(n_heads))},
                           getattr(metric, "__name__", "metric"), base_clean, base_corrupted,
-                          {"estimate": "first-order (attribution patching)"})
+                          {"estimate": "first-order (attribution patching)"}, estimate=values)
 
 
 def _graph_from_embeddings(view: Any) -> list[Any]:
