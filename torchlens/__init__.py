@@ -12,6 +12,7 @@ from ._services import install_services
 from .analysis import plots
 from .analysis.draw import Drawing, draw
 from .analysis.patching_lens import logit_lens
+from .analysis.residual import accumulated_resid
 from .api import extract, trace
 from .arch import arch
 from .core.records import ModuleCall, Op
@@ -86,6 +87,7 @@ __all__ = [
     "ValidationReport",
     "When",
     "__version__",
+    "accumulated_resid",
     "add",
     "arch",
     "at_step",

@@ -370,7 +370,8 @@ class ArchView:
         return [f"blocks.{i}{suffix}" for i in range(self.n_layers)
                 if not isinstance(self.targets.get(f"blocks.{i}{suffix}"), str)]
 
-    def layer_indices(self, layers: Iterable[int] | int | None = None, kind: str | None = None) -> list[int]:
+    def layer_indices(self, layers: Iterable[int] | int | None = None, kind: str | None = None, *,
+                      boundaries: bool = False) -> list[int]:
         """Block indices as every workflow reads them: Python's meaning (``-1`` is the last block).
 
         The one owner of what a ``layers=`` argument means (patching grids, causal tracing,
@@ -380,6 +381,10 @@ class ArchView:
             layers: block indices, negative ones counting from the end; None: every block
                 (that has ``kind``).
             kind: a canonical site kind (``"mlp"``, ``"attn"`` ...) the blocks must have.
+            boundaries: index the ``n_layers + 1`` layer boundaries of the residual stream
+                instead of the blocks (0: the embeddings' output, ``n_layers``: the last
+                block's output; ``-1`` is that last one), as ``tl.accumulated_resid`` and
+                ``tl.logit_lens`` rows do.
 
         Returns:
             non-negative block indices, in the order given.
@@ -388,6 +393,12 @@ class ArchView:
             SiteNotFoundError: an index outside ``-n_layers .. n_layers-1``, or a block without ``kind``.
             InvalidArgumentError: an index that is not an int.
         """
+        if boundaries:
+            if layers is None:
+                return list(range(self.n_layers + 1))
+            return python_indices(layers, self.n_layers + 1, what="layer", error=SiteNotFoundError,
+                                  site="layers", axis=f"this {self.adapter} model has {self.n_layers + 1} layer "
+                                  f"boundaries ({self.n_layers} blocks and the embeddings)")
         have = [int(n.split(".")[1]) for n in self.names(kind or "block")]
         if layers is None:
             return have
