@@ -11,13 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import assert_model_clean, eager_copy, hook_state
+from tl_oracle import hooked_gpt2, hooked_llama, randomized_norms
 
 import torchlens as tl
 from torchlens.errors import InvalidArgumentError, SiteNotFoundError
-
-pytest.importorskip("transformer_lens", reason="transformer_lens (the test extra) is not installed")
-
-from tl_oracle import hooked_gpt2, hooked_llama, randomized_norms  # noqa: E402
 
 ATOL = 1e-5
 
@@ -30,6 +27,7 @@ def _batch(case, vocab: int) -> torch.Tensor:
 @pytest.fixture(scope="module", params=["gpt2_sdpa", "gpt2_eager", "llama_gqa"])
 def pair(request):
     """(our model, HookedTransformer on its weights, ids of batch 2)."""
+    pytest.importorskip("transformer_lens", reason="transformer_lens (the test extra) is not installed")
     if request.param.startswith("gpt2"):
         case = request.getfixturevalue("tiny_gpt2")
         model = randomized_norms(case.model)
@@ -83,6 +81,20 @@ def test_logit_lens_matches_transformerlens(pair):
     # layers= counts rows like Python: 0 the embeddings, -1 the final residual
     part = tl.logit_lens(trace, layers=[0, -1])
     assert part.layers == [0, tl.arch(model).n_layers] and _max_diff(part.logits, want[[0, -1]]) < ATOL
+
+
+def test_model_and_inputs_equal_a_trace_and_rows_are_the_block_boundaries(tiny_gpt2):
+    model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    trace = tl.trace(model, ids)
+    with torch.no_grad():
+        hidden = model(ids, output_hidden_states=True).hidden_states  # embeddings, then each block's output
+    stack = tl.accumulated_resid(model, ids)
+    assert stack.shape[0] == len(hidden) == tl.arch(model).n_layers + 1
+    # transformers applies ln_f to its last hidden state; the rows before it are the raw boundaries
+    assert all(torch.equal(stack[i], hidden[i]) for i in range(len(hidden) - 1))
+    assert torch.allclose(model.transformer.ln_f(stack[-1]), hidden[-1], atol=1e-6)
+    assert torch.equal(tl.logit_lens(model, ids).logits, tl.logit_lens(trace).logits)
+    assert torch.equal(tl.accumulated_resid(trace, layers=[-1, 0]), stack[[2, 0]])
 
 
 def test_bad_inputs_raise_named_errors_and_change_nothing(tiny_gpt2):
