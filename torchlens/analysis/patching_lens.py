@@ -105,6 +105,6 @@ def logit_lens(trace: Any, inputs: Any = None, *, layers: Sequence[int] | int | 
     final = model.get_submodule(norm) if norm else None
     unembed = view.module("unembed")
     with torch.no_grad():
-        stack = torch.stack([_boundary(trace, view.n_layers, r) for r in rows])
+        stack = torch.stack([_boundary(trace, view, r) for r in rows])
         logits = unembed(final(stack) if final is not None else stack)
     return LogitLens(logits, rows, norm, tokenizer, resid_labels(view.n_layers, rows))

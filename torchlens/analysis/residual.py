@@ -26,7 +26,9 @@ import torch
 from torch import nn
 
 from ..arch.resolve import arch
+from ..arch.views import ArchView
 from ..core.records import ModuleCall
+from ..core.sites import Site
 from ..core.trace import Trace
 from ..core.tree import first_tensor
 from ..errors import InvalidArgumentError, SiteNotFoundError, UnsupportedModelError
@@ -151,12 +153,11 @@ def accumulated_resid(trace: Any, inputs: Any = None, *, layers: Sequence[int] |
     model = _model_of(trace)
     view = arch(model)
     rows = view.layer_indices(layers, boundaries=True)
-    stack = torch.stack([_boundary(trace, view.n_layers, r) for r in rows])
+    stack = torch.stack([_boundary(trace, view, r) for r in rows])
     address = _final_norm(trace, norm) if apply_ln is not False else ""
     with torch.no_grad():
         if address and apply_ln == "final_scale":
-            scale, centre = final_norm_scale(model.get_submodule(address), _boundary(trace, view.n_layers,
-                                                                                     view.n_layers))
+            scale, centre = final_norm_scale(model.get_submodule(address), _boundary(trace, view, view.n_layers))
             stack = ((stack - stack.mean(-1, keepdim=True)) if centre else stack) / scale
         elif address:
             stack = model.get_submodule(address)(stack)
@@ -173,7 +174,14 @@ def _trace_of(trace: Any, inputs: Any, name: str) -> Trace:
     return _as_trace(trace, inputs, "inputs")
 
 
-def _boundary(trace: Trace, n_layers: int, row: int) -> torch.Tensor:
-    """Layer boundary ``row``: ``blocks.{row}.resid_pre``, or the last block's output for ``n_layers``."""
-    site = f"blocks.{n_layers - 1}.resid_post" if row == n_layers else f"blocks.{row}.resid_pre"
-    return first_tensor(trace[site].out)
+def _boundary(trace: Trace, view: ArchView, row: int) -> torch.Tensor:
+    """Layer boundary ``row``: ``blocks.{row}.resid_pre``, or the last block's output for ``n_layers``.
+
+    Matched through the view's selector (not ``trace[name]``, whose canonical-name path also
+    ranks near-miss module names, ~50 ms a lookup on GPT-2 small); a site that is not exactly
+    one record goes through ``trace[name]`` for its error.
+    """
+    n = view.n_layers
+    site = f"blocks.{n - 1}.resid_post" if row == n else f"blocks.{row}.resid_pre"
+    found = view.selector(site).match(trace)
+    return first_tensor((Site(trace, found[0]) if len(found) == 1 else trace[site]).out)
