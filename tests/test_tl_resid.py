@@ -14,7 +14,7 @@ from conftest import assert_model_clean, eager_copy, hook_state
 from tl_oracle import hooked_gpt2, hooked_llama, randomized_norms
 
 import torchlens as tl
-from torchlens.errors import InvalidArgumentError, SiteNotFoundError
+from torchlens.errors import InvalidArgumentError, SiteNotFoundError, UnsupportedModelError
 
 ATOL = 1e-5
 
@@ -107,6 +107,11 @@ def test_bad_inputs_raise_named_errors_and_change_nothing(tiny_gpt2):
         tl.accumulated_resid(trace, pos_slice="last")
     with pytest.raises(InvalidArgumentError, match="takes a trace"):
         tl.accumulated_resid(model)
+    with pytest.raises(InvalidArgumentError, match="norm="):
+        tl.accumulated_resid(trace, apply_ln=True, norm=5)
+    with pytest.raises(UnsupportedModelError, match="LayerNorm and RMSNorm") as unsupported:
+        tl.accumulated_resid(trace, apply_ln="final_scale", norm="transformer.h.1.mlp")
+    assert "apply_ln=True" in unsupported.value.remedy
     with pytest.raises(SiteNotFoundError, match="3 layer boundaries") as err:
         tl.accumulated_resid(trace, layers=[3])
     assert err.value.length == 3
