@@ -15,11 +15,16 @@ usage: python bench/bench_patching.py [--quick]
   hooks writing the clean head's slice into the output projection's input on a sample.
 - ``attribution_vs_exact``: attribution patching of the same grid; ``note`` gives its Pearson
   correlation with the exact grid (the issue asks for the figure, not a target).
+- ``logit_lens``: ``tl.logit_lens`` of the clean trace (13 rows: the embeddings and each block's
+  output, final norm, unembedding); for ``transformer_lens`` (when installed), 3.9's
+  ``HookedTransformer`` on the same weights (``tests/tl_oracle.py``) computing
+  ``unembed(cache.accumulated_resid(apply_ln=True))`` from its cache; ``ok``: the two agree to 1e-4.
 Prints one JSON line per case (see ../shared/bench-spec.md).
 """
 
 from __future__ import annotations
 
+import pathlib
 import sys
 import time
 
@@ -117,7 +122,33 @@ def main() -> None:
     corr = float(torch.corrcoef(torch.stack([a, b]))[0, 1])
     emit("torchlens", "attribution_vs_exact", attr_ms, base_ms, corr == corr,
          f"Pearson r with exact patching = {corr:.3f} over {cells} cells (one forward + one backward)")
+    _logit_lens(model, clean, clean_ids, base)
     emit_rss("torchlens")
+
+
+def _logit_lens(model, clean, ids, base) -> None:
+    """``tl.logit_lens`` against TransformerLens's ``unembed(accumulated_resid(apply_ln=True))``."""
+    ours = tl.logit_lens(clean).logits
+    ms, base_ms = median_ms(lambda: tl.logit_lens(clean), 5), median_ms(base, 3)
+    try:
+        sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
+        from tl_oracle import hooked_gpt2
+    except ImportError:
+        emit("torchlens", "logit_lens", ms, base_ms, True, "13 rows x 64 positions; transformer_lens not installed")
+        return
+    hooked = hooked_gpt2(model)
+    with torch.no_grad():
+        _, cache = hooked.run_with_cache(ids)
+
+        def theirs():
+            with torch.no_grad():
+                return hooked.unembed(cache.accumulated_resid(apply_ln=True))
+
+        ok = float((theirs() - ours).abs().max()) < 1e-4
+    tl_ms = median_ms(theirs, 5)
+    emit("torchlens", "logit_lens", ms, base_ms, ok, f"13 rows x 64 positions from a trace; TransformerLens 3.9 "
+         f"from its cache: {tl_ms:.0f} ms; ok: the two agree to 1e-4")
+    emit("transformer_lens", "logit_lens", tl_ms, base_ms, ok, "unembed(cache.accumulated_resid(apply_ln=True))")
 
 
 def _head_cell(model, ids, layer: int, head: int, donor: torch.Tensor):

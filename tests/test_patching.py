@@ -349,11 +349,15 @@ def test_logit_lens_equals_hand_unembedding(case_name, norm, request):
     final = model.get_submodule(norm)
     with torch.no_grad():
         assert torch.allclose(lens.logits[-1], model(ids).logits, atol=ATOL)  # the last layer is the model's output
+        # row 0: the embeddings' output; row L: block L-1's output (TransformerLens's accumulated_resid rows)
+        want = view.module("unembed")(final(_read(model, ids, "resid_pre", 0)))
+        assert torch.allclose(lens.logits[0], want, atol=ATOL)
         for layer in range(view.n_layers):
             want = view.module("unembed")(final(_read(model, ids, "resid_post", layer)))
-            assert torch.allclose(lens.logits[layer], want, atol=ATOL)
+            assert torch.allclose(lens.logits[layer + 1], want, atol=ATOL)
+    assert lens.layers == list(range(view.n_layers + 1)) and lens.labels[0] == "0_pre"
     ids_top, probs = lens.top(3)
-    assert ids_top.shape == (view.n_layers, ids.shape[1], 3) and bool((probs[..., 0] >= probs[..., 1]).all())
+    assert ids_top.shape == (view.n_layers + 1, ids.shape[1], 3) and bool((probs[..., 0] >= probs[..., 1]).all())
     with pytest.raises(InvalidArgumentError):
         lens.top_tokens()
 
@@ -520,8 +524,8 @@ def test_negative_layers_mean_the_last_blocks_in_every_workflow(tiny_gpt2):
     assert traced.labels["layer"] == [1]
     assert torch.equal(traced.values, tl.patching.causal_trace(model, ids, [1], samples=1, layers=[1],
                                                                kinds=["attn"])["attn"].values)
-    lens = tl.logit_lens(clean, layers=[-1])
-    assert lens.layers == [1] and torch.equal(lens.logits, tl.logit_lens(clean, layers=[1]).logits)
+    lens = tl.logit_lens(clean, layers=[-1])  # rows are layer boundaries: -1 is the final residual, row 2
+    assert lens.layers == [2] and torch.equal(lens.logits, tl.logit_lens(clean, layers=[2]).logits)
 
     before = hook_state(model)
     logits_before = corrupted.output.logits.clone()
@@ -530,13 +534,16 @@ def test_negative_layers_mean_the_last_blocks_in_every_workflow(tiny_gpt2):
         "heads": lambda bad: patch(clean, corrupted, metric, site="heads", layers=bad),
         "attribution_patching": lambda bad: tl.patching.attribution_patching(clean, corrupted, metric, layers=bad),
         "causal_trace": lambda bad: tl.patching.causal_trace(model, ids, [1], layers=bad),
-        "logit_lens": lambda bad: tl.logit_lens(clean, layers=bad),
     }
     for name, call in calls.items():
         for bad in ([2], [-3]):
             with pytest.raises(SiteNotFoundError, match="has 2 blocks") as err:
                 call(bad)
             assert err.value.length == 2 and err.value.layer == bad, name
+    for bad in ([3], [-4]):  # the logit lens has n_layers + 1 rows
+        with pytest.raises(SiteNotFoundError, match="has 3 layer boundaries") as err:
+            tl.logit_lens(clean, layers=bad)
+        assert err.value.length == 3 and err.value.layer == bad
     assert_model_clean(model, before)
     assert torch.equal(corrupted.output.logits, logits_before) and not corrupted.edits
     with pytest.raises(SiteNotFoundError, match="count blocks from 0") as err:

@@ -12,6 +12,7 @@ from ._services import install_services
 from .analysis import plots
 from .analysis.draw import Drawing, draw
 from .analysis.patching_lens import logit_lens
+from .analysis.residual import accumulated_resid
 from .analysis.residual_decompose import ResidualStack, apply_ln_to_stack, decompose_resid, logit_attrs
 from .api import extract, trace
 from .arch import arch
@@ -88,6 +89,7 @@ __all__ = [
     "ValidationReport",
     "When",
     "__version__",
+    "accumulated_resid",
     "add",
     "apply_ln_to_stack",
     "arch",

@@ -1,9 +1,10 @@
-"""Logit lens: each block's residual stream read through the final norm and the unembedding.
+"""Logit lens: the residual stream at every layer boundary read through the final norm and the unembedding.
 
-``logit_lens(trace)`` takes the output of every block (``blocks.{i}``, the residual stream
-after it), applies the model's final norm (found from the trace: the module whose output
-feeds the unembedding, through shape-only ops) and the unembedding (``unembed``), and returns
-the logits per layer and position, with the top tokens (as strings when a tokenizer is given).
+``logit_lens(trace)`` takes the ``n_layers + 1`` rows of ``accumulated_resid`` (row 0 the
+embeddings' output, row ``L`` the output of block ``L-1``: TransformerLens's rows), applies the
+model's final norm (found from the trace: the module whose output feeds the unembedding,
+through shape-only ops) and the unembedding (``unembed``) once over the stacked rows, and
+returns the logits per row and position, with the top tokens (as strings when a tokenizer is given).
 """
 
 from __future__ import annotations
@@ -15,30 +16,28 @@ from typing import Any
 import torch
 
 from ..arch.resolve import arch
-from ..core.records import ModuleCall
-from ..core.trace import Trace
-from ..core.tree import first_tensor
-from ..errors import InvalidArgumentError, SiteNotFoundError
+from ..errors import InvalidArgumentError
 from . import plots
-from .patching import _as_trace, _model_of
+from .patching import _model_of
+from .residual import _boundary, _final_norm, _trace_of, find_final_norm, resid_labels
 
 __all__ = ["LogitLens", "find_final_norm", "logit_lens"]
 
-# Ops between the final norm and the unembedding that only move values around.
-_PASS_THROUGH = frozenset({"view", "reshape", "getitem", "contiguous", "to", "float", "flatten", "dropout"})
-
-
 @dataclass
 class LogitLens:
-    """Logits ``[layer, batch, position, vocab]`` of each block's residual stream.
+    """Logits ``[row, batch, position, vocab]`` of the residual stream at each layer boundary.
 
-    ``layers`` labels the first axis; ``norm`` is the final-norm module address applied ('' for none).
+    ``layers`` labels the first axis with layer-boundary indices (0: the embeddings' output,
+    ``L``: block ``L-1``'s output, ``n_layers``: the final residual); ``labels`` names them as
+    TransformerLens does (``0_pre`` ... ``final_post``); ``norm`` is the final-norm module
+    address applied ('' for none).
     """
 
     logits: torch.Tensor
     layers: list[int]
     norm: str
     tokenizer: Any = None
+    labels: list[str] | None = None
 
     def top(self, k: int = 5, *, batch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``k`` most probable token ids and their probabilities, ``[layer, position, k]`` each."""
@@ -68,46 +67,25 @@ class LogitLens:
         if self.tokenizer is not None:
             vocab = [self.tokenizer.decode([i]) for i in range(self.logits.shape[-1])]
         return plots.logit_lens(self.logits[:, batch], vocab=vocab, tokens=tokens,
-                                layers=[f"blocks.{i}" for i in self.layers], title=title)
+                                layers=self.labels or [str(i) for i in self.layers], title=title)
 
     def __repr__(self) -> str:
-        return f"<LogitLens {len(self.layers)} layers, logits {tuple(self.logits.shape)}, norm {self.norm!r}>"
+        return f"<LogitLens {len(self.layers)} rows, logits {tuple(self.logits.shape)}, norm {self.norm!r}>"
 
 
-def find_final_norm(trace: Trace) -> str:
-    """The address of the module whose output feeds the unembedding ('' when there is none).
+def logit_lens(trace: Any, inputs: Any = None, *, layers: Sequence[int] | int | None = None,
+               norm: str | bool = True, tokenizer: Any = None) -> LogitLens:
+    """Unembed the residual stream at every layer boundary (``n_layers + 1`` rows, row 0 the embeddings).
 
-    Raises:
-        SiteNotFoundError: the unembedding did not run in this trace.
-    """
-    model = _model_of(trace)
-    unembed = arch(model).resolve("unembed")
-    calls = trace.calls_of(unembed)
-    if not calls or not trace.has_op_graph:
-        raise SiteNotFoundError(f"the unembedding {unembed!r} did not run in this trace (or no ops were recorded)",
-                                site="unembed", remedy="Capture with tl.trace(model, ids) on the LM-head model.")
-    call: ModuleCall = calls[-1]
-    trace.ensure_graph()
-    op = trace.ops[call.op_start] if call.op_start < len(trace.ops) else None
-    refs = list(op.parent_refs) if op is not None else []
-    while refs:
-        parent = trace.ops[refs[0].index]
-        if parent.module and not parent.module.startswith(unembed) and parent.func_name not in _PASS_THROUGH:
-            return parent.module if parent.module != arch(model).blocks[-1] else ""
-        if parent.func_name not in _PASS_THROUGH:
-            return ""
-        refs = list(parent.parent_refs)
-    return ""
-
-
-def logit_lens(trace: Any, inputs: Any = None, *, layers: Sequence[int] | None = None, norm: str | bool = True,
-               tokenizer: Any = None) -> LogitLens:
-    """Unembed every block's residual stream.
+    The rows are TransformerLens's ``accumulated_resid()``: the result equals
+    ``unembed(cache.accumulated_resid(apply_ln=True))``. The final norm and the unembedding
+    run once over the stacked rows (one matmul), each row normalised with its own statistics.
 
     Args:
         trace: a trace (``tl.trace(model, ids)``), or a model with ``inputs``.
         inputs: the model's input ids when ``trace`` is a model.
-        layers: which blocks (default: all); negative ones count from the end (``-1``: the last).
+        layers: which rows (default: all ``n_layers + 1``): 0 is the embeddings' output, ``L``
+            block ``L-1``'s output; negative ones count from the end (``-1``: the final residual).
         norm: True finds the final norm from the trace (:func:`find_final_norm`); a module
             address names it; False applies none.
         tokenizer: decodes token ids in ``top_tokens`` and plots.
@@ -117,27 +95,16 @@ def logit_lens(trace: Any, inputs: Any = None, *, layers: Sequence[int] | None =
 
     Raises:
         InvalidArgumentError: a model without inputs, or a bad ``norm``.
-        SiteNotFoundError: no unembedding, or a layer out of range.
+        SiteNotFoundError: no unembedding, or a row out of range.
     """
-    if not isinstance(trace, Trace):
-        if inputs is None:
-            raise InvalidArgumentError("logit_lens takes a trace, or a model and its inputs",
-                                       remedy="tl.logit_lens(tl.trace(model, ids)) or tl.logit_lens(model, ids).")
-        trace = _as_trace(trace, inputs, "inputs")
+    trace = _trace_of(trace, inputs, "logit_lens")
     model = _model_of(trace)
     view = arch(model)
-    rows = view.layer_indices(layers)
-    if norm is True:
-        norm = find_final_norm(trace)
-    elif norm is False:
-        norm = ""
-    elif not isinstance(norm, str):
-        raise InvalidArgumentError(f"norm= is True, False or a module address, got {type(norm).__name__}")
+    rows = view.layer_indices(layers, boundaries=True)
+    norm = _final_norm(trace, norm)
     final = model.get_submodule(norm) if norm else None
     unembed = view.module("unembed")
-    out = []
     with torch.no_grad():
-        for layer in rows:
-            resid = first_tensor(trace[f"blocks.{layer}"].out)
-            out.append(unembed(final(resid) if final is not None else resid))
-    return LogitLens(torch.stack(out), rows, norm, tokenizer)
+        stack = torch.stack([_boundary(trace, view, r) for r in rows])
+        logits = unembed(final(stack) if final is not None else stack)
+    return LogitLens(logits, rows, norm, tokenizer, resid_labels(view.n_layers, rows))
