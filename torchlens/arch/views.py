@@ -33,7 +33,7 @@ from ..core.indices import python_indices
 from ..core.names import nearest
 from ..core.records import ModuleCall, Op
 from ..core.selectors import ModuleOutput, Selector, split_pass
-from ..errors import SiteNotFoundError, UnsupportedModelError
+from ..errors import SiteNotFoundError, TorchLensError, UnsupportedModelError
 
 if TYPE_CHECKING:
     from ..core.trace import Trace
@@ -183,6 +183,10 @@ class BlockOp(Selector):
                 )
             out.append(direct[self.nth - 1])
         return out
+
+    def at_pass(self, pass_index: int) -> BlockOp:
+        """The same rule restricted to one pass of the block."""
+        return BlockOp(self.block, self.funcs, self.nth, pass_index, self.name)
 
     def describe(self) -> str:
         return f"block_op({self.block!r}, {sorted(self.funcs)}, nth={self.nth})"
@@ -342,7 +346,10 @@ class ArchView:
     """What an adapter knows about one model: sizes, block addresses, canonical sites.
 
     ``targets`` maps each canonical name to a selector, or to a string saying why the site
-    does not exist for this model (e.g. GPT-NeoX's parallel residual has no ``resid_mid``).
+    does not exist for this model (e.g. GPT-NeoX's parallel residual has no ``resid_mid``), or
+    to the typed error a read of it raises (an inferred layout that could not decide).
+    ``sources`` says where each part came from (``"declared"`` by a family adapter, or how it
+    was inferred); ``tl.arch.describe`` prints it.
     """
 
     adapter: str
@@ -356,19 +363,20 @@ class ArchView:
     targets: dict[str, Selector | str] = field(repr=False)
     # weak: views are cached per model (weak keys), and a strong back-reference would pin it
     model_ref: weakref.ref | None = field(default=None, repr=False)
+    sources: dict[str, str] = field(default_factory=dict, repr=False)
 
     def names(self, kind: str | None = None) -> list[str]:
         """Canonical names this model has; ``kind`` ('mlp', 'resid_post' ...) keeps one per block."""
         if kind is None:
-            return [n for n, t in self.targets.items() if not isinstance(t, str)]
+            return [n for n, t in self.targets.items() if not _absent(t)]
         if kind in ("embed", "unembed"):
-            return [kind] if not isinstance(self.targets.get(kind), str) else []
+            return [kind] if not _absent(self.targets.get(kind)) else []
         if kind not in KINDS and kind != "block":
             raise SiteNotFoundError(f"no canonical site kind {kind!r}; kinds: {[*KINDS, 'block', 'embed']}",
                                     site=kind)
         suffix = "" if kind == "block" else f".{kind}"
         return [f"blocks.{i}{suffix}" for i in range(self.n_layers)
-                if not isinstance(self.targets.get(f"blocks.{i}{suffix}"), str)]
+                if not _absent(self.targets.get(f"blocks.{i}{suffix}"))]
 
     def layer_indices(self, layers: Iterable[int] | int | None = None, kind: str | None = None) -> list[int]:
         """Block indices as every workflow reads them: Python's meaning (``-1`` is the last block).
@@ -414,6 +422,8 @@ class ArchView:
                 site=name,
                 candidates=nearest(base, self.targets),
             )
+        if isinstance(target, TorchLensError):
+            raise type(target)(target.message, remedy=target.remedy, **target.fields)
         if isinstance(target, str):
             raise SiteNotFoundError(f"{base!r} does not exist for this model: {target}", site=name,
                                     remedy="Pick another canonical site (tl.arch(model).names()) or a real "
@@ -454,11 +464,16 @@ class ArchView:
                 f"d_model={self.d_model}, blocks=[{self.blocks[0] if self.blocks else ''} ...])")
 
 
+def _absent(target: Any) -> bool:
+    """Whether a ``targets`` entry says the site does not exist (a reason, or the error to raise)."""
+    return isinstance(target, (str, TorchLensError))
+
+
 def _with_pass(sel: Selector, pass_index: int) -> Selector:
     if isinstance(sel, ModuleOutput):
         return ModuleOutput(f"{sel.path}:{pass_index}")
     if isinstance(sel, InputOf):
         return InputOf(sel.address, sel.via and _with_pass(sel.via, pass_index), pass_index, sel.name)
     if isinstance(sel, BlockOp):
-        return BlockOp(sel.block, sel.funcs, sel.nth, pass_index, sel.name)
+        return sel.at_pass(pass_index)
     return sel

@@ -1,0 +1,135 @@
+"""Canonical sites checked against the structure they claim, on the recorded forward.
+
+An inferred layout (the generic adapter) is a claim about a model no one declared; these checks
+hold it to the values the forward computed:
+
+* ``resid_mid`` (:class:`CheckedResidualAdd`): the block's first own add must equal
+  ``resid_pre + attn_out`` exactly (a pre-norm block: ``h = x + attn(norm(x))``). A block whose
+  first add is something else (a parallel block adds attention and MLP together, a post-norm
+  block normalises the sum) fails, and reading the site raises ``LayoutInferenceError`` saying so.
+* the chain (:func:`check_layout`): ``resid_post[L]`` is ``resid_pre[L+1]``, and each offered
+  ``resid_mid`` holds its identity.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..core.records import ModuleCall, Op
+from ..errors import LayoutInferenceError, TorchLensError
+from .views import ArchView, BlockOp, _hidden_input
+
+if TYPE_CHECKING:
+    from ..core.trace import Trace
+
+__all__ = ["CheckedResidualAdd", "check_layout"]
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+        return value[0]
+    return None
+
+
+def _call_output(trace: Trace, call: ModuleCall) -> torch.Tensor | None:
+    """A module call's first output tensor, read from the op that produced it."""
+    ref = next((r for r in call.out_refs if r is not None), None)
+    if ref is None or not trace.has_value(ref.index):
+        return None
+    value = trace.value(ref.index)
+    return _first_tensor(value[ref.elem] if ref.elem is not None else value)
+
+
+class CheckedResidualAdd(BlockOp):
+    """``resid_mid`` of an inferred pre-norm block: the block's first own add, offered only where
+    its value is ``resid_pre + attn_out`` exactly on the recorded forward."""
+
+    def __init__(self, block: str, attn: str, pass_index: int | None = None, name: str = "") -> None:
+        super().__init__(block, ("add",), 1, pass_index, name or f"resid_mid of {block}")
+        self.attn = attn
+
+    def at_pass(self, pass_index: int) -> CheckedResidualAdd:
+        return CheckedResidualAdd(self.block, self.attn, pass_index, self.name)
+
+    def failure(self, trace: Trace, op: Op) -> str | None:
+        """Why ``op`` is not ``resid_pre + attn_out`` of its block call, or None when it is."""
+        calls = trace.calls_of(self.block)
+        call = calls[op.module_pass - 1]
+        attn = next((c for c in trace.calls_of(self.attn) if call.op_start <= c.op_start < op.index), None)
+        if attn is None:
+            return f"{self.attn!r} did not run before the block's first add ({op.label})"
+        pre = _hidden_input(call.args, call.kwargs)
+        out = _call_output(trace, attn)
+        if pre is None or out is None or not trace.has_value(op.index):
+            return ("the values needed to check it (the block's input, the attention output, the add) were not "
+                    "saved; capture with save=None")
+        got = _first_tensor(trace.value(op.index))
+        if got is None or got.shape != pre.shape or out.shape != pre.shape:
+            return f"{op.label} is not an add of the block's input and {self.attn!r}'s output (shapes differ)"
+        if not torch.equal(got, pre + out):
+            return (f"{op.label} != resid_pre + attn_out (the block is not pre-norm: a parallel or post-norm block "
+                    "adds something else first)")
+        return None
+
+    def _refuse(self, trace: Trace, op: Op) -> None:
+        why = self.failure(trace, op)
+        if why is not None:
+            raise LayoutInferenceError(f"{self.name}: not offered, its structural check failed: {why}",
+                                       site=self.name)
+
+    def matches_op(self, op: Op) -> bool:
+        if not super().matches_op(op):
+            return False
+        self._refuse(op.trace, op)
+        return True
+
+    def match(self, trace: Trace) -> list[Op | ModuleCall]:
+        ops = super().match(trace)
+        for op in ops:
+            self._refuse(trace, op)
+        return ops
+
+    def describe(self) -> str:
+        return f"checked_residual_add({self.block!r}, attn={self.attn!r})"
+
+    __repr__ = describe
+
+
+def _read(trace: Trace, view: ArchView, name: str) -> torch.Tensor | str:
+    """The value of a canonical site in ``trace``, or why it cannot be read."""
+    try:
+        sites = trace.find_sites(view.selector(name))
+        return _first_tensor(sites.first().out)
+    except TorchLensError as exc:
+        return exc.message
+
+
+def check_layout(trace: Trace, view: ArchView) -> list[tuple[str, bool, str]]:
+    """Structural checks of ``view``'s block sites on a recorded forward.
+
+    Returns:
+        rows ``(identity, holds, detail)``: ``blocks.L.resid_post == blocks.{L+1}.resid_pre`` for
+        each adjacent pair, and ``blocks.L.resid_mid == resid_pre + attn`` where resid_mid is offered.
+    """
+    rows: list[tuple[str, bool, str]] = []
+    for i in range(view.n_layers - 1):
+        post, pre = _read(trace, view, f"blocks.{i}.resid_post"), _read(trace, view, f"blocks.{i + 1}.resid_pre")
+        what = f"blocks.{i}.resid_post == blocks.{i + 1}.resid_pre"
+        if isinstance(post, str) or isinstance(pre, str):
+            rows.append((what, False, post if isinstance(post, str) else pre))
+        else:
+            rows.append((what, bool(torch.equal(post, pre)), ""))
+    for name in view.names("resid_mid"):
+        i = name.split(".")[1]
+        mid, pre, attn = (_read(trace, view, f"blocks.{i}.{k}") for k in ("resid_mid", "resid_pre", "attn"))
+        what = f"{name} == blocks.{i}.resid_pre + blocks.{i}.attn"
+        bad = next((v for v in (mid, pre, attn) if isinstance(v, str) or v is None), False)
+        if bad is not False:
+            rows.append((what, False, bad or "not a tensor"))
+        else:
+            rows.append((what, bool(torch.equal(mid, pre + attn)), ""))
+    return rows
