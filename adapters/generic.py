@@ -139,7 +139,8 @@ def _mid_source(attn: str | LayoutInferenceError) -> str:
         return "refused: no attention"
     if attn.endswith(".self"):
         return "refused: post-norm BERT-style block (the add is inside attention.output)"
-    return "inferred: first add in the block, checked as resid_pre + attn on each read"
+    return ("inferred: first add in the block, checked on each read (= resid_pre + attn, MLP after it, "
+            "resid_post = it + mlp)")
 
 
 class GenericAdapter:
@@ -180,11 +181,16 @@ class GenericAdapter:
                     f"inside {attn[:-5]}.output (LayerNorm of the sum), not an add of resid_pre and attn",
                     site=f"blocks.{i}.resid_mid")
             elif isinstance(attn, str):
-                view.targets[f"blocks.{i}.resid_mid"] = CheckedResidualAdd(block, f"{block}.{attn}",
-                                                                           name=f"blocks.{i}.resid_mid")
+                view.targets[f"blocks.{i}.resid_mid"] = CheckedResidualAdd(
+                    block, f"{block}.{attn}", f"{block}.{mlp}" if isinstance(mlp, str) else None,
+                    name=f"blocks.{i}.resid_mid")
         view.sources.update(blocks=f"inferred: {container} (largest list of one block class)",
                             attn=attn_how or "refused", mlp=mlp_how or "refused",
                             resid_mid=_mid_source(attn),
+                            resid_pre="inferred: the op feeding the block (exact after capture)",
+                            resid_post="inferred: the block's output (check_layout: equals the next resid_pre)",
+                            norms="inferred: " + (", ".join(n for n, m in block0.named_children() if is_norm(m))
+                                                  or "none among the block's children"),
                             embed="inferred: the first nn.Embedding outside the blocks" if embed else "none found",
                             unembed=f"inferred: {unembed}, a Linear to the vocabulary" if unembed else "none found")
         return view

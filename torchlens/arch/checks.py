@@ -35,12 +35,17 @@ def _first_tensor(value: Any) -> torch.Tensor | None:
     return None
 
 
+def _recorded(op: Op) -> Any:
+    """The value an op computed when the forward ran (a fork's edits are not the structure's claim)."""
+    return op.out if op.saved else None
+
+
 def _call_output(trace: Trace, call: ModuleCall) -> torch.Tensor | None:
-    """A module call's first output tensor, read from the op that produced it."""
+    """A module call's first output tensor as recorded, read from the op that produced it."""
     ref = next((r for r in call.out_refs if r is not None), None)
-    if ref is None or not trace.has_value(ref.index):
+    value = None if ref is None else _recorded(trace.ops[ref.index])
+    if value is None:
         return None
-    value = trace.value(ref.index)
     return _first_tensor(value[ref.elem] if ref.elem is not None else value)
 
 
@@ -48,31 +53,53 @@ class CheckedResidualAdd(BlockOp):
     """``resid_mid`` of an inferred pre-norm block: the block's first own add, offered only where
     its value is ``resid_pre + attn_out`` exactly on the recorded forward."""
 
-    def __init__(self, block: str, attn: str, pass_index: int | None = None, name: str = "") -> None:
+    def __init__(self, block: str, attn: str, mlp: str | None = None, pass_index: int | None = None,
+                 name: str = "") -> None:
         super().__init__(block, ("add",), 1, pass_index, name or f"resid_mid of {block}")
         self.attn = attn
+        self.mlp = mlp
 
     def at_pass(self, pass_index: int) -> CheckedResidualAdd:
-        return CheckedResidualAdd(self.block, self.attn, pass_index, self.name)
+        return CheckedResidualAdd(self.block, self.attn, self.mlp, pass_index, self.name)
 
     def failure(self, trace: Trace, op: Op) -> str | None:
-        """Why ``op`` is not ``resid_pre + attn_out`` of its block call, or None when it is."""
+        """Why ``op`` is not the residual stream between attention and MLP of its block call, or None.
+
+        Checks, on recorded values: (1) ``op == resid_pre + attn_out``; (2) the MLP had not run
+        before it (else the block is parallel: the MLP does not read it); (3) once the block has
+        returned, ``resid_post == op + mlp_out`` (else the block is post-norm: the stream is the
+        normalised sum). During capture (3) cannot run yet: the block has not returned.
+        """
         calls = trace.calls_of(self.block)
         call = calls[op.module_pass - 1]
-        attn = next((c for c in trace.calls_of(self.attn) if call.op_start <= c.op_start < op.index), None)
+
+        def within(address: str | None) -> list[ModuleCall]:
+            return [c for c in trace.calls_of(address) if call.op_start <= c.op_start] if address else []
+
+        attn = next((c for c in within(self.attn) if c.op_start < op.index), None)
         if attn is None:
             return f"{self.attn!r} did not run before the block's first add ({op.label})"
+        if any(c.op_start < op.index for c in within(self.mlp)):
+            return f"{self.mlp!r} ran before {op.label}: a parallel block, its MLP does not read resid_mid"
         pre = _hidden_input(call.args, call.kwargs)
         out = _call_output(trace, attn)
-        if pre is None or out is None or not trace.has_value(op.index):
+        got = _first_tensor(_recorded(op))
+        if pre is None or out is None or got is None:
             return ("the values needed to check it (the block's input, the attention output, the add) were not "
                     "saved; capture with save=None")
-        got = _first_tensor(trace.value(op.index))
-        if got is None or got.shape != pre.shape or out.shape != pre.shape:
+        if got.shape != pre.shape or out.shape != pre.shape:
             return f"{op.label} is not an add of the block's input and {self.attn!r}'s output (shapes differ)"
         if not torch.equal(got, pre + out):
             return (f"{op.label} != resid_pre + attn_out (the block is not pre-norm: a parallel or post-norm block "
                     "adds something else first)")
+        mlp = next((c for c in within(self.mlp) if c.op_start > op.index), None)
+        post = _call_output(trace, call) if call.out_refs else None
+        if mlp is not None and post is not None:
+            mlp_out = _call_output(trace, mlp)
+            if (mlp_out is None or mlp_out.numel() != got.numel() or post.numel() != got.numel()
+                    or not torch.equal(post.reshape(got.shape), got + mlp_out.reshape(got.shape))):
+                return (f"resid_post != {op.label} + mlp_out (the block is not pre-norm: a post-norm block "
+                        "normalises the sum, so the stream is not this add)")
         return None
 
     def _refuse(self, trace: Trace, op: Op) -> None:
@@ -94,7 +121,7 @@ class CheckedResidualAdd(BlockOp):
         return ops
 
     def describe(self) -> str:
-        return f"checked_residual_add({self.block!r}, attn={self.attn!r})"
+        return f"checked_add({self.block!r})"
 
     __repr__ = describe
 

@@ -458,10 +458,37 @@ class ArchView:
                                     site=name, remedy="Call tl.arch(model) again on a live model.")
         return model.get_submodule(split_pass(self.resolve(name))[0])
 
+    def describe(self) -> str:
+        """A table of the parts this view found: where each is (block 0) and whether the adapter declared
+        it or the generic adapter inferred it (and how), or why it is refused."""
+        rows = [("blocks", f"{self.blocks[0].rpartition('.')[0]} ({self.n_layers})" if self.blocks else "-")]
+        for kind in ("attn", "mlp", "resid_pre", "resid_mid", "resid_post"):
+            rows.append((kind, _where(self.targets.get(f"blocks.0.{kind}"))))
+        rows += [("embed", _where(self.targets.get("embed"))), ("unembed", _where(self.targets.get("unembed")))]
+        if "norms" in self.sources:
+            rows.insert(3, ("norms", "(in each block)"))
+        heads = f"{self.n_heads} heads ({self.n_kv_heads} kv) x {self.head_dim}, d_model {self.d_model}"
+        lines = [f"{self.adapter} adapter, model_type {self.model_type!r}: {heads}",
+                 f"{'part':<11}{'block 0':<46}source"]
+        for part, where in rows:
+            source = self.sources.get(part) or f"declared by adapter {self.adapter!r}"
+            lines.append(f"{part:<11}{where:<46}{source}")
+        return "\n".join(lines)
+
     def __repr__(self) -> str:
         return (f"ArchView(adapter={self.adapter!r}, model_type={self.model_type!r}, n_layers={self.n_layers}, "
                 f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
                 f"d_model={self.d_model}, blocks=[{self.blocks[0] if self.blocks else ''} ...])")
+
+
+def _where(target: Any) -> str:
+    """One cell of ``describe``: the site a target names, or that it is refused."""
+    if target is None:
+        return "-"
+    if _absent(target):
+        return "refused: " + (target if isinstance(target, str) else type(target).__name__)
+    paths = target.module_paths()
+    return paths[0] if paths and len(paths) == 1 and isinstance(target, ModuleOutput) else target.describe()
 
 
 def _absent(target: Any) -> bool:
