@@ -139,7 +139,7 @@ def _mid_source(attn: str | LayoutInferenceError) -> str:
         return "refused: no attention"
     if attn.endswith(".self"):
         return "refused: post-norm BERT-style block (the add is inside attention.output)"
-    return ("inferred: first add in the block, checked on each read (= resid_pre + attn, MLP after it, "
+    return ("inferred: first add in the block, checked on read (= resid_pre + attn or its post-norm, MLP after it, "
             "resid_post = it + mlp)")
 
 

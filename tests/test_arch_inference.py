@@ -9,7 +9,7 @@ post-norm BERT-style blocks, tied candidates) reading the site raises ``LayoutIn
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cache
 
 import pytest
@@ -33,7 +33,7 @@ class Family:
     attn: str  # relative to a block
     mlp: str
     mid: str  # "checked": resid_mid offered and equal to resid_pre + attn; else the refusal's words
-    extra: dict = field(default_factory=dict)
+    addend: str = ""  # the module whose output resid_mid adds to resid_pre, when not attn (a sandwich norm)
 
 
 LLAMA_LIKE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -60,6 +60,12 @@ FAMILIES = {
     "olmo": Family("OlmoConfig", "OlmoForCausalLM", dict(LLAMA_LIKE), "model.layers", "self_attn", "mlp", "checked"),
     "gpt_bigcode": Family("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(n_embd=32, n_layer=2, n_head=2,
                           vocab_size=128, n_positions=64), "transformer.h", "attn", "mlp", "checked"),
+    # sandwich norms: resid_mid = resid_pre + post_attention_layernorm(attn); Gemma-2's pre_/post_feedforward
+    # norms match the MLP pattern and must be set aside
+    "olmo2": Family("Olmo2Config", "Olmo2ForCausalLM", dict(LLAMA_LIKE), "model.layers", "self_attn", "mlp",
+                    "checked", "post_attention_layernorm"),
+    "gemma2": Family("Gemma2Config", "Gemma2ForCausalLM", dict(LLAMA_LIKE, head_dim=16), "model.layers",
+                     "self_attn", "mlp", "checked", "post_attention_layernorm"),
     # parallel blocks (the MLP reads the block input, not resid_mid): the check fails, the site is refused
     "codegen": Family("CodeGenConfig", "CodeGenForCausalLM", dict(n_embd=32, n_layer=2, n_head=2, vocab_size=128,
                       rotary_dim=8, n_positions=64), "transformer.h", "attn", "mlp", "a parallel block"),
@@ -137,14 +143,16 @@ def test_structure_is_checked_not_assumed(key):
     assert rows["blocks.0.resid_post == blocks.1.resid_pre"] == (True, "")
     for i in range(2):
         block = f"{fam.blocks}.{i}"
-        if fam.mid == "checked":  # hand-computed from hook reads: the block input plus attention's output
-            assert torch.equal(_read(trace, f"blocks.{i}.resid_mid"), ins[block] + outs[f"{block}.{fam.attn}"])
-            assert rows[f"blocks.{i}.resid_mid == blocks.{i}.resid_pre + blocks.{i}.attn"] == (True, "")
+        row = f"blocks.{i}.resid_mid == blocks.{i}.resid_pre + blocks.{i}.attn (checked on read)"
+        if fam.mid == "checked":  # hand-computed from hook reads: the block input plus what attention adds
+            addend = outs[f"{block}.{fam.addend or fam.attn}"]
+            assert torch.equal(_read(trace, f"blocks.{i}.resid_mid"), ins[block] + addend)
+            assert rows[row] == (True, "")
         else:
             with pytest.raises(LayoutInferenceError, match=fam.mid) as info:
                 _read(trace, f"blocks.{i}.resid_mid")
             assert "Layout(" in info.value.remedy
-            assert not rows.get(f"blocks.{i}.resid_mid == blocks.{i}.resid_pre + blocks.{i}.attn", (False,))[0]
+            assert not rows.get(row, (False,))[0]
 
 
 def test_checked_resid_mid_edits_after_and_during_capture():

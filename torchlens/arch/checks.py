@@ -82,25 +82,33 @@ class CheckedResidualAdd(BlockOp):
         if any(c.op_start < op.index for c in within(self.mlp)):
             return f"{self.mlp!r} ran before {op.label}: a parallel block, its MLP does not read resid_mid"
         pre = _hidden_input(call.args, call.kwargs)
-        out = _call_output(trace, attn)
         got = _first_tensor(_recorded(op))
-        if pre is None or out is None or got is None:
+        attn_outs = self._addends(trace, call, attn, op.index)
+        if pre is None or got is None or not attn_outs:
             return ("the values needed to check it (the block's input, the attention output, the add) were not "
                     "saved; capture with save=None")
-        if got.shape != pre.shape or out.shape != pre.shape:
-            return f"{op.label} is not an add of the block's input and {self.attn!r}'s output (shapes differ)"
-        if not torch.equal(got, pre + out):
+        if not _sums(got, pre, attn_outs):
             return (f"{op.label} != resid_pre + attn_out (the block is not pre-norm: a parallel or post-norm block "
                     "adds something else first)")
         mlp = next((c for c in within(self.mlp) if c.op_start > op.index), None)
         post = _call_output(trace, call) if call.out_refs else None
         if mlp is not None and post is not None:
-            mlp_out = _call_output(trace, mlp)
-            if (mlp_out is None or mlp_out.numel() != got.numel() or post.numel() != got.numel()
-                    or not torch.equal(post.reshape(got.shape), got + mlp_out.reshape(got.shape))):
+            if not _sums(post, got, self._addends(trace, call, mlp, call.op_end)):
                 return (f"resid_post != {op.label} + mlp_out (the block is not pre-norm: a post-norm block "
                         "normalises the sum, so the stream is not this add)")
         return None
+
+    def _addends(self, trace: Trace, call: ModuleCall, sublayer: ModuleCall, before: int) -> list[torch.Tensor]:
+        """What a sublayer adds to the stream: its output, or that output through a norm of the block's own
+        that ran after it (a sandwich norm: ``x + post_attention_norm(attn(x))``)."""
+        found = [_call_output(trace, sublayer)]
+        for address in trace.module_addresses:
+            if address.rpartition(".")[0] != self.block:
+                continue
+            for c in trace.calls_of(address):
+                if sublayer.op_end <= c.op_start < before and "norm" in c.module_type.lower():
+                    found.append(_call_output(trace, c))
+        return [t for t in found if t is not None]
 
     def _refuse(self, trace: Trace, op: Op) -> None:
         why = self.failure(trace, op)
@@ -124,6 +132,14 @@ class CheckedResidualAdd(BlockOp):
         return f"checked_add({self.block!r})"
 
     __repr__ = describe
+
+
+def _sums(total: torch.Tensor, base: torch.Tensor, addends: list[torch.Tensor]) -> bool:
+    """Whether ``total == base + a`` exactly for one of ``addends`` (reshaped when only the layout differs)."""
+    if total.numel() != base.numel():
+        return False
+    total = total.reshape(base.shape)
+    return any(a.numel() == base.numel() and torch.equal(total, base + a.reshape(base.shape)) for a in addends)
 
 
 def _read(trace: Trace, view: ArchView, name: str) -> torch.Tensor | str:
@@ -155,7 +171,9 @@ def check_layout(trace: Trace, view: ArchView) -> list[tuple[str, bool, str]]:
         mid, pre, attn = (_read(trace, view, f"blocks.{i}.{k}") for k in ("resid_mid", "resid_pre", "attn"))
         what = f"{name} == blocks.{i}.resid_pre + blocks.{i}.attn"
         bad = next((v for v in (mid, pre, attn) if isinstance(v, str) or v is None), False)
-        if bad is not False:
+        if isinstance(view.targets[name], CheckedResidualAdd):  # its own checks ran on the read
+            rows.append((what + " (checked on read)", not isinstance(mid, str), mid if isinstance(mid, str) else ""))
+        elif bad is not False:
             rows.append((what, False, bad or "not a tensor"))
         else:
             rows.append((what, bool(torch.equal(mid, pre + attn)), ""))
