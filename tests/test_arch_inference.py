@@ -48,7 +48,7 @@ FAMILIES = {
     "bart": Family("BartConfig", "BartForCausalLM", dict(d_model=32, decoder_layers=2, decoder_attention_heads=2,
                    decoder_ffn_dim=64, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64,
                    vocab_size=128, max_position_embeddings=64), "model.decoder.layers", "self_attn", "fc2",
-                   "post-norm block"),
+                   "a post-norm block"),
     "biogpt": Family("BioGptConfig", "BioGptForCausalLM", dict(LLAMA_LIKE), "biogpt.layers", "self_attn", "fc2",
                      "checked"),
     "xglm": Family("XGLMConfig", "XGLMForCausalLM", dict(d_model=32, num_layers=2, attention_heads=2, ffn_dim=64,
@@ -66,6 +66,10 @@ FAMILIES = {
                     "checked", "post_attention_layernorm"),
     "gemma2": Family("Gemma2Config", "Gemma2ForCausalLM", dict(LLAMA_LIKE, head_dim=16), "model.layers",
                      "self_attn", "mlp", "checked", "post_attention_layernorm"),
+    # per-layer sizes (a heterogeneous config: reading head_dim raises in transformers); the block adds its
+    # per-layer input and scales after the MLP, so resid_post is not resid_mid + mlp: resid_mid refused
+    "gemma4_text": Family("Gemma4TextConfig", "Gemma4ForCausalLM", dict(LLAMA_LIKE, head_dim=16), "model.layers",
+                          "self_attn", "mlp", r"resid_post != add_\d+ \+ mlp_out"),
     # parallel blocks (the MLP reads the block input, not resid_mid): the check fails, the site is refused
     "codegen": Family("CodeGenConfig", "CodeGenForCausalLM", dict(n_embd=32, n_layer=2, n_head=2, vocab_size=128,
                       rotary_dim=8, n_positions=64), "transformer.h", "attn", "mlp", "a parallel block"),

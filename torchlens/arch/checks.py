@@ -94,8 +94,8 @@ class CheckedResidualAdd(BlockOp):
         post = _call_output(trace, call) if call.out_refs else None
         if mlp is not None and post is not None:
             if not _sums(post, got, self._addends(trace, call, mlp, call.op_end)):
-                return (f"resid_post != {op.label} + mlp_out (the block is not pre-norm: a post-norm block "
-                        "normalises the sum, so the stream is not this add)")
+                return (f"resid_post != {op.label} + mlp_out (the block does more than add the MLP's output: a "
+                        "post-norm block normalises the sum, others scale it or add further terms)")
         return None
 
     def _addends(self, trace: Trace, call: ModuleCall, sublayer: ModuleCall, before: int) -> list[torch.Tensor]:

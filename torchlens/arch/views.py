@@ -320,11 +320,21 @@ class Layout:
 
 
 def config_dims(config: Any) -> dict[str, int | None]:
-    """``n_heads``, ``n_kv_heads``, ``head_dim``, ``d_model`` read from a transformers-style config."""
+    """``n_heads``, ``n_kv_heads``, ``head_dim``, ``d_model`` read from a transformers-style config.
+
+    A size that differs per layer (a heterogeneous config: reading it raises transformers'
+    ``AmbiguousGlobalPerLayerAttributeError``, a RuntimeError) has no one value: it is None, and
+    ``head_dim`` is then not derived from the others.
+    """
+    per_layer: list[str] = []
 
     def first(*names: str) -> Any:
         for n in names:
-            v = getattr(config, n, None)
+            try:
+                v = getattr(config, n, None)
+            except RuntimeError:
+                per_layer.append(n)
+                continue
             if isinstance(v, int) and not isinstance(v, bool):
                 return v
         return None
@@ -333,7 +343,7 @@ def config_dims(config: Any) -> dict[str, int | None]:
     n_heads = first("num_attention_heads", "n_head", "num_heads", "n_heads")
     n_kv = first("num_key_value_heads", "n_kv_heads", "num_kv_heads") or n_heads
     head_dim = first("head_dim", "d_head", "attention_head_size")
-    if head_dim is None and d_model and n_heads:
+    if head_dim is None and d_model and n_heads and not per_layer:
         head_dim = d_model // n_heads
     return {"n_heads": n_heads, "n_kv_heads": n_kv, "head_dim": head_dim, "d_model": d_model}
 
