@@ -517,7 +517,8 @@ def test_generic_adapter_finds_the_block_list():
     seen: dict[str, torch.Tensor] = {}
     handles = [model.layers[1].register_forward_hook(lambda m, a, o: seen.setdefault("post", o.clone())),
                model.layers[0].register_forward_pre_hook(lambda m, a: seen.setdefault("pre0", a[0].clone())),
-               model.layers[2].ffn.register_forward_hook(lambda m, a, o: seen.setdefault("mlp", o.clone()))]
+               model.layers[2].ffn.register_forward_hook(lambda m, a, o: seen.setdefault("mlp", o.clone())),
+               model.layers[0].attention.register_forward_hook(lambda m, a, o: seen.setdefault("attn0", o.clone()))]
     with torch.no_grad():
         model(ids)
     for h in handles:
@@ -527,8 +528,8 @@ def test_generic_adapter_finds_the_block_list():
     assert torch.equal(trace.find_sites(tl.module("blocks.2.resid_pre")).first().out, seen["post"])
     assert torch.equal(trace.find_sites(tl.module("blocks.0.resid_pre")).first().out, seen["pre0"])
     assert torch.equal(trace["blocks.2.mlp"].out, seen["mlp"])
-    with pytest.raises(SiteNotFoundError, match="does not guess"):
-        trace.find_sites(tl.module("blocks.0.resid_mid"))
+    # resid_mid is inferred and checked (pre-norm: block input + attention output), not guessed
+    assert torch.equal(trace.find_sites(tl.module("blocks.0.resid_mid")).first().out, seen["pre0"] + seen["attn0"])
 
 
 def test_model_without_blocks_is_unsupported_with_a_remedy():

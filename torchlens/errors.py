@@ -15,7 +15,8 @@ __all__ = [
     "EditHadNoEffectError", "EditNotAppliedError", "EditShapeError", "EmptyGenerationError", "EmptySelectionError",
     "FacetReadOnlyError", "FingerprintMismatchError", "FormatVersionError", "FunctionsNotResolved",
     "FusedKernelError", "GenerationError", "GenerationStrategyError", "GraphvizNotFoundError", "GuardChangedError",
-    "InvalidArgumentError", "JobMismatchError", "LegacyArgumentError", "NoGenerateError", "NotPortableError",
+    "InvalidArgumentError", "JobMismatchError", "LayoutInferenceError", "LegacyArgumentError", "NoGenerateError",
+    "NotPortableError",
     "OptionalDependencyError", "OutOfOrderError", "PaddingNotSupportedError", "PickleNotAllowedError", "PluginError",
     "PositionNotInStepError", "RandomForwardError", "RandomOpsWarning", "RecipeError", "RecipeExistsError",
     "RecipeFormatError", "RecipeHelperError", "ReplayError", "ReplayFellBack", "ReplayNotExactError",
@@ -66,6 +67,14 @@ class SiteNotFoundError(EmptySelectionError):
     """No module, op label or selector match has the name you gave."""
 
     remedy = "Use one of the nearest valid names listed, or list them with trace.modules / trace.layers."
+
+
+class LayoutInferenceError(SiteNotFoundError):
+    """A canonical site no adapter declares could not be inferred: candidates tie, or its structural check failed."""
+
+    remedy = ("Name the real module path instead (trace.modules lists them), or declare the layout: an adapter whose "
+              "view() returns torchlens.arch.Layout(blocks=..., attn=..., mlp=..., resid_mid=...).view(model, name) "
+              "(docs/plugins.md); tl.arch.describe(model) shows what was inferred.")
 
 
 class AmbiguousSiteError(SiteError):

@@ -1,6 +1,7 @@
 """Architectures: what an adapter knows about a model (``views``: ``tl.arch``, ``Layout``) and
 resolving canonical site names against a model, once, at the edge (``resolve``)."""
 
+from .checks import CheckedResidualAdd, check_layout
 from .resolve import arch
 from .views import (
     ADAPTER_REMEDY,
@@ -19,6 +20,6 @@ from .views import (
 )
 
 __all__ = [
-    "ADAPTER_REMEDY", "CANONICAL", "KINDS", "Absent", "ArchView", "BlockOp", "InputOf", "Layout", "OutputOf",
-    "ResidualAdd", "arch", "base_prefix", "config_dims", "is_canonical",
+    "ADAPTER_REMEDY", "CANONICAL", "KINDS", "Absent", "ArchView", "BlockOp", "CheckedResidualAdd", "InputOf", "Layout",
+    "OutputOf", "ResidualAdd", "arch", "base_prefix", "check_layout", "config_dims", "is_canonical",
 ]

@@ -34,7 +34,7 @@ from ..core.indices import python_indices
 from ..core.names import nearest
 from ..core.records import ModuleCall, Op
 from ..core.selectors import ModuleOutput, Selector, split_pass
-from ..errors import SiteNotFoundError, UnsupportedModelError
+from ..errors import SiteNotFoundError, TorchLensError, UnsupportedModelError
 
 if TYPE_CHECKING:
     from ..core.trace import Trace
@@ -185,6 +185,10 @@ class BlockOp(Selector):
             out.append(direct[self.nth - 1])
         return out
 
+    def at_pass(self, pass_index: int) -> BlockOp:
+        """The same rule restricted to one pass of the block."""
+        return BlockOp(self.block, self.funcs, self.nth, pass_index, self.name)
+
     def describe(self) -> str:
         return f"block_op({self.block!r}, {sorted(self.funcs)}, nth={self.nth})"
 
@@ -320,11 +324,21 @@ class Layout:
 
 
 def config_dims(config: Any) -> dict[str, int | None]:
-    """``n_heads``, ``n_kv_heads``, ``head_dim``, ``d_model`` read from a transformers-style config."""
+    """``n_heads``, ``n_kv_heads``, ``head_dim``, ``d_model`` read from a transformers-style config.
+
+    A size that differs per layer (a heterogeneous config: reading it raises transformers'
+    ``AmbiguousGlobalPerLayerAttributeError``, a RuntimeError) has no one value: it is None, and
+    ``head_dim`` is then not derived from the others.
+    """
+    per_layer: list[str] = []
 
     def first(*names: str) -> Any:
         for n in names:
-            v = getattr(config, n, None)
+            try:
+                v = getattr(config, n, None)
+            except RuntimeError:
+                per_layer.append(n)
+                continue
             if isinstance(v, int) and not isinstance(v, bool):
                 return v
         return None
@@ -333,7 +347,7 @@ def config_dims(config: Any) -> dict[str, int | None]:
     n_heads = first("num_attention_heads", "n_head", "num_heads", "n_heads")
     n_kv = first("num_key_value_heads", "n_kv_heads", "num_kv_heads") or n_heads
     head_dim = first("head_dim", "d_head", "attention_head_size")
-    if head_dim is None and d_model and n_heads:
+    if head_dim is None and d_model and n_heads and not per_layer:
         head_dim = d_model // n_heads
     return {"n_heads": n_heads, "n_kv_heads": n_kv, "head_dim": head_dim, "d_model": d_model}
 
@@ -346,7 +360,10 @@ class ArchView:
     """What an adapter knows about one model: sizes, block addresses, canonical sites.
 
     ``targets`` maps each canonical name to a selector, or to a string saying why the site
-    does not exist for this model (e.g. GPT-NeoX's parallel residual has no ``resid_mid``).
+    does not exist for this model (e.g. GPT-NeoX's parallel residual has no ``resid_mid``), or
+    to the typed error a read of it raises (an inferred layout that could not decide).
+    ``sources`` says where each part came from (``"declared"`` by a family adapter, or how it
+    was inferred); ``tl.arch.describe`` prints it.
     """
 
     adapter: str
@@ -360,19 +377,20 @@ class ArchView:
     targets: dict[str, Selector | str] = field(repr=False)
     # weak: views are cached per model (weak keys), and a strong back-reference would pin it
     model_ref: weakref.ref | None = field(default=None, repr=False)
+    sources: dict[str, str] = field(default_factory=dict, repr=False)
 
     def names(self, kind: str | None = None) -> list[str]:
         """Canonical names this model has; ``kind`` ('mlp', 'resid_post' ...) keeps one per block."""
         if kind is None:
-            return [n for n, t in self.targets.items() if not isinstance(t, str)]
+            return [n for n, t in self.targets.items() if not _absent(t)]
         if kind in ("embed", "pos_embed", "unembed"):
-            return [kind] if not isinstance(self.targets.get(kind), str) else []
+            return [kind] if not _absent(self.targets.get(kind)) else []
         if kind not in KINDS and kind != "block":
             raise SiteNotFoundError(f"no canonical site kind {kind!r}; kinds: {[*KINDS, 'block', 'embed']}",
                                     site=kind)
         suffix = "" if kind == "block" else f".{kind}"
         return [f"blocks.{i}{suffix}" for i in range(self.n_layers)
-                if not isinstance(self.targets.get(f"blocks.{i}{suffix}"), str)]
+                if not _absent(self.targets.get(f"blocks.{i}{suffix}"))]
 
     def layer_indices(self, layers: Iterable[int] | int | None = None, kind: str | None = None, *,
                       boundaries: bool = False) -> list[int]:
@@ -429,6 +447,8 @@ class ArchView:
                 site=name,
                 candidates=nearest(base, self.targets),
             )
+        if isinstance(target, TorchLensError):
+            raise type(target)(target.message, remedy=target.remedy, **target.fields)
         if isinstance(target, str):
             raise SiteNotFoundError(f"{base!r} does not exist for this model: {target}", site=name,
                                     remedy="Pick another canonical site (tl.arch(model).names()) or a real "
@@ -463,10 +483,42 @@ class ArchView:
                                     site=name, remedy="Call tl.arch(model) again on a live model.")
         return model.get_submodule(split_pass(self.resolve(name))[0])
 
+    def describe(self) -> str:
+        """A table of the parts this view found: where each is (block 0) and whether the adapter declared
+        it or the generic adapter inferred it (and how), or why it is refused."""
+        rows = [("blocks", f"{self.blocks[0].rpartition('.')[0]} ({self.n_layers})" if self.blocks else "-")]
+        for kind in ("attn", "mlp", "resid_pre", "resid_mid", "resid_post"):
+            rows.append((kind, _where(self.targets.get(f"blocks.0.{kind}"))))
+        rows += [("embed", _where(self.targets.get("embed"))), ("unembed", _where(self.targets.get("unembed")))]
+        if "norms" in self.sources:
+            rows.insert(3, ("norms", "(in each block)"))
+        heads = f"{self.n_heads} heads ({self.n_kv_heads} kv) x {self.head_dim}, d_model {self.d_model}"
+        lines = [f"{self.adapter} adapter, model_type {self.model_type!r}: {heads}",
+                 f"{'part':<11}{'block 0':<46}source"]
+        for part, where in rows:
+            source = self.sources.get(part) or f"declared by adapter {self.adapter!r}"
+            lines.append(f"{part:<11}{where:<46}{source}")
+        return "\n".join(lines)
+
     def __repr__(self) -> str:
         return (f"ArchView(adapter={self.adapter!r}, model_type={self.model_type!r}, n_layers={self.n_layers}, "
                 f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
                 f"d_model={self.d_model}, blocks=[{self.blocks[0] if self.blocks else ''} ...])")
+
+
+def _where(target: Any) -> str:
+    """One cell of ``describe``: the site a target names, or that it is refused."""
+    if target is None:
+        return "-"
+    if _absent(target):
+        return "refused: " + (target if isinstance(target, str) else type(target).__name__)
+    paths = target.module_paths()
+    return paths[0] if paths and len(paths) == 1 and isinstance(target, ModuleOutput) else target.describe()
+
+
+def _absent(target: Any) -> bool:
+    """Whether a ``targets`` entry says the site does not exist (a reason, or the error to raise)."""
+    return isinstance(target, (str, TorchLensError))
 
 
 def _with_pass(sel: Selector, pass_index: int) -> Selector:
@@ -475,5 +527,5 @@ def _with_pass(sel: Selector, pass_index: int) -> Selector:
     if isinstance(sel, InputOf):
         return InputOf(sel.address, sel.via and _with_pass(sel.via, pass_index), pass_index, sel.name)
     if isinstance(sel, BlockOp):
-        return BlockOp(sel.block, sel.funcs, sel.nth, pass_index, sel.name)
+        return sel.at_pass(pass_index)
     return sel
