@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from ..core.text import decode_tokens
 from ..errors import InvalidArgumentError, OptionalDependencyError
 
 __all__ = ["attention_patterns", "heatmap", "logit_lens", "patching_grid"]
@@ -272,7 +271,7 @@ def _position_tokens(result: Any, tokens: Sequence[str] | None, tokenizer: Any) 
         if not callable(getattr(tokenizer, "decode", None)):
             raise InvalidArgumentError(f"tokenizer= needs a decode method, got {type(tokenizer).__name__}",
                                        remedy="Pass a Hugging Face tokenizer, or tokens= as strings.")
-        tokens = decode_tokens(torch.as_tensor(ids), tokenizer)[0]
+        tokens = [tokenizer.decode([int(i)]) for i in ids]  # any object with decode(ids), not only HF's
     if tokens is None:
         return None
     tokens = [str(t) for t in tokens]

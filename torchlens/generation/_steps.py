@@ -61,7 +61,7 @@ class GenerationRun:
     inputs: Any
     loop: Callable[..., Any] | None
     kwargs: dict
-    save: Any
+    keep: Any  # the save= sites (a field named save would take nnsight's object.save as its default)
     backend: str | None
     tokenizer: Any
     start_rng: torch.Tensor = field(repr=False)
@@ -214,7 +214,7 @@ def record_steps(model: nn.Module, run: GenerationRun, edits: list[tuple[Any, St
     """
     inputs = run.inputs if inputs is None else inputs
     records: list[StepRecord] = []
-    with StepCapture(model, edits, run.save, run.backend, records.append, first=first):
+    with StepCapture(model, edits, run.keep, run.backend, records.append, first=first):
         if run.loop is not None:
             output = run.loop(model, inputs)
         else:
