@@ -655,19 +655,20 @@ class HeldState:
 
 class ReturnsState(nn.Module):
     """Returns ``(output, HeldState(state))``; with ``overwrite`` part of the state is zeroed in place
-    through a view after the op that made it."""
+    through a view after the op that made it (with ``reinterpret``, a view of its bytes as integers)."""
 
-    def __init__(self, overwrite: bool = False) -> None:
+    def __init__(self, overwrite: bool = False, reinterpret: bool = False) -> None:
         super().__init__()
         self.fc1 = nn.Linear(4, 4)
         self.fc2 = nn.Linear(4, 4)
         self.overwrite = overwrite
+        self.reinterpret = reinterpret
 
     def forward(self, x):
         h = self.fc1(x)
         state = self.fc2(h)
         if self.overwrite:
-            state[:, :1].zero_()
+            (state.view(torch.int32) if self.reinterpret else state)[:, :1].zero_()
         return h.sum(-1), HeldState(state)
 
 

@@ -105,16 +105,20 @@ def test_a_forks_kv_cache_holds_the_edited_keys_and_values(name, request):
 
 
 def test_a_held_state_replay_cannot_rebuild_is_withheld_not_stale():
-    """An object the model returns beside its output (as a cache): a fork holds its replayed tensor; when an
-    in-place write through a view made the recorded op not describe it, reading it raises, naming why."""
+    """An object the model returns beside its output (as a cache): a fork holds its replayed tensor, also
+    when an in-place write through a view changed it after its op (replay applies the write again); when
+    the write reinterprets its bytes (a view as integers), which replay cannot lay out again, reading it
+    raises, naming why."""
     x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
+    for overwrite in (False, True):
+        torch.manual_seed(0)
+        model = ReturnsState(overwrite=overwrite).eval()
+        fork = tl.trace(model, x).fork().do("fc1", tl.scale(2.0))
+        want = edited_forward(model, "fc1", lambda o: o * 2, (x,))
+        assert torch.allclose(fork.output[1].t, want[1].t, atol=1e-6)
+        assert (want[1].t[:, 0] == 0).all() == overwrite
     torch.manual_seed(0)
-    model = ReturnsState().eval()
-    fork = tl.trace(model, x).fork().do("fc1", tl.scale(2.0))
-    want = edited_forward(model, "fc1", lambda o: o * 2, (x,))
-    assert torch.allclose(fork.output[1].t, want[1].t, atol=1e-6)
-    torch.manual_seed(0)
-    model = ReturnsState(overwrite=True).eval()
+    model = ReturnsState(overwrite=True, reinterpret=True).eval()
     trace = tl.trace(model, x)
     fork = trace.fork().do("fc1", tl.scale(2.0))
     want = edited_forward(model, "fc1", lambda o: o * 2, (x,))

@@ -27,8 +27,8 @@ Tensor = torch.Tensor
 class ModuleCalls:
     """The recorder's module-call part (a mixin): ``enter_module`` / ``exit_module`` are the every-module
     callbacks. It reads ``trace``, ``ops``, ``pending`` (rows of ops not yet records), ``module_steps``,
-    ``stops``, ``save``, ``sink``, ``transient``, ``stale`` and ``trace_ref``, and writes ``stack``,
-    ``top`` and ``unsettled``; the class it is mixed into defines ``_edit_op`` and ``_keep``."""
+    ``stops``, ``save``, ``sink``, ``transient``, ``stale``, ``alias_writes`` and ``trace_ref``, and writes
+    ``stack``, ``top`` and ``unsettled``; the class it is mixed into defines ``_edit_op`` and ``_keep``."""
 
     trace: Any
     ops: list[Op]
@@ -41,6 +41,7 @@ class ModuleCalls:
     sink: Any
     transient: bool
     stale: dict[int, int]
+    alias_writes: dict[int, list[Any]]
     unsettled: list[tuple[ModuleCall, list, Any]]
     trace_ref: Any
 
@@ -85,7 +86,9 @@ class ModuleCalls:
         if self.stale:
             # Memory of that op was overwritten through another view before the module returned:
             # no recorded op produced what it returns, so the call keeps its own copy instead.
-            refs = [None if r is not None and r.index in self.stale else r for r in refs]
+            # (Unless replay can apply those writes again: then the op, with them, describes it.)
+            refs = [None if r is not None and r.index in self.stale and not _reproducible(self.alias_writes, r.index)
+                    else r for r in refs]
         call.out_refs = refs
         save = self.save
         if save is None or save.matches_call(call):
@@ -227,3 +230,8 @@ def _flatten_output(value: Any) -> tuple[list[Any], Any]:
         return leaves, spec
     return list(children), spec
 
+
+
+def _reproducible(alias_writes: dict[int, list[Any]], index: int) -> bool:
+    """Whether every write noted so far into op ``index``'s memory through another view can be applied again."""
+    return all(w.reproducible for w in alias_writes.get(index, ()))

@@ -3,6 +3,12 @@
 The recorder keeps outputs without copying them. Before an in-place op overwrites memory
 that recorded tensors use, the records on that storage are copied (``before_inplace``); a
 storage index, built at the first in-place op, finds them.
+
+A write that changes memory other recorded tensors view (a buffer filled through slices of it,
+a write into a view followed by a read of its base) is noted per record it reaches
+(``alias_writes``, see ``torchlens.core.writes``): replay applies the writes again, in order, to
+rebuild what later readers saw. A record copied that way keeps a ghost entry (its place in the
+memory, which stays alive while the capture runs) so later writes to the same memory are noted too.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from typing import Any
 import torch
 
 from ..core.records import Deferred, Op
+from ..core.writes import AliasWrite, geometry
 
 __all__ = ["CopyOnWrite"]
 
@@ -28,7 +35,10 @@ _REALLOCATES = frozenset({"resize_", "resize_as_"})
 
 class CopyOnWrite:
     """The recorder's copy-on-write part (a mixin). It reads ``trace``, ``ops``, ``transient`` and
-    writes ``storage`` (storage key -> indices of the ops whose outputs use it) and ``stale``; the
+    writes ``storage`` (storage key -> indices of the ops whose outputs use it), ``stale``,
+    ``alias_writes`` (op index -> the writes through other views into its memory) and ``ghosts``
+    (storage key -> records copied before such a write: index, element, geometry, span, dtype,
+    memory); the
     class it is mixed into defines ``_update_lean`` (ops stop taking the inlined record once
     there is a storage index to keep) and ``flush`` (makes records of the ops noted so far)."""
 
@@ -37,6 +47,8 @@ class CopyOnWrite:
     transient: bool
     storage: dict[int, list[int]] | None
     stale: dict[int, int]
+    alias_writes: dict[int, list[AliasWrite]]
+    ghosts: dict[int, list[tuple[int, int | None, Any, tuple[int, int], Any, Any]]]
 
     def _storage_key(self, t: Tensor) -> int | None:
         try:
@@ -87,7 +99,8 @@ class CopyOnWrite:
                 self._index_storage(op)
         key = self._storage_key(target)
         bucket = self.storage.pop(key, None) if key else None
-        if not bucket:
+        ghosts = self.ghosts.get(key) if key and self.ghosts else None
+        if not bucket and not ghosts:
             return False
         # ``span``: the memory the op writes (None: no data written, only ``target`` changes
         # shape or storage). ``moves``: the op may give the storage new memory, which changes
@@ -98,7 +111,13 @@ class CopyOnWrite:
         keep: list[int] = []
         ops = self.ops
         position = len(ops)
-        for index in dict.fromkeys(bucket):
+        # where the write lands, for replay to apply it again (None: the memory may move)
+        wrote = None if moves or span is None else geometry(target)
+        for index, elem, where, reach, dtype, _memory in ghosts or ():  # copied records written again
+            if span is not None and _overlap(reach, span):
+                aliased = True
+                self._note_write(index, elem, where if dtype == target.dtype else None, wrote, position)
+        for index in dict.fromkeys(bucket or ()):
             op = ops[index]
             out = self._live_out(op)
             if out is None:
@@ -116,6 +135,12 @@ class CopyOnWrite:
                         leaves[i] = t.clone()
                         copied = True
                     others = others or written
+                    if written:
+                        where = geometry(t) if t.dtype == target.dtype else None
+                        self._note_write(index, i if multi else None, where, wrote, position)
+                        if not moves:  # its memory lives on: later writes reach it too
+                            self.ghosts.setdefault(key, []).append(
+                                (index, i if multi else None, geometry(t), _span(t), t.dtype, t.untyped_storage()))
                 else:
                     shared = True
             if shared:  # still views the model's memory: a later write must find it again
@@ -130,6 +155,10 @@ class CopyOnWrite:
         if keep:
             self.storage[key] = keep
         return aliased
+
+    def _note_write(self, index: int, elem: int | None, where: Any, wrote: Any, position: int) -> None:
+        """Op ``position`` writes (at ``wrote``) memory that op ``index``'s output views (at ``where``)."""
+        self.alias_writes.setdefault(index, []).append(AliasWrite(position, elem, where, wrote))
 
 
 def _span(t: Tensor) -> tuple[int, int]:

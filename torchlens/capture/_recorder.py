@@ -118,6 +118,8 @@ class Recorder(TorchFunctionMode, CopyOnWrite, ModuleCalls):
         self.until = until
         self.storage: dict[int, list[int]] | None = None
         self.stale: dict[int, int] = {}
+        self.alias_writes: dict[int, list] = {}  # op index -> writes through other views into its memory
+        self.ghosts: dict[int, list] = {}  # storage key -> copied records whose memory later writes may reach
         self.unsettled: list[tuple[ModuleCall, list, Any]] = []  # module outputs kept unrebuilt (``settle``)
         self.random: list[Op] = []  # ops that drew random numbers (flagged RANDOM): the capture warns
         # Ops recorded inline are noted as rows first, made records by ``flush`` (``add_rows``).

@@ -248,7 +248,8 @@ class FunctionModeEngine:
                 abort()
             raise
         trace.finish(output, steps=request.intervene, save=request.save, grad=request.grad, complete=complete,
-                     stale=recorder.stale, output_refs=recorder.output_refs(output))
+                     stale=recorder.stale, alias_writes=recorder.alias_writes,
+                     output_refs=recorder.output_refs(output))
         if recorder.random:
             warn_random(model, recorder.random, [])
         return trace

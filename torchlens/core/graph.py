@@ -20,6 +20,7 @@ from .records import GUARD, INPUT, Deferred, ModuleCall, Op, Ref
 from .selectors import Selector
 from .steps import Step
 from .tree import flatten, held_tensors, unflatten
+from .writes import AliasWrite
 
 __all__ = ["MISSING", "DataRead", "Graph"]
 
@@ -130,6 +131,7 @@ class Graph:
         self._graph_ready = False
         self._values: dict[int, Any] = {}
         self._stale: dict[int, int] = {}  # op index -> position after which its memory was overwritten
+        self._alias_writes: dict[int, list[AliasWrite]] = {}  # op index -> writes through other views into it
         # A bounded capture (save=) keeps weak references to every op output, to link arguments to
         # live producers and to keep a module output the selector asks for once the module returns.
         self._weak: dict[int, Any] = {}
@@ -436,7 +438,8 @@ class Graph:
 
     def finish(self, output: Any, *, steps: list[Step], save: Selector | None = None, grad: bool = False,
                complete: bool = True, stale: dict[int, int] | None = None,
-               output_refs: list[Ref | None] | None = None) -> None:
+               output_refs: list[Ref | None] | None = None,
+               alias_writes: dict[int, list[AliasWrite]] | None = None) -> None:
         """Called once the forward returned: record outputs, then drop unsaved values.
 
         ``output_refs``: the ops that produced ``output``'s tensor leaves, as ``refs_for_value``
@@ -447,6 +450,7 @@ class Graph:
         self.grad = grad
         self.complete = complete
         self._stale = dict(stale or {})
+        self._alias_writes = dict(alias_writes or {})
         if not self._op_graph:
             self.set_output(output)
             return

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
+import torch
+
 from ..errors import (
     AmbiguousSiteError,
     EmptySelectionError,
@@ -36,6 +38,7 @@ from .sites import ModuleSites, Site, Sites
 from .steps import REPLAY, Step
 from .text import decode_tokens, input_ids_of, token_position
 from .tree import Pending, Withheld, flatten, held_tensors, replace_held, unflatten
+from .writes import fold
 
 __all__ = ["DataRead", "Fork", "ForkState", "Trace"]
 
@@ -84,11 +87,36 @@ class Trace(Graph, TraceActions):
         producing op's own value: later ops, the model output and modules returning after
         the edited one (or enclosing it) see the edit; a submodule that returned first does not.
         """
-        v = self.value(ref.index, pending_ok=pending_ok and ref.elem is None)
+        writes = self._alias_writes.get(ref.index) if self._alias_writes and consumer is not None else None
+        v = self.value(ref.index, pending_ok=pending_ok and ref.elem is None and writes is None)
         sub = self._substitution(ref.index)
         if sub is not None and self._sees_substitution(sub[0], ref.index, consumer):
             v = sub[1]
-        return v if ref.elem is None else v[ref.elem]
+            writes = None  # the edit's own tensor: later writes into the memory it replaced never reach it
+        v = v if ref.elem is None else v[ref.elem]
+        if writes:
+            v = self.with_writes(v, ref, consumer if isinstance(consumer, int) else consumer.op_end)
+        return v
+
+    def with_writes(self, value: Any, ref: Ref, position: int, written: Any = None) -> Any:
+        """``value`` (op ``ref``'s output) as a reader at ``position`` sees it: with the writes an
+        in-place op made through another view of its memory before then (``torchlens.core.writes``).
+        ``written`` gives a write op's value by index (default: this trace's). Unchanged when no
+        write precedes the reader, or one cannot be laid out again (``reproduces_writes`` says so)."""
+        due = [w for w in self._alias_writes.get(ref.index, ()) if w.elem == ref.elem and w.op < position]
+        if not due or not all(w.reproducible for w in due) or not isinstance(value, torch.Tensor):
+            return value
+        return fold(value, due, written or self.value)
+
+    def reproduces_writes(self, index: int) -> bool:
+        """Whether every write through another view into op ``index``'s memory can be applied again
+        (True also when there is none): replay then rebuilds what each reader saw."""
+        return all(w.reproducible for w in self._alias_writes.get(index, ()))
+
+    def writes_between(self, index: int, start: int, end: int) -> list[int]:
+        """The in-place ops at positions ``start <= p < end`` that wrote into op ``index``'s memory
+        through another view (a reader at ``end`` depends on them)."""
+        return [w.op for w in self._alias_writes.get(index, ()) if start <= w.op < end] if self._alias_writes else []
 
     def stale_positions(self) -> dict[int, int]:
         """Every op whose memory an in-place op overwrote, with the position it happened at."""
@@ -189,7 +217,7 @@ class Trace(Graph, TraceActions):
         for i, ref in enumerate(call.out_refs):
             if ref is not None:
                 v = self.value(ref.index)
-                leaves[i] = v if ref.elem is None else v[ref.elem]
+                leaves[i] = self.with_writes(v if ref.elem is None else v[ref.elem], ref, call.op_end)
         return unflatten(leaves, spec)
 
     @property
@@ -203,6 +231,8 @@ class Trace(Graph, TraceActions):
             # the recorded op does not describe what was returned, the returned tensor does.
             if ref is not None and self.stale_after(ref.index) is None:
                 leaves[i] = self.seen_value(ref)
+            elif ref is not None and self.reproduces_writes(ref.index):  # with the writes made before the return
+                leaves[i] = self.seen_value(ref, len(self.ops))
             elif ref is None and self._held and id(leaves[i]) in self._held:
                 leaves[i] = self.held_now(leaves[i])
         return unflatten(leaves, spec)
@@ -221,14 +251,15 @@ class Trace(Graph, TraceActions):
             if ref is None or path not in current or (ref.index not in self._values
                                                       and self._substitution(ref.index) is None):
                 continue
-            if self.stale_after(ref.index) is not None:  # memory written again through a view: not op's value
+            if self.stale_after(ref.index) is not None and not self.reproduces_writes(ref.index):
+                # memory written again through a view in a way replay cannot lay out again: not op's value
                 return Withheld(obj, ReplayNotExactError(
                     f"this fork cannot give its {type(obj).__name__}: its {'.'.join(str(key) for _, key in path)} "
                     f"comes from op {self.ops[ref.index].label}, whose memory an in-place op overwrote through a "
                     "view before the model returned, so replay cannot rebuild it, and the recorded one is stale",
                     op_label=self.ops[ref.index].label,
                     remedy="Re-execute the real forward: fork.do(site, edit, model=model, inputs=x)."))
-            v = self.seen_value(ref)
+            v = self.seen_value(ref, len(self.ops) if self.stale_after(ref.index) is not None else None)
             if v is not current[path]:
                 new[path] = v
                 changed = True

@@ -23,7 +23,9 @@ ROW_VIEWS = frozenset({"view", "reshape", "transpose", "swapaxes", "t", "permute
                        "flatten", "unflatten"})
 # Ops whose output memory is uninitialised: re-issuing them gives arbitrary values, so replay
 # gives them the recorded contents (the model overwrites what it uses; this keeps replay exact).
-UNINITIALISED = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "empty_permuted"})
+# ``Tensor.new(*sizes)`` (the legacy constructor) is uninitialised too; ``Tensor.new(data)`` copies
+# constant data, so keeping its recorded contents gives the same values.
+UNINITIALISED = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "empty_permuted", "new"})
 
 
 def execute(op: Op, args: tuple, kwargs: dict) -> Any:

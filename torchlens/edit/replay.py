@@ -194,6 +194,7 @@ class Replayer:
         self.previous: dict[int, Any] = {}  # op index -> its value on the fork before this push
         self.log = ReplayLog(sliced)
         self._stale = fork.stale_positions()  # op index -> position an in-place op overwrote it (usually empty)
+        self._writes = bool(self._stale)  # some memory was written through another view: readers may depend on it
         self._watch: set[int] = set()
         # a RowBatch (torchlens.edit._batch) collecting row recomputations to run stacked with other forks'
         self.batch: Any = None
@@ -244,13 +245,19 @@ class Replayer:
             return
         changed = self.changed
         for r in op.parent_refs:
-            if r.index in changed:
+            if r.index in changed or (self._writes and self._written(r.index, j)):
                 self._rerun(op)
                 return
 
+    def _written(self, index: int, position: int) -> bool:
+        """Whether an in-place op the edit reached wrote into op ``index``'s memory through
+        another view before ``position`` (a reader there sees the write: it is recomputed)."""
+        return any(w in self.changed for w in self.fork.writes_between(index, index + 1, position))
+
     def _check_read(self, read: DataRead) -> None:
         """A data read the edit reaches: recompute it; unchanged, the recorded path still holds."""
-        if not any(r.index in self.changed for r in read.refs):
+        if not any(r.index in self.changed or (self._writes and self._written(r.index, read.position))
+                   for r in read.refs):
             return
         fork = self.fork
         new = recompute_read(read, lambda r: fork.seen_value(r, read.position))
@@ -270,18 +277,23 @@ class Replayer:
             )
         j = op.index
         fork = self.fork
+        written = False  # reads memory written through another view since: rebuilt whole (core.writes)
         for r in op.parent_refs if self._stale else ():
             stale = self._stale.get(r.index)
             if stale is not None and j > stale:
+                if not fork.reproduces_writes(r.index):
                     raise ReplayNotExactError(
                         f"op {op.label} at {op.source} reads {self.ops[r.index].label} after an in-place op "
-                        "overwrote memory it views; the recorded graph does not describe that read",
-                        op_label=op.label, source=op.source,
+                        "overwrote memory it views in a way replay cannot lay out again (the memory may have "
+                        "moved, or the view reinterprets its dtype)",
+                        op_label=op.label, source=op.source, remedy=REEXECUTE,
                     )
+                written = True
         plan = None
         if self.read is not None and j == self.read.index and self.read.compute(self, op):
             return
-        if self.sliced and not op.flags & (INPLACE | EDIT | GUARD) and op.func_name not in UNINITIALISED:
+        if self.sliced and not written and not op.flags & (INPLACE | EDIT | GUARD) \
+                and op.func_name not in UNINITIALISED:
             plan, args, kwargs, pending = self._plan(op)
             if plan.kind == "skip":
                 return

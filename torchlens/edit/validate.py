@@ -224,7 +224,7 @@ def _validate(trace, *, atol: float, rerun: bool, progress: bool | None = None) 
             continue
         missing: list[Ref] = []
         try:
-            args, kwargs = build_args(op, _resolver(trace, values, missing))
+            args, kwargs = build_args(op, _resolver(trace, values, missing, j))
             if missing:
                 values[j] = op.out
                 report.unstable.append(_lost_element(trace, op.label, op.source, missing[0]))
@@ -249,7 +249,7 @@ def _validate(trace, *, atol: float, rerun: bool, progress: bool | None = None) 
             report.divergences.append(Divergence(op.label, op.func_name, err, op.source))
         for r in op.parent_refs:
             stale = trace.stale_after(r.index)
-            if stale is not None and j > stale:
+            if stale is not None and j > stale and not trace.reproduces_writes(r.index):
                 report.unstable.append(
                     f"{op.label} at {op.source} reads {trace.ops[r.index].label} after an in-place op changed "
                     "memory it views"
@@ -292,18 +292,24 @@ def _not_reissued(op: Op) -> tuple[str, str] | None:
     return None
 
 
-def _resolver(trace: Trace, values: dict[int, Any], missing: list[Ref]) -> Any:
-    """Look up a reference in the replayed ``values``; an element the replayed value no longer has
-    (a tuple that came out shorter) is noted in ``missing`` and read from the record instead."""
+def _resolver(trace: Trace, values: dict[int, Any], missing: list[Ref], position: int) -> Any:
+    """Look up a reference in the replayed ``values`` as the op at ``position`` reads it (with the
+    writes made through other views of its memory before then, replayed too); an element the
+    replayed value no longer has (a tuple that came out shorter) is noted in ``missing`` and read
+    from the record instead."""
+
+    def replayed(index: int) -> Any:
+        return values[index] if index in values else trace.ops[index].out
 
     def resolve(ref: Ref) -> Any:
-        v = values[ref.index] if ref.index in values else trace.ops[ref.index].out
-        if ref.elem is None:
-            return v
-        if isinstance(v, (tuple, list)) and ref.elem < len(v):
-            return v[ref.elem]
-        missing.append(ref)
-        return trace.ops[ref.index].out[ref.elem]
+        v = replayed(ref.index)
+        if ref.elem is not None:
+            if isinstance(v, (tuple, list)) and ref.elem < len(v):
+                v = v[ref.elem]
+            else:
+                missing.append(ref)
+                v = trace.ops[ref.index].out[ref.elem]
+        return trace.with_writes(v, ref, position, replayed)
 
     return resolve
 
@@ -323,7 +329,7 @@ def _check_guards(trace, values: dict[int, Any], report: ValidationReport) -> No
             continue
         missing: list[Ref] = []
         try:
-            new = recompute_read(read, _resolver(trace, values, missing))
+            new = recompute_read(read, _resolver(trace, values, missing, read.position))
         except GuardChangedError as exc:
             report.unstable.append(exc.message)
             continue
