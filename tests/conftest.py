@@ -769,3 +769,107 @@ class LinearToyLM(nn.Module):
 def linear_toy() -> Case:
     model = _seeded(LinearToyLM)
     return Case("linear_toy", model, (torch.tensor([[1, 5, 3, 9, 2]]),))
+
+
+# -- writes through views (DeepSeek's expand_kv, Qwen 3.5's multi-axis rotary, Gemma 3n's x[1:] += y) --
+
+
+class LatentFill(nn.Module):
+    """A buffer made by ``new_empty`` and filled through slice ``copy_`` (DeepSeek V2/V3 ``expand_kv``,
+    MiniCPM3, Kimi linear, LongCat); with ``returns_buffer`` the filled buffer is the output."""
+
+    def __init__(self, returns_buffer: bool = False) -> None:
+        super().__init__()
+        self.nope = nn.Linear(8, 6)
+        self.rope = nn.Linear(8, 2)
+        self.mlp = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 8)
+        self.returns_buffer = returns_buffer
+
+    def forward(self, x):
+        h = self.mlp(x)
+        k_nope, k_rot = self.nope(h), self.rope(h).expand(*h.shape[:-1], 2)
+        key = k_nope.new_empty(*k_nope.shape[:-1], 8)
+        key[..., :6].copy_(k_nope)
+        key[..., 6:].copy_(k_rot)
+        return key if self.returns_buffer else self.out(key).relu()
+
+
+class ViewWriteRead(nn.Module):
+    """Writes into a view, then reads other regions of the same memory (Qwen 3.5's
+    ``recomposition_frequencies``: ``f = freq[0]; f[..., i::3] = freq[1, ..., i::3]``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = nn.Linear(8, 12)
+        self.out = nn.Linear(12, 8)
+
+    def forward(self, x):
+        freq = self.mlp(x).reshape(*x.shape[:-1], 3, 4).movedim(-2, 0).sin()  # 3 x ... x 4
+        thw = freq[0]
+        for axis in (1, 2):
+            thw[..., axis::3] = freq[axis, ..., axis::3]
+        return self.out(torch.cat((thw, freq[2], thw * freq[1][..., :1] + freq[0]), dim=-1))
+
+
+class SliceIAdd(nn.Module):
+    """``x[1:] += y`` on a stack of predictions (Gemma 3n's AltUp correction)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = nn.Linear(8, 8)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.mlp(x)
+        stack = torch.stack([h, h.tanh(), h * 2])
+        first = self.proj(stack[0].clone())
+        stack[1:] += first
+        return stack.sum(0)
+
+
+class OwnRandom(nn.Module):
+    """Draws random numbers in eval mode (Reformer without a hash seed): ``randn`` beside the data,
+    ``rand_like`` downstream of the MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.mlp(x)
+        return h + torch.randn(8) + torch.rand_like(h)
+
+
+def tiny_hf(kind: str) -> tuple[nn.Module, torch.Tensor]:
+    """A random-weight transformers model of family ``kind`` on CPU in eval mode, and input ids:
+    ``deepseek_v3`` (latent attention), ``qwen3_5`` (multi-axis rotary), ``gemma3n`` (AltUp ``x[1:] +=``),
+    ``reformer`` (LSH attention drawing random rotations in eval mode)."""
+    import transformers
+
+    torch.manual_seed(0)  # the weights
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  max_position_embeddings=32)
+    if kind == "deepseek_v3":
+        model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+            **common, moe_intermediate_size=16, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2,
+            n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+            v_head_dim=8, qk_nope_head_dim=8))
+    elif kind == "qwen3_5":
+        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(
+            **common, num_key_value_heads=1, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
+            linear_key_head_dim=8, linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"]))
+    elif kind == "gemma3n":
+        model = transformers.Gemma3nForCausalLM(transformers.Gemma3nTextConfig(
+            **common, vocab_size_per_layer_input=64, hidden_size_per_layer_input=8, num_key_value_heads=1,
+            head_dim=16, num_kv_shared_layers=0, layer_types=["sliding_attention", "full_attention"],
+            sliding_window=8, laurel_rank=4, activation_sparsity_pattern=[0.0, 0.0], altup_num_inputs=2))
+    elif kind == "reformer":
+        model = transformers.ReformerModelWithLMHead(transformers.ReformerConfig(
+            vocab_size=64, hidden_size=32, num_attention_heads=2, attention_head_size=16, feed_forward_size=32,
+            axial_pos_embds=False, attn_layers=["local", "lsh"], max_position_embeddings=64,
+            local_attn_chunk_length=8, lsh_attn_chunk_length=8, num_buckets=4, is_decoder=True))
+        return model.eval(), torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0))
+    else:
+        raise ValueError(kind)
+    return model.eval(), torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))

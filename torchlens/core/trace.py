@@ -111,7 +111,18 @@ class Trace(Graph, TraceActions):
     def reproduces_writes(self, index: int) -> bool:
         """Whether every write through another view into op ``index``'s memory can be applied again
         (True also when there is none): replay then rebuilds what each reader saw."""
-        return all(w.reproducible for w in self._alias_writes.get(index, ()))
+        return self.unreplayable_write(index) is None
+
+    def unreplayable_write(self, index: int) -> Op | None:
+        """The first in-place op that wrote into op ``index``'s memory through another view in a way
+        replay cannot lay out again (the memory may move, or the view reinterprets the dtype); None:
+        there is none. A loaded trace does not keep the writes: any write it noted counts."""
+        if index in self._stale and not self._alias_writes:  # loaded from disk: where it wrote is not kept
+            return self.ops[self._stale[index]]
+        for w in self._alias_writes.get(index, ()):
+            if not w.reproducible:
+                return self.ops[w.op]
+        return None
 
     def writes_between(self, index: int, start: int, end: int) -> list[int]:
         """The in-place ops at positions ``start <= p < end`` that wrote into op ``index``'s memory

@@ -281,11 +281,13 @@ class Replayer:
         for r in op.parent_refs if self._stale else ():
             stale = self._stale.get(r.index)
             if stale is not None and j > stale:
-                if not fork.reproduces_writes(r.index):
+                write = fork.unreplayable_write(r.index)
+                if write is not None:
                     raise ReplayNotExactError(
-                        f"op {op.label} at {op.source} reads {self.ops[r.index].label} after an in-place op "
-                        "overwrote memory it views in a way replay cannot lay out again (the memory may have "
-                        "moved, or the view reinterprets its dtype)",
+                        f"op {op.label} at {op.source} reads {self.ops[r.index].label} after {write.label} "
+                        f"({write.func_name} at {write.source}) wrote into its memory through a view in a way replay "
+                        "cannot lay out again (the view reinterprets the dtype, the memory may have moved, or the "
+                        "trace was loaded from disk, which keeps no write layout)",
                         op_label=op.label, source=op.source, remedy=REEXECUTE,
                     )
                 written = True

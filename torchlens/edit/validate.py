@@ -52,7 +52,9 @@ class Unchecked(NamedTuple):
     recorded contents), ``"random"`` (the model draws random numbers: a replay would draw
     new ones), ``"unresolved"`` (a loaded op whose function is not on the allow-list),
     ``"edit not saved"``, ``"not replayable"`` (arguments the save could not store),
-    ``"not saved"``, ``"meta"`` and ``"failed"`` (re-issuing raised; also in ``errors``).
+    ``"not saved"``, ``"meta"``, ``"failed"`` (re-issuing raised; also in ``errors``) and ``"written
+    through a view"`` (it reads memory an in-place op wrote through another view in a way replay
+    cannot lay out again; writes replay can lay out again are replayed and checked like any op).
     """
 
     label: str
@@ -217,7 +219,7 @@ def _validate(trace, *, atol: float, rerun: bool, progress: bool | None = None) 
             stopped = f"validation stopped at {op.label}, whose value was not saved"
             report.unchecked.append(Unchecked(op.label, "not saved", stopped))
             continue
-        left_out = _not_reissued(op)
+        left_out = _not_reissued(op) or _unreplayable_read(trace, op)
         if left_out is not None:
             values[j] = op.out  # what replay would read downstream: the rest of the graph is still checked
             report.unchecked.append(Unchecked(op.label, *left_out))
@@ -247,14 +249,6 @@ def _validate(trace, *, atol: float, rerun: bool, progress: bool | None = None) 
         err = _max_err(new, op.out)
         if err > atol:
             report.divergences.append(Divergence(op.label, op.func_name, err, op.source))
-        for r in op.parent_refs:
-            stale = trace.stale_after(r.index)
-            if stale is not None and j > stale and not trace.reproduces_writes(r.index):
-                report.unstable.append(
-                    f"{op.label} at {op.source} reads {trace.ops[r.index].label} after an in-place op changed "
-                    "memory it views"
-                )
-                break
     _check_guards(trace, values, report)
     if rerun and trace.model is not None and trace.complete:
         random = [u.label for u in report.unchecked if u.kind == "random"]
@@ -289,6 +283,21 @@ def _not_reissued(op: Op) -> tuple[str, str] | None:
         return "not replayable", f"{where}: its recorded arguments hold a value the save could not store"
     if op.func_name in UNINITIALISED:
         return "uninitialised", f"{where} allocates uninitialised memory: replay keeps the recorded contents"
+    return None
+
+
+def _unreplayable_read(trace: Trace, op: Op) -> tuple[str, str] | None:
+    """``("written through a view", reason)`` when ``op`` reads memory an in-place op wrote through
+    another view in a way replay cannot lay out again (``Trace.unreplayable_write``), else None."""
+    for r in op.parent_refs:
+        stale = trace.stale_after(r.index)
+        write = trace.unreplayable_write(r.index) if stale is not None and op.index > stale else None
+        if write is not None:
+            return "written through a view", (
+                f"{op.func_name} at {op.source} reads {trace.ops[r.index].label} after {write.label} "
+                f"({write.func_name} at {write.source}) wrote into its memory through a view replay cannot lay out "
+                "again (the view reinterprets the dtype, the memory may have moved, or the trace was loaded from "
+                "disk, which keeps no write layout)")
     return None
 
 
