@@ -75,7 +75,7 @@ class CopyOnWrite:
                 if key:
                     self.storage.setdefault(key, []).append(op.index)
 
-    def _before_inplace(self, target: Tensor, name: str, out_arg: bool = False) -> bool:
+    def _before_inplace(self, target: Tensor, name: str, out_arg: bool = False, elem: int | None = None) -> bool:
         """Snapshot every recorded tensor the in-place op ``name`` on ``target`` is about to change.
 
         Works leaf by leaf: one element of a tuple output (``topk``, ``split``...) is copied
@@ -86,6 +86,8 @@ class CopyOnWrite:
             target: the tensor the op mutates (``args[0]`` or an ``out=`` tensor).
             name: the op's name, which says whether it writes data or only moves metadata.
             out_arg: ``target`` is an ``out=`` argument, which the op may resize (and so move).
+            elem: which of the op's targets ``target`` is, when it writes several (``_foreach_*_``,
+                ``out=(values, indices)``): the element of its output that holds the write.
 
         Returns:
             True when the overwritten memory is viewed by other recorded tensors, whose
@@ -113,10 +115,10 @@ class CopyOnWrite:
         position = len(ops)
         # where the write lands, for replay to apply it again (None: the memory may move)
         wrote = None if moves or span is None else geometry(target)
-        for index, elem, where, reach, dtype, _memory in ghosts or ():  # copied records written again
+        for index, ghost, where, reach, dtype, _memory in ghosts or ():  # copied records written again
             if span is not None and _overlap(reach, span):
                 aliased = True
-                self._note_write(index, elem, where if dtype == target.dtype else None, wrote, position)
+                self._note_write(index, ghost, where if dtype == target.dtype else None, wrote, position, elem)
         for index in dict.fromkeys(bucket or ()):
             op = ops[index]
             out = self._live_out(op)
@@ -137,7 +139,7 @@ class CopyOnWrite:
                     others = others or written
                     if written:
                         where = geometry(t) if t.dtype == target.dtype else None
-                        self._note_write(index, i if multi else None, where, wrote, position)
+                        self._note_write(index, i if multi else None, where, wrote, position, elem)
                         if not moves:  # its memory lives on: later writes reach it too
                             self.ghosts.setdefault(key, []).append(
                                 (index, i if multi else None, geometry(t), _span(t), t.dtype, t.untyped_storage()))
@@ -156,9 +158,11 @@ class CopyOnWrite:
             self.storage[key] = keep
         return aliased
 
-    def _note_write(self, index: int, elem: int | None, where: Any, wrote: Any, position: int) -> None:
-        """Op ``position`` writes (at ``wrote``) memory that op ``index``'s output views (at ``where``)."""
-        self.alias_writes.setdefault(index, []).append(AliasWrite(position, elem, where, wrote))
+    def _note_write(self, index: int, elem: int | None, where: Any, wrote: Any, position: int,
+                    written: int | None) -> None:
+        """Op ``position`` writes (at ``wrote``; element ``written`` of its output) memory that element
+        ``elem`` of op ``index``'s output views (at ``where``)."""
+        self.alias_writes.setdefault(index, []).append(AliasWrite(position, elem, where, wrote, written))
 
 
 def _span(t: Tensor) -> tuple[int, int]:

@@ -248,8 +248,9 @@ class Recorder(TorchFunctionMode, CopyOnWrite, ModuleCalls):
             target = kwargs.get("out") if kwargs.get("out") is not None else (args[0] if args else None)
             out_arg = target is not None and target is kwargs.get("out")
             # out=(values, indices) and the _foreach_*_ ops mutate several tensors at once.
-            for t in (target,) if isinstance(target, Tensor) else target if isinstance(target, (tuple, list)) else ():
-                if isinstance(t, Tensor) and self._before_inplace(t, info.name, out_arg):
+            several = isinstance(target, (tuple, list))
+            for k, t in enumerate((target,) if isinstance(target, Tensor) else target if several else ()):
+                if isinstance(t, Tensor) and self._before_inplace(t, info.name, out_arg, k if several else None):
                     flags |= ALIAS_MUTATION
         if info.random:
             flags |= RANDOM

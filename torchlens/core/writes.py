@@ -29,13 +29,16 @@ class AliasWrite(NamedTuple):
     ``op``: the in-place op's index (its output is the written view after the write); ``elem``:
     the element of the read op's output that lies on the memory (None: the output itself);
     ``read`` and ``write``: where the read tensor and the written view lie in the shared memory
-    (None: the write cannot be laid out again: the dtypes differ, or the op may move the memory).
+    (None: the write cannot be laid out again: the dtypes differ, or the op may move the memory);
+    ``written``: the element of the in-place op's output that is the written view, for an op
+    writing several tensors (``_foreach_add_``, ``out=(values, indices)``; None: its output).
     """
 
     op: int
     elem: int | None
     read: Geometry | None
     write: Geometry | None
+    written: int | None = None
 
     @property
     def reproducible(self) -> bool:
@@ -94,5 +97,6 @@ def fold(value: torch.Tensor, writes: list[AliasWrite], written: Callable[[int],
         image = value.new_empty(max(hi - lo, 1))
         _place(image, read, value, lo)
         for w in writes:
-            _place(image, w.write, written(w.op), lo)
+            v = written(w.op)
+            _place(image, w.write, v if w.written is None else v[w.written], lo)
         return image.as_strided(read[0], read[1], read[2] - lo).clone()

@@ -1,0 +1,1 @@
+pytest_plugins = ("torchlens.testing.pytest_plugin",)  # the torchlens_conformance fixture
