@@ -158,6 +158,18 @@ class CopyOnWrite:
             self.storage[key] = keep
         return aliased
 
+    def targets_overlap(self, targets: Any) -> bool:
+        """Whether two of the tensors an op writes at once (``_foreach_add_([x, x[:1]])``) share memory."""
+        seen: dict[int, tuple[int | None, tuple[int, int]]] = {}  # one tensor listed twice: replay copies it once
+        for t in targets:
+            if not isinstance(t, Tensor) or id(t) in seen:
+                continue
+            key, span = self._storage_key(t), _span(t)
+            if any(key == k and _overlap(span, s) for k, s in seen.values()):
+                return True
+            seen[id(t)] = (key, span)
+        return False
+
     def _note_write(self, index: int, elem: int | None, where: Any, wrote: Any, position: int,
                     written: int | None) -> None:
         """Op ``position`` writes (at ``wrote``; element ``written`` of its output) memory that element

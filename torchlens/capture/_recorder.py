@@ -33,6 +33,7 @@ from ..core.records import (
     GUARD,
     INPLACE,
     LAZY_LINES,
+    NOT_REPLAYABLE,
     RANDOM,
     ModuleCall,
     Op,
@@ -252,6 +253,8 @@ class Recorder(TorchFunctionMode, CopyOnWrite, ModuleCalls):
             for k, t in enumerate((target,) if isinstance(target, Tensor) else target if several else ()):
                 if isinstance(t, Tensor) and self._before_inplace(t, info.name, out_arg, k if several else None):
                     flags |= ALIAS_MUTATION
+            if several and self.targets_overlap(target):
+                flags |= NOT_REPLAYABLE  # replay writes its targets apart: the order of their writes is lost
         if info.random:
             flags |= RANDOM
         elif info.training_pos is not None:

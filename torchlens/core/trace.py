@@ -90,20 +90,23 @@ class Trace(Graph, TraceActions):
         writes = self._alias_writes.get(ref.index) if self._alias_writes and consumer is not None else None
         v = self.value(ref.index, pending_ok=pending_ok and ref.elem is None and writes is None)
         sub = self._substitution(ref.index)
+        since = 0
         if sub is not None and self._sees_substitution(sub[0], ref.index, consumer):
-            v = sub[1]
-            writes = None  # the edit's own tensor: later writes into the memory it replaced never reach it
+            # the edit's own tensor: the views later ops take are of it, so only their writes reach it
+            v, since = sub[1], sub[0]
         v = v if ref.elem is None else v[ref.elem]
         if writes:
-            v = self.with_writes(v, ref, consumer if isinstance(consumer, int) else consumer.op_end)
+            v = self.with_writes(v, ref, consumer if isinstance(consumer, int) else consumer.op_end, since=since)
         return v
 
-    def with_writes(self, value: Any, ref: Ref, position: int, written: Any = None) -> Any:
+    def with_writes(self, value: Any, ref: Ref, position: int, written: Any = None, since: int = 0) -> Any:
         """``value`` (op ``ref``'s output) as a reader at ``position`` sees it: with the writes an
-        in-place op made through another view of its memory before then (``torchlens.core.writes``).
-        ``written`` gives a write op's value by index (default: this trace's). Unchanged when no
-        write precedes the reader, or one cannot be laid out again (``reproduces_writes`` says so)."""
-        due = [w for w in self._alias_writes.get(ref.index, ()) if w.elem == ref.elem and w.op < position]
+        in-place op at ``since`` or later made through another view of its memory before then
+        (``torchlens.core.writes``). ``written`` gives a write op's value by index (default: this
+        trace's). Unchanged when no write precedes the reader, or one cannot be laid out again
+        (``reproduces_writes`` says so)."""
+        due = [w for w in self._alias_writes.get(ref.index, ())
+               if w.elem == ref.elem and since <= w.op < position]
         if not due or not all(w.reproducible for w in due) or not isinstance(value, torch.Tensor):
             return value
         return fold(value, due, written or self.value)

@@ -239,6 +239,8 @@ class Replayer:
             self._check_read(reads[self._read_i])
             self._read_i += 1
         if j == len(self.ops):
+            if self._writes:
+                self._check_output_writes()
             return
         op = self.ops[j]
         if op.flags & INPUT or not self.changed:
@@ -248,6 +250,23 @@ class Replayer:
             if r.index in changed or (self._writes and self._written(r.index, j)):
                 self._rerun(op)
                 return
+
+    def _check_output_writes(self) -> None:
+        """Refuse when the edit reaches a tensor the model returned after an in-place op wrote into
+        its memory in a way replay cannot lay out again: the fork would return the recorded one."""
+        fork, end = self.fork, len(self.ops)
+        for ref in fork.output_refs:
+            if ref is None or fork.stale_after(ref.index) is None:
+                continue
+            write = fork.unreplayable_write(ref.index)
+            if write is not None and (ref.index in self.changed or self._written(ref.index, end)
+                                      or write.index in self.changed):
+                raise ReplayNotExactError(
+                    f"the model returns {self.ops[ref.index].label}, which the edit reaches, after {write.label} "
+                    f"({write.func_name} at {write.source}) wrote into its memory in a way replay cannot lay out "
+                    "again (the op may move the memory, as out= can, or the view reinterprets the dtype)",
+                    op_label=self.ops[ref.index].label, source=write.source, remedy=REEXECUTE,
+                )
 
     def _written(self, index: int, position: int) -> bool:
         """Whether an in-place op the edit reached wrote into op ``index``'s memory through

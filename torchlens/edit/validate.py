@@ -19,11 +19,11 @@ import torch
 from .._progress import track
 from ..analysis.notebook import validation_html
 from ..capture._classify import RANDOM_NAMES
-from ..core.records import EDIT, GUARD, INPUT, NOT_REPLAYABLE, RANDOM, Op, Ref, build_args
+from ..core.records import EDIT, GUARD, INPLACE, INPUT, NOT_REPLAYABLE, RANDOM, Op, Ref, build_args
 from ..core.trace import Trace
 from ..core.tree import tensor_leaves
 from ..errors import GuardChangedError, InvalidArgumentError, ReplayError, ValueNotSavedError
-from ._execute import UNINITIALISED, execute
+from ._execute import SHARED_TARGETS, UNINITIALISED, execute
 from ._guards import recompute_read, same_value, short
 
 __all__ = ["BY_DESIGN", "Divergence", "Unchecked", "ValidationReport", "validate"]
@@ -279,6 +279,8 @@ def _not_reissued(op: Op) -> tuple[str, str] | None:
     refusal = getattr(op.func, "refusal", None)  # a loaded op's stand-in says why it cannot be called
     if refusal is not None:
         return ("edit not saved" if op.flags & EDIT else "unresolved"), f"{where}: {refusal}"
+    if op.flags & NOT_REPLAYABLE and op.flags & INPLACE:
+        return "not replayable", f"{where} {SHARED_TARGETS}"
     if op.flags & NOT_REPLAYABLE or op.func is None:
         return "not replayable", f"{where}: its recorded arguments hold a value the save could not store"
     if op.func_name in UNINITIALISED:
