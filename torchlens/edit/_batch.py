@@ -25,6 +25,7 @@ import torch
 
 from ..core.records import Op
 from ..core.steps import Step
+from ..core.sweeping import check_batch_size
 from ..errors import EmptySelectionError, GuardChangedError, InvalidArgumentError, ValueNotSavedError
 from ._regions import Plan
 from ._slicing import StackedCall, collect_rows
@@ -253,15 +254,19 @@ def push_all(forks: Sequence[Any], steps: Sequence[Step], *, read: Any = None, o
 
 
 def replay_many(forks: Sequence[Any], steps: Sequence[Sequence[Step]], *, rerun: Any, replay: str = "auto",
-                check: bool = False, batch_size: int | None = None) -> list[Any]:
+                check: bool = False, batch_size: int | None = None, collect_errors: bool = False) -> list[Any]:
     """Replay ``steps[i]`` (bound replay steps, in order) on ``forks[i]`` (fresh forks of one
     trace), ``batch_size`` forks at a time in step (:func:`push_together`: the first step of
     every fork together, then the second of those that have one ...). A fork whose edit changes
     a guard is handled alone, as ``fork.do(..., replay=replay)`` would (``rerun`` re-executes
     for a fallback).
 
+    With ``collect_errors`` a fork's error does not stop the others: that fork is left as it was
+    before its failing step (its later steps are not applied) and the error is returned in its place.
+
     Returns:
-        the forks, each holding its edits.
+        the forks, each holding its edits; with ``collect_errors``, per fork the error its replay
+        met (None: every step applied).
 
     Raises:
         InvalidArgumentError: an unknown ``replay`` or a ``batch_size`` below 1.
@@ -271,24 +276,40 @@ def replay_many(forks: Sequence[Any], steps: Sequence[Sequence[Step]], *, rerun:
     """
     if replay not in REPLAY_MODES:
         raise InvalidArgumentError(f"replay= is one of {REPLAY_MODES}, got {replay!r}")
-    if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool)
-                                   or batch_size < 1):
-        raise InvalidArgumentError(f"batch_size= is a whole number of forks >= 1 (or None: all), got {batch_size!r}")
+    check_batch_size(batch_size)
     size = batch_size or max(1, len(forks))
+    errors: list[BaseException | None] = [None] * len(forks)
     for k in range(0, len(forks), size):
-        chunk, chunk_steps = forks[k:k + size], steps[k:k + size]
-        for r in range(max((len(s) for s in chunk_steps), default=0)):
-            now = [(fork, s[r]) for fork, s in zip(chunk, chunk_steps) if len(s) > r]
+        chunk = range(k, min(k + size, len(forks)))
+        for r in range(max((len(steps[i]) for i in chunk), default=0)):
+            now = [i for i in chunk if len(steps[i]) > r and errors[i] is None]
             # fresh forks first go in one pass per group changing the same rows (_sweep), the rest in step
-            pushed = push_all([f for f, _ in now], [s for _, s in now], one_pass=r == 0)
-            for (fork, step), got in zip(now, pushed):
-                if isinstance(got, GuardChangedError):
-                    replay_step(fork, step, rerun=rerun, replay=replay)  # alone: falls back or raises
-                elif isinstance(got, ValueNotSavedError):
-                    raise unsaved_for_replay(fork, step, got) from None
-                elif isinstance(got, BaseException):
-                    raise got
+            pushed = push_all([forks[i] for i in now], [steps[i][r] for i in now], one_pass=r == 0)
+            for i, got in zip(now, pushed):
+                err = _outcome(forks[i], steps[i][r], got, rerun, replay, collect_errors)
+                if err is not None:
+                    if not collect_errors:
+                        raise err
+                    errors[i] = err
         if check:
-            for fork in chunk:
-                check_against_forward(fork)
-    return list(forks)
+            for i in chunk:
+                if errors[i] is None:
+                    check_against_forward(forks[i])
+    return errors if collect_errors else list(forks)
+
+
+def _outcome(fork: Any, step: Step, got: Any, rerun: Any, replay: str, collect: bool) -> BaseException | None:
+    """The error pushing ``step`` down ``fork`` ended with (``got``: what :func:`push_all` gave
+    it), after a changed guard is handled alone, as ``fork.do(..., replay=replay)`` would."""
+    if isinstance(got, GuardChangedError):
+        if not collect:
+            replay_step(fork, step, rerun=rerun, replay=replay)  # alone: falls back or raises
+            return None
+        try:
+            replay_step(fork, step, rerun=rerun, replay=replay)
+        except Exception as exc:  # noqa: BLE001 - handed back as that fork's error (collect_errors)
+            return exc
+        return None
+    if isinstance(got, ValueNotSavedError):
+        return unsaved_for_replay(fork, step, got)
+    return got if isinstance(got, BaseException) else None

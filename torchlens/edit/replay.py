@@ -15,7 +15,7 @@ import torch
 
 from ..core.inputs import split_inputs
 from ..core.records import EDIT, GUARD, INPLACE, INPUT, RANDOM, ModuleCall, Op, build_args
-from ..core.steps import Step
+from ..core.steps import REPLAY_MODES, Step
 from ..core.trace import DataRead
 from ..core.tree import Pending, clone_value, describe_shape, flatten, tensor_leaves
 from ..errors import (
@@ -35,9 +35,6 @@ from .edits import AppliedEdit, EditContext, apply_edit, count_changed, land_edi
 
 __all__ = ["REPLAY_MODES", "Replayer", "Target", "check_against_forward", "replay_step", "unsaved_for_replay"]
 
-# How fork.do handles a changed guard: "strict" raises GuardChangedError; "fallback" re-executes
-# the real forward (the trace must hold its model); "auto" falls back when it can, else raises.
-REPLAY_MODES = ("auto", "strict", "fallback")
 
 
 class Target:
