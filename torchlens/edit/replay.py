@@ -359,14 +359,12 @@ class Replayer:
         want[region.axis] -= region.start
         if math.prod(want) != x.rows.numel():  # the new rows are not exactly the output's changed rows
             return False
-        try:
-            old = self.fork.value(op.index)
-            # view/reshape bake the sizes in their arguments: the rule mapped the rows, so reshape them
-            rows = x.rows.reshape(want) if op.func_name in ("view", "reshape") else op.func(x.rows, *args[1:], **kwargs)
-        except Exception:  # noqa: BLE001 - the whole-op path re-raises with the op and its line
+        old = self.row_base(op)  # (None: its recorded value was not kept; the whole-op path builds it)
+        if old is None:
             return False
-        if not isinstance(old, torch.Tensor) or tuple(old.shape) != op.shape or not isinstance(rows, torch.Tensor) \
-                or list(rows.shape) != want:
+        # view/reshape bake the sizes in their arguments: the rule mapped the rows, so reshape them
+        rows = x.rows.reshape(want) if op.func_name in ("view", "reshape") else op.func(x.rows, *args[1:], **kwargs)
+        if tuple(old.shape) != op.shape or not isinstance(rows, torch.Tensor) or list(rows.shape) != want:
             return False
         self._store(op.index, RowPatch(old, region.axis, region.start, rows), region)
         self.log.entries.append((op.label, op.func_name, "mapped", (region.axis, region.start, op.shape[region.axis]),
@@ -378,11 +376,7 @@ class Replayer:
         old = self.row_base(op)
         if old is None:
             return False
-        try:
-            rows = plan.call()
-        except Exception:  # noqa: BLE001 - the whole-op path re-raises with the op and its line
-            return False
-        return self.finish_rows(op, plan, old, rows)
+        return self.finish_rows(op, plan, old, plan.call())
 
     def row_base(self, op: Op) -> torch.Tensor | None:
         """The tensor new rows of ``op`` are kept beside (None: not a saved tensor; recompute whole)."""
