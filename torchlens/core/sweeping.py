@@ -50,7 +50,7 @@ class Deferred:
         if fork is None:
             return self
         d = fork.__dict__
-        if d["_deferred"] is not None:
+        if d.get("_deferred") is not None:
             settle(fork)
         return d[self.name]
 
