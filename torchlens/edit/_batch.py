@@ -210,7 +210,7 @@ def push_together(forks: Sequence[Any], steps: Sequence[Step], *, read: Any = No
         outcome[i] = replayer
         try:
             active[i] = (replayer, replayer.prepare(fork.recipe[-1], targets[i]))
-        except Exception as exc:  # noqa: BLE001 - that fork alone fails
+        except Exception as exc:  # noqa: BLE001 - that fork alone fails: its error is handed back in its place
             active[i] = (replayer, 0)
             failed(replayer, exc)
     if not active:
@@ -223,7 +223,7 @@ def push_together(forks: Sequence[Any], steps: Sequence[Step], *, read: Any = No
                     if start <= j <= len(replayer.ops):  # (forks of one trace share its ops)
                         try:
                             replayer.visit(j)
-                        except Exception as exc:  # noqa: BLE001 - that fork alone fails
+                        except Exception as exc:  # noqa: BLE001 - that fork alone fails: its error is handed back in its place
                             failed(replayer, exc)
                 batch.flush(failed)
     except BaseException as exc:  # interrupted: no fork is left half replayed
