@@ -214,3 +214,30 @@ def test_batch_size_replays_the_queue_in_chunks_with_the_same_values(tiny_gpt2):
     for i, (fork, b) in enumerate(zip(forks, blocks)):
         want = edited_forward(model, b, scale_row_hook(-1, 1.5 + i), (ids,)).logits
         assert torch.allclose(fork.output.logits, want, atol=ATOL), b
+
+
+def test_a_loop_of_row_edits_in_a_block_takes_the_one_pass_sweep_with_no_fallback(tiny_gpt2, monkeypatch):
+    """With declared fallbacks raising, the loop still replays: every fork went through the one-pass sweep."""
+    from torchlens.edit._fallbacks import STRICT_ENV
+
+    model, (ids,) = tiny_gpt2.model, tiny_gpt2.args
+    trace = tl.trace(model, ids)
+    monkeypatch.setenv(STRICT_ENV, "1")
+    blocks = ["transformer.h.0", "transformer.h.1"]
+    with trace.sweep():
+        forks = [trace.fork().do(b, scale_row_edit(-1, 0.25)) for b in blocks]
+    for fork, b in zip(forks, blocks):
+        assert fork.edits[-1].replay.decisions == []
+        assert torch.allclose(fork.output.logits, edited_forward(model, b, scale_row_hook(-1, 0.25), (ids,)).logits,
+                              atol=ATOL)
+    # a whole-value edit is a declared fallback: strict, replaying the queue raises (here at the block's
+    # end) and the forks wait again, untouched
+    with pytest.raises(tl.errors.ReplayFallbackError, match="whole value"), trace.sweep() as block:
+        whole = trace.fork().do(blocks[0], tl.scale(0.5))
+        other = trace.fork().do(blocks[1], scale_row_edit(-1, 0.25))
+    assert block.queued == 2 and whole.__dict__["_values"] == {} and other.__dict__["_values"] == {}
+    monkeypatch.delenv(STRICT_ENV)
+    assert torch.allclose(whole.output.logits, trace.fork().do(blocks[0], tl.scale(0.5)).output.logits, atol=ATOL)
+    assert whole.edits[-1].replay.decisions == [
+        ("sweep", "its edit changes the whole value (or its shape or dtype), not rows of it")]
+    assert torch.allclose(other.output.logits, forks[1].output.logits, atol=ATOL)
