@@ -106,6 +106,17 @@ def torchlens_cases() -> None:
              "c8 with trace.forks: the 12 forks swept through the graph in one pass, their rows stacked per op",
              n=3 if "--quick" in sys.argv else 5)
 
+    def c8_sweep():
+        t = tl.trace(model, ids)
+        with t.sweep():  # c8's loop unchanged, its forks queued and replayed together at the block's end
+            made = [t.fork().do(tl.module(b), zero_last) for b in blocks]
+        return [f.output.logits[0, -1, 0] for f in made]
+
+    ok = all(torch.allclose(a, b, atol=1e-5) for a, b in zip(c8_sweep(), want))
+    run_case(tool, "c8_gpt2_ablate_sweep_context", c8_sweep, base, ok,
+             "c8's loop inside `with trace.sweep():` (c8_gpt2_ablate_sweep is the loop alone), outputs read after it",
+             n=3 if "--quick" in sys.argv else 5)
+
     def c9():
         return full.fork().do(tl.module("transformer.h.8"), double_last).output.logits
 

@@ -258,3 +258,47 @@ def test_shims_import_only_public_torchlens():
     bad = [f"{_where(i, m)} imports {i.module}" for m in MODULES["torchlens_shims"] for i in GRAPH[m]
            if _in_package(i.module, "torchlens") and i.module not in SHIMS_MAY_IMPORT]
     assert not bad, "shims import non-public torchlens modules:\n  " + "\n  ".join(bad)
+
+
+BROAD = frozenset({"Exception", "BaseException"})
+
+
+def _broad(handler: ast.ExceptHandler) -> bool:
+    """Whether ``handler`` catches every exception (bare, ``Exception``, ``BaseException``, or a tuple holding one)."""
+    kinds = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
+    return any(k is None or isinstance(k, ast.Name) and k.id in BROAD for k in kinds)
+
+
+def _hands_on(handler: ast.ExceptHandler) -> bool:
+    """Whether ``handler`` lets the error go on: it raises (re-raise or wrap), or passes the bound
+    exception to someone (returns it, stores it, hands it to a callback) instead of dropping it."""
+    nodes = [n for stmt in handler.body for n in ast.walk(stmt)]
+    if any(isinstance(n, ast.Raise) for n in nodes):
+        return True
+    return handler.name is not None and any(isinstance(n, ast.Name) and n.id == handler.name for n in nodes)
+
+
+def test_edit_has_no_broad_except_fallback():
+    """In ``torchlens/edit/`` no handler catches every exception to take a fallback: a strategy that
+    cannot do something declares it before it runs (``edit/_fallbacks.declare``, its reason in the
+    fork's replay record), so an error it does not expect propagates. A broad handler must raise
+    (re-raise or wrap) or hand the exception on as some fork's error."""
+    bad = []
+    for module, path in MODULES["torchlens"].items():
+        if not _in_package(module, "torchlens.edit"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ExceptHandler) and _broad(node) and not _hands_on(node):
+                bad.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not bad, "broad except fallbacks in edit/ (declare the fallback instead):\n  " + "\n  ".join(bad)
+
+
+def test_the_broad_except_rule_sees_a_swallowing_handler():
+    swallowing = ast.parse("try:\n    f()\nexcept Exception:\n    return_value = None\n").body[0].handlers[0]
+    handing = ast.parse("try:\n    f()\nexcept Exception as exc:\n    failed(exc)\n").body[0].handlers[0]
+    bare = ast.parse("try:\n    f()\nexcept (ValueError, BaseException) as exc:\n    pass\n").body[0].handlers[0]
+    narrow = ast.parse("try:\n    f()\nexcept ValueError:\n    pass\n").body[0].handlers[0]
+    assert _broad(swallowing) and not _hands_on(swallowing)
+    assert _broad(handing) and _hands_on(handing)
+    assert _broad(bare) and not _hands_on(bare)
+    assert not _broad(narrow)

@@ -528,3 +528,22 @@ def test_unfinished_job_is_not_read(tiny_gpt2, tmp_path, monkeypatch):
         cache(tiny_gpt2.model, tmp_path / "job")
     with pytest.raises(DatasetFormatError, match="unfinished"):
         tl.load_activations(tmp_path / "job")
+
+
+def test_the_shared_run_keywords_are_checked_once_for_both_entry_points(tiny_gpt2, tmp_path):
+    """``RunOptions`` holds and checks the keywords ``cache_activations`` and ``map_dataset`` share:
+    a bad one raises the same error from either, nothing written."""
+    for name, bad in (("batch_size", 0), ("num_workers", 1.5), ("threads_per_worker", True), ("max_length", 0),
+                      ("dtype", "float16")):
+        with pytest.raises(tl.errors.InvalidArgumentError, match=name) as a:
+            cache(tiny_gpt2.model, tmp_path / "a", **{name: bad})
+        with pytest.raises(tl.errors.InvalidArgumentError, match=name) as b:
+            tl.map_dataset(tiny_gpt2.model, ROWS, last_logit_and_loss, out=tmp_path / "b", progress=False,
+                           **{name: bad})
+        assert str(a.value) == str(b.value)
+        assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    options = tl_datasets.RunOptions.of(dict(out="x", batch_size=2, tokenizer=None, dtype=None, shard_size="1MB",
+                                             max_length=None, text_column="text", add_special_tokens=True,
+                                             backend="local", num_workers=1, threads_per_worker=1, ray_address=None,
+                                             progress=False, overwrite=False, unrelated=object()))
+    assert options.batch_size == 2 and options.shard_size == "1MB"

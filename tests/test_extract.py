@@ -174,3 +174,29 @@ def test_stop_refuses_op_sites_and_passes(tiny_gpt2, shared_twice):
     with pytest.raises(InvalidArgumentError) as err:
         tl.extract(shared_twice.model, shared_twice.args[0], ["block:2"], stop=True)
     assert "pass index" in str(err.value)
+
+
+def test_sites_is_read_one_way_by_extract_and_the_dataset_runs(tiny_gpt2, tmp_path):
+    """``as_sites`` is the one reading of ``sites=``: names from a dict's keys, else each site's own
+    text; a bad ``sites=`` raises ``InvalidArgumentError`` with a remedy before anything runs."""
+    from torchlens.core.selectors import as_sites
+    from torchlens.errors import InvalidArgumentError
+
+    model, (ids,) = tiny_gpt2.model, tiny_gpt2.args
+    mlp = tl.module("transformer.h.0.mlp")
+    assert as_sites(["transformer.h.0", mlp]) == [("transformer.h.0", "transformer.h.0"), (str(mlp), mlp)]
+    assert as_sites({"resid": "transformer.h.0"}) == [("resid", "transformer.h.0")]
+    assert as_sites(mlp) == [(str(mlp), mlp)]
+    reads, _ = hook_reads(model, (ids,))
+    got = tl.extract(model, ids, {"resid": "transformer.h.0"})
+    assert_equal_tree(got["resid"], reads["transformer.h.0"][0])
+    assert_equal_tree(tl.extract(model, ids, mlp)[str(mlp)], reads["transformer.h.0.mlp"][0])
+    before = hook_state(model)
+    for bad in ([], {}, "", {3: "transformer.h.0"}, {"": "transformer.h.0"}, 3, None):
+        with pytest.raises(InvalidArgumentError) as err:
+            tl.extract(model, ids, bad)
+        assert err.value.remedy and "sites" in str(err.value)
+        with pytest.raises(InvalidArgumentError):
+            tl.cache_activations(model, [[1, 2, 3]], bad, out=tmp_path / "job", progress=False)
+        assert not (tmp_path / "job").exists()
+    assert_model_clean(model, before)

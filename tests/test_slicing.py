@@ -310,3 +310,38 @@ def test_sliced_linear_rows_equal_full_replay_bit_for_bit():
     assert torch.equal(sliced.output, full.output)
     want = edited_forward(model, "0", scale_row_hook(12), (x,))
     assert torch.allclose(sliced.output, want, atol=ATOL)
+
+
+class _HeadScores(torch.nn.Module):
+    """Per-head scores ``q @ k.T`` (batch, heads, seq, seq), q and k from their own projections."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.k = torch.nn.Linear(8, 16), torch.nn.Linear(8, 16)
+
+    def forward(self, x):
+        q = self.q(x).view(1, 6, 4, 4).transpose(1, 2)
+        k = self.k(x).view(1, 6, 4, 4).transpose(1, 2)
+        return q @ k.transpose(-1, -2)
+
+
+def test_scores_of_heads_changed_from_one_head_on_read_the_same_heads_of_the_keys():
+    """A matmul whose first factor changed along a batch axis (heads ``>= 2``) recomputes those
+    heads against the same heads of the other factor (not all of them)."""
+    model = _HeadScores().eval()
+    x = torch.randn(1, 6, 8, generator=torch.Generator().manual_seed(2))
+    trace = tl.trace(model, x)
+    q = next(op.label for op in trace.ops if op.func_name == "transpose" and op.module == "")
+
+    def heads(act, *, ctx):
+        act = act.clone()
+        act[:, 2:] *= 3.0
+        return act
+
+    fork = trace.fork().do(q, heads)
+    q_val = model.q(x).view(1, 6, 4, 4).transpose(1, 2)
+    q_val = torch.cat([q_val[:, :2], q_val[:, 2:] * 3.0], 1)
+    want = q_val @ model.k(x).view(1, 6, 4, 4).transpose(1, 2).transpose(-1, -2)
+    assert torch.allclose(fork.output, want, atol=ATOL)
+    assert any(e[1] == "matmul" and e[2] == "rows" and e[3] == (1, 2, 4) for e in fork.edits[-1].replay.entries)

@@ -19,6 +19,7 @@ from conftest import leaves as tl_leaves
 import torchlens as tl
 from torchlens.core.steps import REPLAY, Step
 from torchlens.edit import _sweep
+from torchlens.edit._fallbacks import STRICT_ENV
 from torchlens.edit._sweep import sweep
 
 ATOL = 1e-5
@@ -162,7 +163,8 @@ def test_an_edit_that_raises_leaves_its_fork_untouched_and_the_others_swept(tiny
     pairs = [("transformer.h.0", scale_row_edit(5)), ("transformer.h.1", _broken),
              ("transformer.h.1", scale_row_edit(5))]
     forks, got = _swept(trace, pairs)
-    assert got is not None and got[0] is not None and got[1] is None and got[2] is not None
+    assert got is not None and isinstance(got[0], _sweep.Replayer) and isinstance(got[2], _sweep.Replayer)
+    assert isinstance(got[1], ValueError) and str(got[1]) == "edit bug"  # handed back as that fork's error
     assert _untouched(forks[1])
     for fork, (site, _) in zip((forks[0], forks[2]), (pairs[0], pairs[2])):
         want = edited_forward(tiny_gpt2.model, site, scale_row_hook(5), tiny_gpt2.args).logits
@@ -174,7 +176,7 @@ def test_an_edit_that_raises_leaves_its_fork_untouched_and_the_others_swept(tiny
 def test_every_edit_raising_leaves_every_fork_untouched(tiny_gpt2):
     trace = tl.trace(tiny_gpt2.model, *tiny_gpt2.args)
     forks, got = _swept(trace, [("transformer.h.0", _broken), ("transformer.h.1", _broken)])
-    assert got is None and all(_untouched(f) for f in forks)
+    assert [type(r) for r in got] == [ValueError, ValueError] and all(_untouched(f) for f in forks)
 
 
 class _TwoLayers(torch.nn.Module):
@@ -297,3 +299,54 @@ def test_an_op_reading_only_rows_no_edit_changed_is_skipped():
         assert torch.allclose(fork.output, want, atol=1e-6)
         assert torch.equal(fork.output[:, 0], trace.output[:, 0])  # the first position was never recomputed
         assert "getitem" in [e[1] for e in fork.edits[-1].replay.entries]  # the last position's slice was
+
+
+# -- declared fallbacks -----------------------------------------------------------------------------
+
+
+def test_a_fork_the_sweep_declines_says_why_in_its_replay_record_and_equals_a_hooked_forward(tiny_gpt2):
+    model, args = tiny_gpt2.model, tiny_gpt2.args
+    trace = tl.trace(model, *args)
+    pairs = [("transformer.h.0", scale_row_edit(5)), ("transformer.h.1", scale_row_edit(5)),
+             ("transformer.h.1", tl.scale(0.5))]  # the last changes the whole value: not rows
+    forks = trace.forks(pairs)
+    assert forks[0].edits[-1].replay.decisions == [] and forks[1].edits[-1].replay.decisions == []
+    assert forks[2].edits[-1].replay.decisions == [
+        ("sweep", "its edit changes the whole value (or its shape or dtype), not rows of it")]
+    hooks = [scale_row_hook(5), scale_row_hook(5), lambda o: o * 0.5 if torch.is_tensor(o) else (o[0] * 0.5, *o[1:])]
+    for fork, (site, _), hook in zip(forks, pairs, hooks):
+        assert torch.allclose(fork.output.logits, edited_forward(model, site, hook, args).logits, atol=ATOL)
+
+
+def test_strict_fallbacks_make_a_declared_fallback_raise_and_the_fast_path_pass(tiny_gpt2, monkeypatch):
+    model, args = tiny_gpt2.model, tiny_gpt2.args
+    trace = tl.trace(model, *args)
+    monkeypatch.setenv(STRICT_ENV, "1")
+    rows = [("transformer.h.0", scale_row_edit(5)), ("transformer.h.1", scale_row_edit(5))]
+    for fork, (site, _) in zip(trace.forks(rows), rows):  # swept in one pass: nothing fell back
+        assert torch.allclose(fork.output.logits, edited_forward(model, site, scale_row_hook(5), args).logits,
+                              atol=ATOL)
+    forks = [trace.fork() for _ in range(3)]
+    pairs = [*rows, ("transformer.h.1", tl.scale(0.5))]
+    steps = [Step(f.bind(site, strings_as_modules=True), edit, REPLAY) for f, (site, edit) in zip(forks, pairs)]
+    with pytest.raises(tl.errors.ReplayFallbackError, match="whole value") as info:
+        sweep(forks, steps)
+    assert info.value.strategy == "sweep" and all(_untouched(f) for f in forks)
+    monkeypatch.setenv(STRICT_ENV, "0")
+    assert [r is not None for r in sweep(forks, steps)] == [True, True, False]
+
+
+def test_an_unexpected_error_inside_the_sweep_propagates_and_restores_every_fork(tiny_gpt2, monkeypatch):
+    def bug(self, op, forks):
+        raise RuntimeError("a bug in a stacked rule")
+
+    monkeypatch.setattr(_sweep._Sweep, "_stacked", bug)
+    trace = tl.trace(tiny_gpt2.model, *tiny_gpt2.args)
+    forks, steps = [trace.fork() for _ in range(2)], []
+    for f, site in zip(forks, ("transformer.h.0", "transformer.h.1")):
+        steps.append(Step(f.bind(site, strings_as_modules=True), scale_row_edit(5), REPLAY))
+    with pytest.raises(RuntimeError, match="a bug in a stacked rule"):
+        sweep(forks, steps)
+    assert all(_untouched(f) for f in forks)
+    with pytest.raises(RuntimeError, match="a bug in a stacked rule"):  # not hidden by a slower path
+        trace.forks([("transformer.h.0", scale_row_edit(5)), ("transformer.h.1", scale_row_edit(5))])

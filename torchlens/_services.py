@@ -44,9 +44,10 @@ class Services:
         return replay_step(fork, step, model=model, inputs=inputs, check=check, rerun=strict, replay=replay)
 
     def replay_many(self, forks: list[Any], steps: list[list[Step]], *, check: bool, replay: str,
-                    batch_size: int | None) -> list[Any]:
+                    batch_size: int | None, collect_errors: bool = False) -> list[Any]:
         strict = partial(rerun, strict=getattr(forks[0], "strict", False)) if forks else rerun
-        return replay_many(forks, steps, rerun=strict, replay=replay, check=check, batch_size=batch_size)
+        return replay_many(forks, steps, rerun=strict, replay=replay, check=check, batch_size=batch_size,
+                           collect_errors=collect_errors)
 
     def rerun(self, trace: Any, model: Any, args: tuple, kwargs: dict, steps: list[Step],
               until: Selector | None) -> Any:

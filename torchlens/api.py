@@ -18,7 +18,7 @@ from .capture._estimate import estimate_capture
 from .capture._offload import ValueOffload
 from .capture.request import CaptureRequest, module_address
 from .core.inputs import call_inputs, split_inputs
-from .core.selectors import Selector, as_selector
+from .core.selectors import Selector, as_selector, as_sites
 from .core.steps import Step
 from .core.text import tokenizer_for
 from .core.trace import Trace
@@ -451,16 +451,7 @@ def extract(model: nn.Module, x: Any, sites: Any, *, grad: bool = False, backend
         PaddingNotSupportedError: strings of different lengths, and the forward takes no attention_mask.
     """
     model = check_model(model)
-    if isinstance(sites, dict):
-        named = dict(sites)
-    elif isinstance(sites, (list, tuple)):
-        named = {s if isinstance(s, str) else str(s): s for s in sites}
-    elif isinstance(sites, (str, Selector)):
-        named = {sites if isinstance(sites, str) else str(sites): sites}
-    else:
-        raise InvalidArgumentError(f"sites must be a list or dict of sites, got {type(sites).__name__}")
-    if not named:
-        raise InvalidArgumentError("extract() needs at least one site")
+    named = dict(as_sites(sites))
     selectors = {k: bind(model, as_selector(v)) for k, v in named.items()}
     union = None
     for sel in selectors.values():
@@ -499,8 +490,7 @@ def _check_stop(request: CaptureRequest) -> None:
 
 def stops_on_modules(model: nn.Module, sites: Any, intervene: Any = None) -> bool:
     """True when ``extract(model, x, sites, intervene=..., stop=True)`` is allowed (module sites only)."""
-    named = sites.values() if isinstance(sites, dict) else sites if isinstance(sites, (list, tuple)) else [sites]
-    selectors = [bind(model, as_selector(s)) for s in named]
+    selectors = [bind(model, as_selector(s)) for _, s in as_sites(sites)]
     request = CaptureRequest(model, (), {}, record_ops=False, intervene=_bound_steps(model, intervene))
     request.sites = selectors[0] if selectors else None
     for sel in selectors[1:]:

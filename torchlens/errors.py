@@ -19,7 +19,8 @@ __all__ = [
     "NotPortableError",
     "OptionalDependencyError", "OutOfOrderError", "PaddingNotSupportedError", "PickleNotAllowedError", "PluginError",
     "PositionNotInStepError", "RandomForwardError", "RandomOpsWarning", "RecipeError", "RecipeExistsError",
-    "RecipeFormatError", "RecipeHelperError", "ReplayError", "ReplayFellBack", "ReplayNotExactError",
+    "RecipeFormatError", "RecipeHelperError", "ReplayError", "ReplayFallbackError", "ReplayFellBack",
+    "ReplayNotExactError",
     "ShardWriteError", "ShimUnsupportedError", "SiteError", "SiteNotFoundError", "SiteNotInStepError",
     "StepEditShapeError", "StepNotFoundError", "StepSiteOutsideGenerationError", "StopCapture", "TextError",
     "TokenNotFoundError", "TokenizerRequiredError",
@@ -212,6 +213,13 @@ class RandomForwardError(ReplayNotExactError):
 class RandomOpsWarning(UserWarning):
     """Warning: the captured forward drew random numbers (dropout left on by training mode, ...);
     replay and the patching workflows refuse those ops."""
+
+
+class ReplayFallbackError(TorchLensError):
+    """A replay strategy declared a fallback to a slower path while ``TORCHLENS_STRICT_FALLBACKS``
+    is set (tests proving a fast path ran; ``.strategy`` and ``.reason`` say which and why)."""
+
+    remedy = "Unset TORCHLENS_STRICT_FALLBACKS to let replay fall back (the fork's edits[-1].replay.decisions say why)."
 
 
 class ReplayFellBack(UserWarning):

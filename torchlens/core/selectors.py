@@ -15,7 +15,7 @@ from .names import nearest
 from .records import DISPATCH, ModuleCall, Op
 
 __all__ = [
-    "Func", "InModule", "Label", "ModuleOutput", "Record", "Selector", "as_selector", "func", "in_module",
+    "Func", "InModule", "Label", "ModuleOutput", "Record", "Selector", "as_selector", "as_sites", "func", "in_module",
     "module", "split_pass",
 ]
 
@@ -315,6 +315,34 @@ def as_selector(value: Any) -> Selector:
         f"got {type(value).__name__}",
         site=repr(value),
     )
+
+
+SITES_REMEDY = "e.g. sites=['transformer.h.3'] or sites={'resid3': 'transformer.h.3'}."
+
+
+def as_sites(sites: Any) -> list[tuple[str, Any]]:
+    """What users pass as ``sites=`` (one site, a list of sites, or a dict ``{name: site}``) as
+    ``(name, site)`` pairs, in order: a dict's keys name its sites, any other site is named by
+    its own text (the label or address string, a selector's ``str``). The one reading of
+    ``sites=`` for ``extract``, ``cache_activations`` and the dataset runs.
+
+    Raises:
+        InvalidArgumentError: no site, a dict key that is not a non-empty string, or another type.
+    """
+    if isinstance(sites, dict):
+        if not all(isinstance(k, str) and k for k in sites):
+            raise InvalidArgumentError("site names (the keys of sites=) must be non-empty strings", remedy=SITES_REMEDY)
+        pairs = list(sites.items())
+    elif isinstance(sites, (list, tuple)):
+        pairs = [(s if isinstance(s, str) else str(s), s) for s in sites]
+    elif isinstance(sites, Selector) or isinstance(sites, str) and sites:
+        pairs = [(sites if isinstance(sites, str) else str(sites), sites)]
+    else:
+        raise InvalidArgumentError(f"sites takes a site, a list of sites or a dict {{name: site}}, got "
+                                   f"{type(sites).__name__} {sites!r:.60}", remedy=SITES_REMEDY)
+    if not pairs:
+        raise InvalidArgumentError("sites= names no site; at least one is needed", remedy=SITES_REMEDY)
+    return pairs
 
 
 def module(path: str) -> ModuleOutput:

@@ -34,8 +34,9 @@ class TraceServices(Protocol):
         changed guard makes replay fall back, as ``replay`` allows)."""
 
     def replay_many(self, forks: list[Fork], steps: list[list[Step]], *, check: bool, replay: str,
-                    batch_size: int | None) -> list[Fork]:
-        """Apply ``steps[i]`` (in order) on ``forks[i]`` (fresh forks of one trace), replayed together."""
+                    batch_size: int | None, collect_errors: bool = False) -> list[Any]:
+        """Apply ``steps[i]`` (in order) on ``forks[i]`` (fresh forks of one trace), replayed together;
+        the forks, or with ``collect_errors`` per fork the error its replay met (None: none)."""
 
     def rerun(self, trace: Trace, model: Any, args: tuple, kwargs: dict, steps: list[Step],
               until: Selector | None) -> Trace:

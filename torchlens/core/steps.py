@@ -15,11 +15,14 @@ import torch
 from ..errors import InvalidArgumentError
 from .selectors import Selector, as_selector
 
-__all__ = ["CAPTURE", "PHASES", "REPLAY", "Step", "check_edit"]
+__all__ = ["CAPTURE", "PHASES", "REPLAY", "REPLAY_MODES", "Step", "check_edit"]
 
 CAPTURE = "capture"
 REPLAY = "replay"
 PHASES = (CAPTURE, REPLAY)
+# How fork.do handles a changed guard: "strict" raises GuardChangedError; "fallback" re-executes
+# the real forward (the trace must hold its model); "auto" falls back when it can, else raises.
+REPLAY_MODES = ("auto", "strict", "fallback")
 
 
 def check_edit(edit: Any) -> None:

@@ -36,6 +36,7 @@ from .selectors import Label, Selector, as_selector, split_pass
 from .services import services
 from .sites import ModuleSites, Site, Sites
 from .steps import REPLAY, Step
+from .sweeping import Deferred, SweepBlock
 from .text import decode_tokens, input_ids_of, token_position
 from .tree import Pending, Withheld, flatten, held_tensors, replace_held, unflatten
 from .writes import fold
@@ -58,6 +59,8 @@ class Trace(Graph, TraceActions):
     Read it with ``trace[label_or_address]``, ``trace.layers``, ``trace.modules`` and
     ``trace.find_sites(selector)``; edit it after the fact with ``trace.fork().do(...)``.
     """
+
+    _sweeping: SweepBlock | None = None  # the open ``with trace.sweep():`` block queuing its forks' edits
     # -- which value a consumer sees (the one rule) ---------------------------------------------
     def value(self, index: int, *, pending_ok: bool = False) -> Any:
         """Op ``index``'s own output in this trace (a fork's recomputed value when it has one);
@@ -516,6 +519,33 @@ class Trace(Graph, TraceActions):
         """An isolated branch: edits on it never change this trace or its other forks."""
         return Fork(self, name)
 
+    def sweep(self, *, batch_size: int | None = None) -> SweepBlock:
+        """A block in which forks edited in a plain loop are replayed together.
+
+        Inside ``with trace.sweep():``, ``trace.fork().do(site, edit)`` checks and queues the edit
+        and returns the fork at once; every queued fork is replayed in one batched pass, as
+        :meth:`forks` replays them, when the block ends or when one of them is first read.
+        Read the forks' values after the loop: a read inside the loop replays what is queued so
+        far (correct, only less batched). Each fork equals ``fork.do`` replayed alone (to float
+        rounding). ``do`` with ``model=``/``inputs=`` or ``check=True`` runs at once.
+
+        An edit that fails when replayed leaves its fork as it was before that edit (later edits
+        queued on the fork are dropped); its error is raised at the first read of the fork, or
+        when the block ends. An exception leaving the block replays nothing: the queued forks
+        are replayed when one of them is first read.
+
+        Args:
+            batch_size: how many forks replay together (None: all), as in :meth:`forks`.
+
+        Returns:
+            the block (a context manager; ``block.queued`` counts the forks waiting).
+
+        Raises:
+            InvalidArgumentError: entering a block inside another block of this trace, entering one
+                block twice, or a bad ``batch_size``.
+        """
+        return SweepBlock(self, batch_size)
+
     def forks(self, edits: Any, *, names: Any = None, check: bool = False, replay: str = "auto",
               batch_size: int | None = None) -> list[Fork]:
         """One fork per item of ``edits`` — a ``(site, edit)`` pair, or a list of pairs applied in
@@ -590,11 +620,20 @@ def _edit_pairs(item: Any) -> list[tuple[Any, Any]]:
 class Fork(Trace):
     """A branch of a trace. Shares every record and unchanged value with its parent."""
 
+    # what the fork changed: read through Deferred, which first replays edits a sweep block queued
+    _values = Deferred()
+    _subst = Deferred()
+    _overrides = Deferred()
+    recipe = Deferred()
+    edits = Deferred()
+
     def __init__(self, parent: Trace, name: str | None = None) -> None:
+        state = parent.fork_state() if isinstance(parent, Fork) else None  # (replays its queued edits)
         self._share(parent)
+        self._deferred: Any = None  # the SweepBlock holding this fork's queued edits, or the error they met
+        self._sweeping = None  # a block of the parent queues nothing of its forks' forks
         self.parent = parent
         self.name = name or f"{parent.name}/fork"
-        state = parent.fork_state() if isinstance(parent, Fork) else None
         self._values = dict(parent._values)
         self._subst: dict[int, tuple[int, Any]] = dict(state.subst) if state else {}
         self._overrides: dict[str, Any] = dict(state.overrides) if state else {}
@@ -687,6 +726,9 @@ class Fork(Trace):
         (warns ``ReplayFellBack`` and marks the fork's ``edits`` ``how="re-executed: ..."``);
         ``"auto"`` (default) falls back when the trace holds its model, else raises.
 
+        Inside ``with trace.sweep():`` (on this fork's parent) the edit is checked and queued, and
+        replayed with the block's other forks (see :meth:`Trace.sweep`).
+
         Returns:
             this fork, for chaining.
 
@@ -695,4 +737,7 @@ class Fork(Trace):
             ReplayNotExactError: the recorded graph cannot reproduce this edit exactly.
         """
         step = Step(self.bind(site, strings_as_modules=True), edit, REPLAY)
+        block = self.parent._sweeping
+        if block is not None and model is None and inputs is None and not check:
+            return block.defer(self, step, replay)  # replayed with the block's other forks
         return services().replay(self, step, model=model, inputs=inputs, check=check, replay=replay)

@@ -25,7 +25,9 @@ import torch
 
 from ..core.records import Op
 from ..core.steps import Step
+from ..core.sweeping import check_batch_size
 from ..errors import EmptySelectionError, GuardChangedError, InvalidArgumentError, ValueNotSavedError
+from ._fallbacks import declare
 from ._regions import Plan
 from ._slicing import StackedCall, collect_rows
 from ._sweep import sweep
@@ -61,10 +63,7 @@ class RowBatch:
         old = replayer.row_base(op)
         if old is None:
             return False
-        try:
-            call = collect_rows(plan)
-        except Exception:  # noqa: BLE001 - the replayer's own path raises it with the op and its line
-            return False
+        call = collect_rows(plan)
         if call is None:
             return False
         self.entries.append(_Entry(replayer, op, plan, old, call))
@@ -80,54 +79,51 @@ class RowBatch:
         entries, self.entries = self.entries, []
         if not entries:
             return
-        results = _run_stacked(entries) if len(entries) > 1 else None
-        note = ""
-        if results is None:
-            results = [_run_one(e.call) for e in entries]
-        else:
-            note = f"stacked with {len(entries) - 1} other fork(s)"
-        for entry, rows in zip(entries, results):
+        stacked, note = None, ""
+        if len(entries) > 1:
+            lined = _line_up(entries)
+            if isinstance(lined, str):
+                decision = declare("row batch", f"op {entries[0].op.label} ({entries[0].op.func_name}): {lined}")
+                for e in entries:
+                    e.replayer.log.decisions.append(decision)
+            else:
+                stacked = _run_stacked(entries, *lined)
+                note = f"stacked with {len(entries) - 1} other fork(s)"
+        for k, entry in enumerate(entries):
             try:
+                rows = stacked[k] if stacked is not None else entry.call.func(*entry.call.args, **entry.call.kwargs)
                 if rows is None or not entry.replayer.finish_rows(entry.op, entry.plan, entry.old, rows, note):
                     entry.replayer.rerun_alone(entry.op)
             except Exception as exc:  # noqa: BLE001 - handed to the caller, which restores that fork
                 failed(entry.replayer, exc)
 
 
-def _run_one(call: StackedCall) -> Any:
-    try:
-        return call.func(*call.args, **call.kwargs)
-    except Exception:  # noqa: BLE001 - the replayer re-runs the op whole and raises with its line
-        return None
-
-
-def _run_stacked(entries: list[_Entry]) -> list[Any] | None:
-    """One call for every entry, its output split back per entry (None: they do not line up)."""
+def _line_up(entries: list[_Entry]) -> tuple[list[Any], dict[str, Any]] | str:
+    """The arguments of one call for every entry, each fork's rows concatenated along the cut
+    axis (a string: why their calls do not line up)."""
     calls = [e.call for e in entries]
     first = calls[0]
     axis = entries[0].plan.region.axis
     if any(c.func is not first.func or len(c.args) != len(first.args) or c.kwargs.keys() != first.kwargs.keys()
-           for c in calls) or any(e.op is not entries[0].op or e.plan.region.axis != axis for e in entries):
-        return None
-    args = []
-    for values in zip(*(c.args for c in calls)):
-        v = _stack_slot(values, calls)
-        if v is _NO:
-            return None
-        args.append(v)
-    kwargs = {}
-    for key in first.kwargs:
-        v = _stack_slot([c.kwargs[key] for c in calls], calls)
-        if v is _NO:
-            return None
-        kwargs[key] = v
+           for c in calls):
+        return "the forks' calls have other functions or arguments"
+    if any(e.op is not entries[0].op or e.plan.region.axis != axis for e in entries):
+        return "the forks cut other ops or axes"
+    args = [_stack_slot(values, calls) for values in zip(*(c.args for c in calls))]
+    kwargs = {key: _stack_slot([c.kwargs[key] for c in calls], calls) for key in first.kwargs}
+    if any(v is _NO for v in (*args, *kwargs.values())):
+        return "an argument differs between the forks other than along the cut axis"
+    return args, kwargs
+
+
+def _run_stacked(entries: list[_Entry], args: list[Any], kwargs: dict[str, Any]) -> list[Any]:
+    """The one call :func:`_line_up` built, its output split back per entry (an entry's None:
+    its op is recomputed whole, as ``finish_rows`` would refuse rows of another shape)."""
+    axis = entries[0].plan.region.axis
     sizes = [e.old.shape[axis] - e.plan.region.start for e in entries]
-    try:
-        out = first.func(*args, **kwargs)
-    except Exception:  # noqa: BLE001 - each fork then runs its own call
-        return None
+    out = entries[0].call.func(*args, **kwargs)
     if not isinstance(out, torch.Tensor) or out.dim() <= axis or out.shape[axis] != sum(sizes):
-        return None
+        return [None] * len(entries)
     return list(out.split(sizes, dim=axis))
 
 
@@ -158,7 +154,8 @@ def _plain(value: Any) -> bool:
     return isinstance(value, _PLAIN)
 
 
-def push_together(forks: Sequence[Any], steps: Sequence[Step], *, read: Any = None) -> list[Any]:
+def push_together(forks: Sequence[Any], steps: Sequence[Step], *, read: Any = None,
+                  decisions: Sequence[Sequence[tuple[str, str]]] | None = None) -> list[Any]:
     """Push ``steps[i]`` (a bound replay step) down ``forks[i]``, every fork of the same trace,
     op by op in step, row recomputations stacked (:class:`RowBatch`).
 
@@ -169,6 +166,7 @@ def push_together(forks: Sequence[Any], steps: Sequence[Step], *, read: Any = No
         forks: fresh forks of one trace (or forks sharing its records).
         steps: one bound replay step per fork.
         read: an ``OutputRead`` (``torchlens.edit.reads``) every fork computes only part of.
+        decisions: per fork, the ``(strategy, reason)`` fallbacks that led here, for its replay record.
 
     Returns:
         per fork, its :class:`~torchlens.edit.replay.Replayer` (the fork now holds the edit),
@@ -205,12 +203,14 @@ def push_together(forks: Sequence[Any], steps: Sequence[Step], *, read: Any = No
         before[i] = fork.fork_state()
         fork.add_step(step)
         replayer = Replayer(fork, sliced=True, read=read)
+        if decisions is not None:
+            replayer.log.decisions.extend(decisions[i])
         replayer.batch = batch
         by_replayer[id(replayer)] = i
         outcome[i] = replayer
         try:
             active[i] = (replayer, replayer.prepare(fork.recipe[-1], targets[i]))
-        except Exception as exc:  # noqa: BLE001 - that fork alone fails
+        except Exception as exc:  # noqa: BLE001 - that fork alone fails: its error is handed back in its place
             active[i] = (replayer, 0)
             failed(replayer, exc)
     if not active:
@@ -223,7 +223,7 @@ def push_together(forks: Sequence[Any], steps: Sequence[Step], *, read: Any = No
                     if start <= j <= len(replayer.ops):  # (forks of one trace share its ops)
                         try:
                             replayer.visit(j)
-                        except Exception as exc:  # noqa: BLE001 - that fork alone fails
+                        except Exception as exc:  # noqa: BLE001 - that fork alone fails: its error is handed back in its place
                             failed(replayer, exc)
                 batch.flush(failed)
     except BaseException as exc:  # interrupted: no fork is left half replayed
@@ -242,26 +242,33 @@ def push_all(forks: Sequence[Any], steps: Sequence[Step], *, read: Any = None, o
     Returns:
         per fork, its replayer or the exception its replay raised, as :func:`push_together`.
     """
-    got = sweep(forks, steps, read=read) if one_pass else None
+    declined: dict[int, str] = {}
+    got = sweep(forks, steps, read=read, declined=declined) if one_pass else None
     if got is None:
-        return push_together(forks, steps, read=read)
+        got = [None] * len(forks)
     rest = [k for k, r in enumerate(got) if r is None]
     if rest:
-        for k, r in zip(rest, push_together([forks[k] for k in rest], [steps[k] for k in rest], read=read)):
+        why = [[("sweep", declined[k])] if k in declined else [] for k in rest]
+        for k, r in zip(rest, push_together([forks[k] for k in rest], [steps[k] for k in rest], read=read,
+                                            decisions=why)):
             got[k] = r
     return got
 
 
 def replay_many(forks: Sequence[Any], steps: Sequence[Sequence[Step]], *, rerun: Any, replay: str = "auto",
-                check: bool = False, batch_size: int | None = None) -> list[Any]:
+                check: bool = False, batch_size: int | None = None, collect_errors: bool = False) -> list[Any]:
     """Replay ``steps[i]`` (bound replay steps, in order) on ``forks[i]`` (fresh forks of one
     trace), ``batch_size`` forks at a time in step (:func:`push_together`: the first step of
     every fork together, then the second of those that have one ...). A fork whose edit changes
     a guard is handled alone, as ``fork.do(..., replay=replay)`` would (``rerun`` re-executes
     for a fallback).
 
+    With ``collect_errors`` a fork's error does not stop the others: that fork is left as it was
+    before its failing step (its later steps are not applied) and the error is returned in its place.
+
     Returns:
-        the forks, each holding its edits.
+        the forks, each holding its edits; with ``collect_errors``, per fork the error its replay
+        met (None: every step applied).
 
     Raises:
         InvalidArgumentError: an unknown ``replay`` or a ``batch_size`` below 1.
@@ -271,24 +278,40 @@ def replay_many(forks: Sequence[Any], steps: Sequence[Sequence[Step]], *, rerun:
     """
     if replay not in REPLAY_MODES:
         raise InvalidArgumentError(f"replay= is one of {REPLAY_MODES}, got {replay!r}")
-    if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool)
-                                   or batch_size < 1):
-        raise InvalidArgumentError(f"batch_size= is a whole number of forks >= 1 (or None: all), got {batch_size!r}")
+    check_batch_size(batch_size)
     size = batch_size or max(1, len(forks))
+    errors: list[BaseException | None] = [None] * len(forks)
     for k in range(0, len(forks), size):
-        chunk, chunk_steps = forks[k:k + size], steps[k:k + size]
-        for r in range(max((len(s) for s in chunk_steps), default=0)):
-            now = [(fork, s[r]) for fork, s in zip(chunk, chunk_steps) if len(s) > r]
+        chunk = range(k, min(k + size, len(forks)))
+        for r in range(max((len(steps[i]) for i in chunk), default=0)):
+            now = [i for i in chunk if len(steps[i]) > r and errors[i] is None]
             # fresh forks first go in one pass per group changing the same rows (_sweep), the rest in step
-            pushed = push_all([f for f, _ in now], [s for _, s in now], one_pass=r == 0)
-            for (fork, step), got in zip(now, pushed):
-                if isinstance(got, GuardChangedError):
-                    replay_step(fork, step, rerun=rerun, replay=replay)  # alone: falls back or raises
-                elif isinstance(got, ValueNotSavedError):
-                    raise unsaved_for_replay(fork, step, got) from None
-                elif isinstance(got, BaseException):
-                    raise got
+            pushed = push_all([forks[i] for i in now], [steps[i][r] for i in now], one_pass=r == 0)
+            for i, got in zip(now, pushed):
+                err = _outcome(forks[i], steps[i][r], got, rerun, replay, collect_errors)
+                if err is not None:
+                    if not collect_errors:
+                        raise err
+                    errors[i] = err
         if check:
-            for fork in chunk:
-                check_against_forward(fork)
-    return list(forks)
+            for i in chunk:
+                if errors[i] is None:
+                    check_against_forward(forks[i])
+    return errors if collect_errors else list(forks)
+
+
+def _outcome(fork: Any, step: Step, got: Any, rerun: Any, replay: str, collect: bool) -> BaseException | None:
+    """The error pushing ``step`` down ``fork`` ended with (``got``: what :func:`push_all` gave
+    it), after a changed guard is handled alone, as ``fork.do(..., replay=replay)`` would."""
+    if isinstance(got, GuardChangedError):
+        if not collect:
+            replay_step(fork, step, rerun=rerun, replay=replay)  # alone: falls back or raises
+            return None
+        try:
+            replay_step(fork, step, rerun=rerun, replay=replay)
+        except Exception as exc:  # noqa: BLE001 - handed back as that fork's error (collect_errors)
+            return exc
+        return None
+    if isinstance(got, ValueNotSavedError):
+        return unsaved_for_replay(fork, step, got)
+    return got if isinstance(got, BaseException) else None

@@ -153,13 +153,17 @@ class ReplayLog:
     or ``"fallback"`` (a rule was missing or could not bound it; ``reason`` says which), or
     ``"read"`` (a final ``linear`` computed only on the row and columns a patching metric
     declared it reads; ``rows`` counts it as one row, ``reason`` says which).
+
+    ``decisions`` holds ``(strategy, reason)``: each faster replay strategy that declared it
+    could not take this edit (``torchlens.edit._fallbacks``), so a slower one did.
     """
 
-    __slots__ = ("entries", "sliced")
+    __slots__ = ("decisions", "entries", "sliced")
 
     def __init__(self, sliced: bool) -> None:
         self.sliced = sliced
         self.entries: list[tuple[str, str, str, tuple[int, int, int] | None, str]] = []
+        self.decisions: list[tuple[str, str]] = []
 
     @property
     def fallbacks(self) -> list[tuple[str, str, str]]:
@@ -186,7 +190,7 @@ class ReplayLog:
 
     def __repr__(self) -> str:
         return (f"<ReplayLog {len(self.entries)} ops recomputed, {self.n_sliced} on changed rows only, "
-                f"{len(self.fallbacks)} fallbacks>")
+                f"{len(self.fallbacks)} fallbacks, {len(self.decisions)} strategy decisions>")
 
 
 # -- regions ---------------------------------------------------------------------------------

@@ -331,8 +331,12 @@ def _matmul(call: _Call, changed, out_shape: tuple) -> Plan:
         axis = n - (a.dim() - r.axis)
         if axis < 0 or out_shape[axis] != a.shape[r.axis]:
             return Plan("full", WHOLE, reason=f"{call.op.func_name}: a broadcast batch axis changed")
+        # a batch axis (heads): the output's rows there read the same rows of b, unless b broadcasts
+        bd = b.dim() - (a.dim() - r.axis)
+        cut_b = r.axis < a.dim() - 2 and bd >= 0 and b.shape[bd] != 1
         return _rows_plan(call, Rows(axis, r.start), out_shape,
-                          lambda: call.run((_narrow(a, r.axis, r.start), b, *call.args[2:])))
+                          lambda: call.run((_narrow(a, r.axis, r.start), _narrow(b, bd, r.start) if cut_b else b,
+                                            *call.args[2:])))
     if t is b and r.axis == b.dim() - 1:
         return _rows_plan(call, Rows(n - 1, r.start), out_shape,
                           lambda: call.run((a, _narrow(b, r.axis, r.start), *call.args[2:])))

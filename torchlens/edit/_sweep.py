@@ -29,7 +29,9 @@ import torch
 
 from ..core.records import EDIT, GUARD, INPLACE, INPUT, ModuleCall, build_args
 from ..core.steps import Step
+from ..errors import GuardChangedError, ReplayError, ValueNotSavedError
 from ._execute import ROW_VIEWS, UNINITIALISED, execute, refuse_reason
+from ._fallbacks import declare
 from ._regions import WHOLE, Corner, RowPatch, Rows, as_built, refine_corner, rows_from_zero
 from ._slicing import ELEMENTWISE, collect_rows, plan_op
 from ._stack import WHOLE_ROWS, BlockPatch, Outputs, Stack, forks_batch, refine_forks
@@ -50,10 +52,12 @@ from .replay import Replayer, Target
 __all__ = ["sweep"]
 
 class _Abort(Exception):
-    """The sweep does not cover this: the forks concerned are restored and replayed the general way."""
+    """The sweep does not cover this (the message says why): the forks concerned are restored and
+    replayed the general way, the reason in their replay record."""
 
 
-def sweep(forks: Sequence[Any], steps: Sequence[Step], *, read: Any = None) -> list[Replayer | None] | None:
+def sweep(forks: Sequence[Any], steps: Sequence[Step], *, read: Any = None,
+          declined: dict[int, str] | None = None) -> list[Replayer | BaseException | None] | None:
     """Push ``steps[i]`` (a bound replay step) down ``forks[i]`` for every fork, in one pass over
     the recorded graph per group of forks whose edits change the same rows, their changed rows
     stacked per op.
@@ -62,35 +66,49 @@ def sweep(forks: Sequence[Any], steps: Sequence[Step], *, read: Any = None) -> l
     grouped by the rows their edit changed (a grid of layers and positions: one group per
     position), and each group walks the graph once.
 
+    What the sweep cannot do it declares (``_fallbacks.declare``) before the general path takes
+    over; an error it does not expect propagates, every fork restored.
+
     Args:
         forks: fresh forks (no edits yet) of one trace, two or more.
         steps: one bound replay step per fork, each landing on one module call or op.
         read: an ``OutputRead`` (``torchlens.edit.reads``): of its op each fork computes only
             what it names (the replayer's ``read_value``).
+        declined: filled with, per fork the sweep does not cover (by index), why.
 
     Returns:
-        per fork, its :class:`~torchlens.edit.replay.Replayer` (the fork now holds its edit), or
-        None for a fork the sweep does not cover (that fork is as it was: its edit changes a
-        whole value, or its group met an op the sweep refuses); None when it covers none.
+        per fork, its :class:`~torchlens.edit.replay.Replayer` (the fork now holds its edit), the
+        error its edit raised (the fork is as it was), or None for a fork the sweep does not
+        cover (that fork is as it was; ``declined`` says why); None when it covers none.
     """
+    why = declined if declined is not None else {}
+
+    def decline(members: Sequence[int], reason: str) -> None:
+        for i in members:
+            why[i] = reason
+        declare("sweep", reason)
+
+    everyone = range(len(forks))
     if len(forks) < 2:
+        decline(everyone, "a one-pass sweep takes two forks or more")
         return None
     parent = getattr(forks[0], "parent", None)
     if parent is None or any(getattr(f, "parent", None) is not parent or f.recipe or f.grad or f.stale_positions()
                              for f in forks):
+        decline(everyone, "a one-pass sweep takes fresh forks of one trace, without grad or in-place overwrites")
         return None
     records = []
     for fork, step in zip(forks, steps):
-        try:
-            fork.require_op_graph("replaying an edit")
-        except Exception:  # noqa: BLE001 - the general path raises it
+        if not fork.has_op_graph:
+            decline(everyone, "the trace holds no op graph")  # (the general path raises it)
             return None
         found = step.site.match(fork)
-        if len(found) != 1:
-            return None  # nothing (the general path raises) or several landing places
+        if len(found) != 1:  # nothing (the general path raises) or several landing places
+            decline(everyone, f"{step.site.describe()} lands on {len(found)} records, not one")
+            return None
         records.append(found[0])
     before = [f.fork_state() for f in forks]
-    swept: list[Replayer | None] = [None] * len(forks)
+    swept: list[Replayer | BaseException | None] = [None] * len(forks)
 
     def restore(members: Sequence[int]) -> None:
         for i in members:
@@ -110,20 +128,27 @@ def sweep(forks: Sequence[Any], steps: Sequence[Step], *, read: Any = None) -> l
                 j = Target(records[i]).position
                 try:
                     landed[i] = (j, _land(parent, replayer, j))
-                except Exception:  # noqa: BLE001 - that fork alone: the general path redoes (and reports) it
+                except _Abort as exc:
                     restore([i])
+                    decline([i], str(exc))
+                except Exception as exc:  # noqa: BLE001 - the edit itself raised: handed back as that fork's error
+                    restore([i])
+                    swept[i] = exc
             for members in _groups(parent, landed):
                 try:
                     _Sweep(parent, replayers, members, landed, read).run()
-                except Exception:  # noqa: BLE001 - that group: the general path redoes (and reports) it
+                except _Abort as exc:
                     restore(members)
+                    decline(members, str(exc))
+                except (GuardChangedError, ReplayError, ValueNotSavedError) as exc:
+                    # which fork of the stack met it is not known: each replays alone, which says
+                    restore(members)
+                    decline(members, f"the walk met {type(exc).__name__}: each fork replays alone")
                 else:
                     for i in members:
                         swept[i] = replayers[i]
-    except BaseException as exc:
-        restore(range(len(forks)))  # interrupted: no fork is left half replayed
-        if isinstance(exc, Exception):
-            return None
+    except BaseException:
+        restore(everyone)  # an unexpected error, or interrupted: no fork is left half replayed
         raise
     return swept if any(r is not None for r in swept) else None
 
@@ -135,13 +160,13 @@ def _land(parent: Any, replayer: Replayer, j: int) -> tuple[int, Rows, torch.Ten
     refs = [r for _, t, _ in entries
             for r in (t.record.out_refs if isinstance(t.record, ModuleCall) else [t.record]) if r is not None]
     if any(getattr(r, "elem", None) is not None for r in refs):
-        raise _Abort
+        raise _Abort("its edit lands on one element of a multi-output op")
     replayer._apply_steps(entries)
     changed = [r for r in refs if replayer.regions.get(r.index) is not None]
     if not changed:
         return None  # the edit changed nothing
     if len(changed) != 1:  # (a module's other outputs, e.g. attention weights, unchanged are fine)
-        raise _Abort
+        raise _Abort("its edit changed several outputs of the module")
     o = changed[0].index
     region = replayer.regions[o]
     base = parent.value(o)
@@ -149,7 +174,7 @@ def _land(parent: Any, replayer: Replayer, j: int) -> tuple[int, Rows, torch.Ten
         else replayer.fork.value(o)
     if not isinstance(region, Rows) or not isinstance(base, torch.Tensor) or not isinstance(edited, torch.Tensor) \
             or edited.shape != base.shape or edited.dtype != base.dtype:
-        raise _Abort
+        raise _Abort("its edit changes the whole value (or its shape or dtype), not rows of it")
     return o, region, edited
 
 
@@ -210,12 +235,12 @@ class _Sweep:
             if not stacks:
                 continue
             if refuse_reason(op) or op.flags & (INPLACE | EDIT | GUARD) or op.func_name in UNINITIALISED:
-                raise _Abort
+                raise _Abort(f"op {op.label} ({op.func_name}) is in-place, random, a guard or uninitialised memory")
             forks = tuple(sorted({f for s in stacks for f in s.forks}))
             if self.read is not None and j == self.read.index:
                 # the read op (an LM head nothing else reads): each fork computes only what is read
                 if not all(self.read.compute(self.replayers[i], op) for i in forks):
-                    raise _Abort
+                    raise _Abort(f"the read op {op.label} cannot compute only what is read for every fork")
                 continue
             note = f"stacked with {len(forks) - 1} other fork(s)" if len(forks) > 1 else ""
             try:
@@ -254,7 +279,7 @@ class _Sweep:
         # (the same rows or more along its axis; a whole value, from rows 0, holds anything)
         if not isinstance(s, Stack) or s.corner is not None \
                 or not (s.start == 0 or s.axis == region.axis and s.start <= region.start):
-            raise _Abort
+            raise _Abort(f"op {o}'s stack holds other rows than this edit changed")
         mine = edited.narrow(s.axis, s.start, s.block)
         forks = tuple(sorted((*s.forks, i)))
         s.rows = torch.cat([mine if f == i else s.rows_of(f) for f in forks], s.axis)
@@ -391,11 +416,11 @@ class _Sweep:
                 continue
             if plan.kind != "full" or not (plan.region is WHOLE or isinstance(plan.region, Corner)
                                            or _row_regions(plan.region)):
-                raise _Abort
+                raise _Abort(f"op {op.label} ({op.func_name}): no rule bounds what a fork changed")
             built = execute(op, *build_args(op, lambda r, resolve=resolve: as_built(resolve(r))))
             if isinstance(plan.region, Corner):  # attention scores: did a causal mask restore the corner's block?
                 if not isinstance(built, torch.Tensor):
-                    raise _Abort
+                    raise _Abort(f"op {op.label} ({op.func_name}): attention scores that are not a tensor")
                 corner = True
                 refined = refine_corner(self.parent.value(j), built, plan.region)
                 got.append((WHOLE_ROWS, built) if refined is WHOLE else (refined, built)
@@ -403,18 +428,18 @@ class _Sweep:
                 continue
             if plan.region is WHOLE:  # the whole value changed: kept as all its rows along axis 0
                 if not isinstance(built, torch.Tensor) or built.dim() == 0:
-                    raise _Abort
+                    raise _Abort(f"op {op.label} ({op.func_name}): a whole value that is not a tensor of rows")
                 got.append((WHOLE_ROWS, built))
                 continue
             if several(plan.region):
                 if not isinstance(built, (tuple, list)) or len(built) != len(plan.region):
-                    raise _Abort
+                    raise _Abort(f"op {op.label} ({op.func_name}): its outputs do not match its changed regions")
                 got.append((plan.region, tuple(None if r is None else _cut(b, r) for b, r in zip(built, plan.region))))
             else:
                 got.append((plan.region, _cut(built, plan.region)))
         region = got[0][0]
         if any(r != region for r, _ in got):
-            raise _Abort
+            raise _Abort(f"op {op.label} ({op.func_name}): the forks changed different regions of it")
         if region is None:
             return None, None, "skip", True, ""
         if several(region):
@@ -438,7 +463,7 @@ class _Sweep:
             return
         if several(region):
             if not isinstance(base, (tuple, list)) or len(base) != len(region):
-                raise _Abort
+                raise _Abort(f"op {op.label} ({op.func_name}): recorded outputs do not match its changed regions")
             stacks = tuple(None if r is None else _checked(Stack(b, r.axis, r.start, x, forks))
                            for b, r, x in zip(base, region, rows))
             self.stack[j] = stacks
@@ -452,7 +477,7 @@ class _Sweep:
                 self.replayers[i].log.entries.append((op.label, op.func_name, how, None, note))
             return
         if not isinstance(base, torch.Tensor):
-            raise _Abort
+            raise _Abort(f"op {op.label} ({op.func_name}): its recorded value is not a tensor")
         s = self.stack[j] = _checked(Stack(base, region.axis, region.start, rows, forks))
         size = (region.axis, region.start, base.shape[region.axis]) if logged else None
         axis, m, rows = s.axis, s.block, s.rows
@@ -469,7 +494,7 @@ class _Sweep:
 
 
 def _abort() -> Any:
-    raise _Abort
+    raise _Abort("an op reads one output of a multi-output value the forks changed whole")
 
 
 def _row_regions(region: Any) -> bool:
@@ -485,7 +510,7 @@ def _as_whole(how: str) -> str:
 
 def _cut(value: Any, region: Rows) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
-        raise _Abort
+        raise _Abort("a recomputed value is not a tensor")
     return value.narrow(region.axis, region.start, value.shape[region.axis] - region.start)
 
 
@@ -494,6 +519,6 @@ def _checked(s: Stack) -> Stack:
     want = list(s.base.shape)
     want[s.axis] = s.block * len(s.forks)
     if not isinstance(s.rows, torch.Tensor) or list(s.rows.shape) != want or s.rows.dtype != s.base.dtype:
-        raise _Abort
+        raise _Abort("stacked rows are not one block of the recorded shape per fork")
     return s
 

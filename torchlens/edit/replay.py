@@ -15,7 +15,7 @@ import torch
 
 from ..core.inputs import split_inputs
 from ..core.records import EDIT, GUARD, INPLACE, INPUT, RANDOM, ModuleCall, Op, build_args
-from ..core.steps import Step
+from ..core.steps import REPLAY_MODES, Step
 from ..core.trace import DataRead
 from ..core.tree import Pending, clone_value, describe_shape, flatten, tensor_leaves
 from ..errors import (
@@ -35,9 +35,6 @@ from .edits import AppliedEdit, EditContext, apply_edit, count_changed, land_edi
 
 __all__ = ["REPLAY_MODES", "Replayer", "Target", "check_against_forward", "replay_step", "unsaved_for_replay"]
 
-# How fork.do handles a changed guard: "strict" raises GuardChangedError; "fallback" re-executes
-# the real forward (the trace must hold its model); "auto" falls back when it can, else raises.
-REPLAY_MODES = ("auto", "strict", "fallback")
 
 
 class Target:
@@ -395,14 +392,12 @@ class Replayer:
         want[region.axis] -= region.start
         if math.prod(want) != x.rows.numel():  # the new rows are not exactly the output's changed rows
             return False
-        try:
-            old = self.fork.value(op.index)
-            # view/reshape bake the sizes in their arguments: the rule mapped the rows, so reshape them
-            rows = x.rows.reshape(want) if op.func_name in ("view", "reshape") else op.func(x.rows, *args[1:], **kwargs)
-        except Exception:  # noqa: BLE001 - the whole-op path re-raises with the op and its line
+        old = self.row_base(op)  # (None: its recorded value was not kept; the whole-op path builds it)
+        if old is None:
             return False
-        if not isinstance(old, torch.Tensor) or tuple(old.shape) != op.shape or not isinstance(rows, torch.Tensor) \
-                or list(rows.shape) != want:
+        # view/reshape bake the sizes in their arguments: the rule mapped the rows, so reshape them
+        rows = x.rows.reshape(want) if op.func_name in ("view", "reshape") else op.func(x.rows, *args[1:], **kwargs)
+        if tuple(old.shape) != op.shape or not isinstance(rows, torch.Tensor) or list(rows.shape) != want:
             return False
         self._store(op.index, RowPatch(old, region.axis, region.start, rows), region)
         self.log.entries.append((op.label, op.func_name, "mapped", (region.axis, region.start, op.shape[region.axis]),
@@ -414,11 +409,7 @@ class Replayer:
         old = self.row_base(op)
         if old is None:
             return False
-        try:
-            rows = plan.call()
-        except Exception:  # noqa: BLE001 - the whole-op path re-raises with the op and its line
-            return False
-        return self.finish_rows(op, plan, old, rows)
+        return self.finish_rows(op, plan, old, plan.call())
 
     def row_base(self, op: Op) -> torch.Tensor | None:
         """The tensor new rows of ``op`` are kept beside (None: not a saved tensor; recompute whole)."""

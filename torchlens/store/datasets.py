@@ -9,6 +9,7 @@ files on ``backend="ray"``. ``tl.load_activations(dir)`` reads the result back.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from .._progress import progress_bar
+from ..core.selectors import as_sites
 from ..core.text import pad_id, tokenizer_for
 from ..errors import DatasetRowError, InvalidArgumentError, JobMismatchError
 from ._batches import Batch, RawBatch, ShardPlan, iter_batches, plan_shards
@@ -105,13 +107,10 @@ def cache_activations(
         JobMismatchError: ``out`` holds a different job (other model, arguments or data).
         ShardWriteError: a shard could not be written (disk full); rerun to resume.
     """
-    _check_sites(sites)
+    described = _describe_sites(sites)  # (refuses a bad sites= before anything runs)
     reader = SiteReader(sites, intervene, stop_early)
-    args = {"kind": "cache_activations", "sites": _describe_sites(sites), "intervene": _describe_intervene(intervene)}
-    return _run(model, data, reader, True, args, out=out, batch_size=batch_size, tokenizer=tokenizer, dtype=dtype,
-                shard_size=shard_size, max_length=max_length, text_column=text_column,
-                add_special_tokens=add_special_tokens, backend=backend, num_workers=num_workers,
-                threads_per_worker=threads_per_worker, ray_address=ray_address, progress=progress, overwrite=overwrite)
+    args = {"kind": "cache_activations", "sites": described, "intervene": _describe_intervene(intervene)}
+    return _run(model, data, reader, True, args, RunOptions.of(locals()))
 
 
 def map_dataset(
@@ -161,10 +160,7 @@ def map_dataset(
     if not callable(fn):
         raise InvalidArgumentError(f"fn must be a function (model, batch) -> dict of tensors, got {type(fn).__name__}")
     args = {"kind": "map_dataset", "fn": _describe_fn(fn), "per": per}
-    return _run(model, data, fn, per == "token", args, out=out, batch_size=batch_size, tokenizer=tokenizer,
-                dtype=dtype, shard_size=shard_size, max_length=max_length, text_column=text_column,
-                add_special_tokens=add_special_tokens, backend=backend, num_workers=num_workers,
-                threads_per_worker=threads_per_worker, ray_address=ray_address, progress=progress, overwrite=overwrite)
+    return _run(model, data, fn, per == "token", args, RunOptions.of(locals()))
 
 
 def load_activations(path: str | pathlib.Path, *, verify: bool = False) -> ActivationDataset:
@@ -208,50 +204,79 @@ class LocalExecutor:
         self.first = None
 
 
-def _run(model: Any, data: Iterable[Any], fn: Callable, per_token: bool, args: dict[str, Any], *,
-         out: str | pathlib.Path, batch_size: int, tokenizer: Any, dtype: torch.dtype | None, shard_size: int | str,
-         max_length: int | None, text_column: str, add_special_tokens: bool, backend: str, num_workers: int,
-         threads_per_worker: int, ray_address: str | None, progress: bool | None,
-         overwrite: bool) -> ActivationDataset:
-    for name, value in (("batch_size", batch_size), ("num_workers", num_workers),
-                        ("threads_per_worker", threads_per_worker)):
-        if type(value) is not int or value < 1:
-            raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
-    if max_length is not None and (type(max_length) is not int or max_length < 1):
-        raise InvalidArgumentError(f"max_length must be a positive int or None, got {max_length!r}")
-    if dtype is not None and not isinstance(dtype, torch.dtype):
-        raise InvalidArgumentError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
-    shard_bytes = _parse_size(shard_size)
-    out = pathlib.Path(out)
-    tokenizer = tokenizer_for(model, tokenizer)
-    job = Job(fn, per_token, dtype, pad_id(tokenizer))
-    args = dict(args, batch_size=batch_size, shard_bytes=shard_bytes, dtype=None if dtype is None else str(dtype),
-                max_length=max_length, text_column=text_column, add_special_tokens=add_special_tokens)
-    batches = iter_batches(data, batch_size, tokenizer=tokenizer, text_column=text_column, max_length=max_length,
-                           add_special_tokens=add_special_tokens)
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """The keywords every dataset run shares (``cache_activations``, ``map_dataset``; each
+    documented on :func:`cache_activations`), checked in one place."""
+
+    out: str | pathlib.Path
+    batch_size: int
+    tokenizer: Any
+    dtype: torch.dtype | None
+    shard_size: int | str
+    max_length: int | None
+    text_column: str
+    add_special_tokens: bool
+    backend: str
+    num_workers: int
+    threads_per_worker: int
+    ray_address: str | None
+    progress: bool | None
+    overwrite: bool
+
+    @classmethod
+    def of(cls, call: dict[str, Any]) -> RunOptions:
+        """The options among an entry point's arguments (its ``locals()``), checked.
+
+        Raises:
+            InvalidArgumentError: a count that is not a positive int, a bad ``max_length`` or ``dtype``.
+        """
+        options = cls(**{f.name: call[f.name] for f in dataclasses.fields(cls)})
+        for name in ("batch_size", "num_workers", "threads_per_worker"):
+            value = getattr(options, name)
+            if type(value) is not int or value < 1:
+                raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
+        if options.max_length is not None and (type(options.max_length) is not int or options.max_length < 1):
+            raise InvalidArgumentError(f"max_length must be a positive int or None, got {options.max_length!r}")
+        if options.dtype is not None and not isinstance(options.dtype, torch.dtype):
+            raise InvalidArgumentError(f"dtype must be a torch.dtype, got {type(options.dtype).__name__}")
+        return options
+
+
+def _run(model: Any, data: Iterable[Any], fn: Callable, per_token: bool, args: dict[str, Any],
+         options: RunOptions) -> ActivationDataset:
+    o = options
+    shard_bytes = _parse_size(o.shard_size)
+    out = pathlib.Path(o.out)
+    tokenizer = tokenizer_for(model, o.tokenizer)
+    job = Job(fn, per_token, o.dtype, pad_id(tokenizer))
+    args = dict(args, batch_size=o.batch_size, shard_bytes=shard_bytes, dtype=None if o.dtype is None else str(o.dtype),
+                max_length=o.max_length, text_column=o.text_column, add_special_tokens=o.add_special_tokens)
+    batches = iter_batches(data, o.batch_size, tokenizer=tokenizer, text_column=o.text_column,
+                           max_length=o.max_length, add_special_tokens=o.add_special_tokens)
     first = next(batches, None)
     if first is None:
         raise DatasetRowError("the dataset has no rows", remedy="Pass a dataset with at least one row.")
-    if backend == "local":
+    if o.backend == "local":
         executor: Any = LocalExecutor(model, job, out)
-    elif backend == "ray":
+    elif o.backend == "ray":
         from ._ray_backend import RayExecutor  # lazy: Ray is an optional extra, only this backend needs it
 
-        executor = RayExecutor(model, job, out, num_workers=num_workers, threads=threads_per_worker,
-                               address=ray_address)
+        executor = RayExecutor(model, job, out, num_workers=o.num_workers, threads=o.threads_per_worker,
+                               address=o.ray_address)
     else:
-        raise InvalidArgumentError(f"backend is 'local' or 'ray', got {backend!r}")
+        raise InvalidArgumentError(f"backend is 'local' or 'ray', got {o.backend!r}")
     try:
-        on_disk = None if overwrite or not out.is_dir() else read_manifest(out)
+        on_disk = None if o.overwrite or not out.is_dir() else read_manifest(out)
         model_id, columns = executor.start(first, need_columns=on_disk is None)
         args["model"] = model_id
-        manifest = check_directory(out, args, overwrite)
+        manifest = check_directory(out, args, o.overwrite)
         if manifest is None:
             if columns is None:  # the directory changed under us between the two looks
                 model_id, columns = executor.start(first, need_columns=True)
             manifest = _new_manifest(args, columns, per_token)
         plans = plan_shards(itertools.chain([first], batches), _budget(manifest, shard_bytes), per_token)
-        _drive(executor, plans, manifest, out, progress)
+        _drive(executor, plans, manifest, out, o.progress)
     finally:
         executor.close()
     return ActivationDataset(out)
@@ -328,26 +353,15 @@ def _parse_size(size: int | str) -> int:
 # -- describing the job, so a resume with other arguments is refused -------------------------
 
 
-def _check_sites(sites: Any) -> None:
-    if isinstance(sites, dict) and sites:
-        if not all(isinstance(k, str) and k for k in sites):
-            raise InvalidArgumentError("site names (the keys of sites=) must be non-empty strings")
-        return
-    if isinstance(sites, (str, list, tuple)) and sites or hasattr(sites, "describe"):
-        return
-    raise InvalidArgumentError(f"sites takes a list of sites or a dict {{name: site}}, got {sites!r:.80}",
-                               remedy="e.g. sites=['transformer.h.3'] or sites={'resid3': 'transformer.h.3'}.")
-
-
 def _describe_sites(sites: Any) -> Any:
+    """The job's record of ``sites=`` (checked by ``as_sites``): each site's text, under its dict key."""
     def one(site: Any) -> str:
         return site if isinstance(site, str) else site.describe() if hasattr(site, "describe") else repr(site)
 
+    pairs = as_sites(sites)
     if isinstance(sites, dict):
-        return {k: one(v) for k, v in sites.items()}
-    if isinstance(sites, (list, tuple)):
-        return [one(s) for s in sites]
-    return [one(sites)]
+        return {k: one(v) for k, v in pairs}
+    return [one(s) for _, s in pairs]
 
 
 def _callable_name(fn: Any) -> str:
