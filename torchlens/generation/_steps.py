@@ -34,8 +34,8 @@ from ..errors import (
 )
 from .sites import StepSet
 
-__all__ = ["GenerationRun", "StepCapture", "StepRecord", "cache_of", "for_step", "input_length",
-           "positions_before", "record_steps", "run_generate"]
+__all__ = ["GenerationRun", "StepCapture", "StepRecord", "cache_at", "cache_of", "for_step", "input_length",
+           "positions_before", "record_steps", "restore_hooks", "run_generate", "set_hooks_aside"]
 
 _NO_FORWARD = object()
 # the model's own hook dictionaries: while a step's capture calls the model again, they are set
@@ -52,6 +52,16 @@ class StepRecord:
     start: int | None  # first absolute position of the step's input (None: unknown)
     length: int | None  # number of positions it computed
     rng_state: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def kwargs(self) -> dict:
+        """The keyword arguments of the step's model call (its KV cache among them)."""
+        return self.trace.kwargs
+
+    @property
+    def output(self) -> Any:
+        """What the model call returned to the decoding code (edits included)."""
+        return self.trace.raw_output
 
 
 @dataclass
@@ -190,31 +200,52 @@ class StepCapture:
         return trace.raw_output
 
     def _set_hooks_aside(self) -> dict[str, Any]:
-        """Empty the model's own hook dictionaries for the capture's call (they ran on the outer call)."""
-        held = {}
-        for name in _HOOK_DICTS:
-            hooks = getattr(self.model, name, None)
-            if hooks:
-                held[name] = hooks
-                setattr(self.model, name, OrderedDict())
-        return held
+        return set_hooks_aside(self.model)
 
     def _restore_hooks(self, held: dict[str, Any]) -> None:
-        for name, hooks in held.items():
-            setattr(self.model, name, hooks)
+        restore_hooks(self.model, held)
+
+
+def set_hooks_aside(model: nn.Module) -> dict[str, Any]:
+    """Empty the model's own hook dictionaries for a capture's call (they ran on the outer call)."""
+    held = {}
+    for name in _HOOK_DICTS:
+        hooks = getattr(model, name, None)
+        if hooks:
+            held[name] = hooks
+            setattr(model, name, OrderedDict())
+    return held
+
+
+def restore_hooks(model: nn.Module, held: dict[str, Any]) -> None:
+    for name, hooks in held.items():
+        setattr(model, name, hooks)
+
+
+def cache_at(cache: Any, start: int) -> Any:
+    """A copy of KV cache ``cache`` holding its first ``start`` positions only (what a step
+    computing from ``start`` received); the original is left as it is."""
+    cache = copy.deepcopy(cache)
+    extra = cache.get_seq_length() - start
+    if extra > 0:
+        cache.crop(-extra)
+    return cache
 
 
 def record_steps(model: nn.Module, run: GenerationRun, edits: list[tuple[Any, StepSet, Any]], *,
-                 inputs: Any = None, kwargs: dict | None = None, first: int = 0) -> tuple[list[StepRecord], Any]:
+                 inputs: Any = None, kwargs: dict | None = None, first: int = 0,
+                 capture: type[StepCapture] | Callable[..., StepCapture] | None = None
+                 ) -> tuple[list[StepRecord], Any]:
     """Run ``run``'s decoding (on other ``inputs`` / ``kwargs`` when given: a fork resuming at step
     ``first``) with one capture per model call; the step records and what the decoding returned.
+    ``capture`` builds the per-call capture (default :class:`StepCapture`; a fork's replay passes its own).
 
     Raises:
         EmptyGenerationError: the decoding never called the model.
     """
     inputs = run.inputs if inputs is None else inputs
     records: list[StepRecord] = []
-    with StepCapture(model, edits, run.keep, run.backend, records.append, first=first):
+    with (capture or StepCapture)(model, edits, run.keep, run.backend, records.append, first=first):
         if run.loop is not None:
             output = run.loop(model, inputs)
         else:

@@ -56,10 +56,20 @@ class GenerationStep:
     def __init__(self, gen: GenerationTrace, index: int, record: StepRecord) -> None:
         self._gen = gen
         self.index = index
-        self.trace: Trace = record.trace
+        self._record = record
         self._start = record.start
         self._length = record.length
-        self.rng_state = record.rng_state
+        self.rng_state = record.rng_state  # the global RNG state the step's call started with (what it drew from)
+
+    @property
+    def trace(self) -> Trace:
+        """The step's trace (a step a fork replayed is captured again the first time it is asked for)."""
+        return self._record.trace
+
+    @property
+    def replayed(self) -> bool:
+        """Whether a fork computed this step from its parent's records (layers below the edit read, not run)."""
+        return bool(getattr(self._record, "replayed", False))
 
     @property
     def positions(self) -> range:
@@ -82,13 +92,13 @@ class GenerationStep:
     @property
     def output(self) -> Any:
         """What the model returned at this step (edits included)."""
-        return self.trace.raw_output
+        return self._record.output
 
     @property
     def logits(self) -> torch.Tensor | None:
         """The model's logits at the step's last position, ``(batch, vocab)``: what the next token is
         chosen from (before the decoding code's processors such as temperature or top-k)."""
-        logits = _logits_of(self.trace.raw_output)
+        logits = _logits_of(self._record.output)
         return None if logits is None else logits[:, -1]
 
     @property
@@ -133,7 +143,8 @@ class GenerationStep:
         token = self.token
         shown = "" if token is None else f", token {token.tolist()}"
         where = f"positions {self._start}..{self._start + self._length - 1}" if self._length else "positions unknown"
-        return f"<GenerationStep {self.index}: {where}{shown}, {len(self.trace.ops)} ops>"
+        ops = "replayed" if self.replayed and not self._record.materialized else f"{len(self.trace.ops)} ops"
+        return f"<GenerationStep {self.index}: {where}{shown}, {ops}>"
 
 
 class StepList:
