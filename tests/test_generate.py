@@ -430,7 +430,7 @@ def test_save_with_a_step_is_refused(tiny_gpt2):
         tl.generate(model, ids, max_new_tokens=2, save=tl.at_step("transformer.h.0", 1))
 
 
-# -- step 5: a fork of a step-k edit, by re-execution -----------------------------------------
+# -- step 5: a fork of a step-k edit, replayed (test_generate_replay.py) -----------------------------------------
 
 
 def hooked_edits(model, edits: dict[str, tuple[Callable[[Any], Any], range]], **kwargs):
@@ -465,8 +465,9 @@ def test_a_fork_of_a_step_k_edit_resumes_from_the_cache_and_equals_a_hooked_gene
     p = ids.shape[1]
     assert [s.positions for s in fork.steps] == [range(0, p)] + [range(p + k - 1, p + k) for k in range(1, 8)]
     record = fork.record
-    assert record.reused == [0, 1, 2] and record.regenerated == [3, 4, 5, 6, 7]
-    assert record.how.startswith("resumed at step 3")
+    assert record.reused == [0, 1, 2] and record.edited == [3] and record.fallback is None
+    assert sorted(record.replayed + record.regenerated) == [4, 5, 6, 7]
+    assert record.how.startswith("replayed from step 3")
     differs = (want.sequences != gen.sequences)[0].nonzero()[0].item()
     assert record.diverged_at == differs and record.diverged_step == differs - p
     assert fork.steps[1].trace is gen.steps[1].trace  # shared, not re-run
@@ -482,7 +483,8 @@ def test_a_fork_that_keeps_every_token_says_the_text_did_not_diverge(tiny_llama)
     want = hooked_edits(model, {"model.layers.1": (add_first(small), range(2, 3))}, input_ids=ids, max_new_tokens=6,
                         do_sample=False, output_logits=True, return_dict_in_generate=True)
     assert torch.equal(fork.sequences, gen.sequences) and torch.equal(fork.sequences, want.sequences)
-    assert fork.record.diverged_at is None and fork.record.regenerated == [2, 3, 4, 5]
+    assert fork.record.diverged_at is None and fork.record.edited == [2] and fork.record.replayed == [3, 4, 5]
+    assert fork.record.regenerated == []
     assert not torch.equal(fork.steps[2].logits, gen.steps[2].logits)  # the edit did land
     for k, step in enumerate(fork.steps):
         assert torch.allclose(step.logits, want.logits[k], atol=1e-6, rtol=0)
@@ -498,7 +500,7 @@ def test_a_fork_of_a_seeded_sampling_redraws_as_the_hooked_run_with_the_same_see
                         do_sample=True, top_k=0)
     assert torch.equal(fork.sequences, want)
     assert torch.equal(fork.sequences[:, :ids.shape[1] + 4], gen.sequences[:, :ids.shape[1] + 4])
-    assert fork.record.how.startswith("resumed at step 4")
+    assert fork.record.how.startswith("replayed from step 4")
 
 
 def test_forks_chain_and_an_every_step_edit_regenerates_from_the_prompt(tiny_gpt2):
@@ -509,7 +511,9 @@ def test_forks_chain_and_an_every_step_edit_regenerates_from_the_prompt(tiny_gpt
     want = hooked_edits(model, {"transformer.h.1": (add_first(a), range(2, 4)), "transformer.h.0": (add_first(b),
                                 range(0, 99))}, input_ids=ids, max_new_tokens=6, do_sample=False)
     assert torch.equal(fork.sequences, want)
-    assert fork.record.how.startswith("regenerated from the prompt") and fork.record.reused == []
+    # an edit at every step: each step is captured with it (from the prompt), none can be replayed
+    assert fork.record.reused == [] and fork.record.replayed == []
+    assert sorted(fork.record.edited + fork.record.regenerated) == list(range(6))
     assert len(fork.edits) == 2 and len(gen.edits) == 0
 
 

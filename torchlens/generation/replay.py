@@ -40,7 +40,7 @@ from ._steps import (
 if TYPE_CHECKING:
     from .trace import GenerationTrace
 
-__all__ = ["ReplayPlan", "ReplayedRecord", "ReplayingCapture", "plan_replay"]
+__all__ = ["DeferredRecord", "ReplayPlan", "ReplayingCapture", "plan_replay"]
 
 # cache layers whose rows of a position are ``keys[:, :, position]`` and whose update appends
 # the given rows after those it holds: a stood-in block copies the parent's rows into them
@@ -202,14 +202,14 @@ def _stand_in_refused(gen: GenerationTrace, cache: Any, stack: str, layer: int, 
     return ""
 
 
-class ReplayedRecord:
-    """A step a fork computed from its parent's records: its positions, RNG state and output,
-    and a trace captured on demand (that one step run again from a copy of the fork's cache)."""
-
-    replayed = True
+class DeferredRecord:
+    """A step a fork ran without capturing it: its positions, RNG state and output, and a trace
+    captured on demand (that one step run again from a copy of the fork's cache cut back to it).
+    ``replayed``: computed from the parent's records (else the whole model ran, regenerating)."""
 
     def __init__(self, model: nn.Module, args: tuple, kwargs: dict, start: int, length: int | None,
-                 rng_state: torch.Tensor, output: Any, keep: Any, backend: str | None) -> None:
+                 rng_state: torch.Tensor, output: Any, keep: Any, backend: str | None, replayed: bool) -> None:
+        self.replayed = replayed
         self.model = model
         self.args = args
         self._kwargs = kwargs
@@ -250,8 +250,9 @@ class ReplayedRecord:
 class ReplayingCapture(StepCapture):
     """:class:`StepCapture` that replays the steps after ``plan.first`` while their tokens are the parent's.
 
-    Steps where an edit applies, and every step from the first whose token differs, are captured
-    for real; the others run the blocks from ``plan.layer`` with the rest stood in for.
+    Steps where an edit applies are captured for real; the others run uncaptured (their traces
+    are captured on demand): the blocks from ``plan.layer`` with the rest stood in for while every
+    token is the parent's, the whole model from the first step whose token differs.
     """
 
     def __init__(self, model: nn.Module, edits: list, save: Any, backend: str | None, on_step: Any,
@@ -265,17 +266,21 @@ class ReplayingCapture(StepCapture):
         if plan.active and k > plan.first and not plan.same_tokens(args, kwargs):
             plan.active, plan.diverged = False, k
         edited = any(when.contains(k) for _, when, _ in self.edits)
-        if plan.active and k > plan.first and not edited:
-            self.kinds[k] = "replayed"
-            return self._replay(k, args, kwargs)
-        self.kinds[k] = "edited" if plan.active else "regenerated"
-        return super()._step(args, kwargs)
+        self.kinds[k] = "edited" if plan.active and edited else "regenerated" if not plan.active else "replayed"
+        if edited:
+            return super()._step(args, kwargs)
+        return self._uncaptured(k, args, kwargs, plan.active)
 
-    def _replay(self, k: int, args: tuple, kwargs: dict) -> Any:
+    def _uncaptured(self, k: int, args: tuple, kwargs: dict, replay: bool) -> Any:
+        """Step ``k`` run without a capture (``replay``: blocks below the edit stood in for)."""
         start, length = positions_before(kwargs), input_length(args, kwargs)
         rng = torch.get_rng_state()
-        with self.plan.stand_in(self.model, k, kwargs, start, length or 0):
+        if replay:
+            with self.plan.stand_in(self.model, k, kwargs, start, length or 0):
+                output = self._forward(*args, **kwargs)
+        else:
             output = self._forward(*args, **kwargs)
         self.count += 1
-        self.on_step(ReplayedRecord(self.model, args, kwargs, start, length, rng, output, self.save, self.backend))
+        self.on_step(DeferredRecord(self.model, args, kwargs, start, length, rng, output, self.save, self.backend,
+                                    replay))
         return output

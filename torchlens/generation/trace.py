@@ -143,7 +143,8 @@ class GenerationStep:
         token = self.token
         shown = "" if token is None else f", token {token.tolist()}"
         where = f"positions {self._start}..{self._start + self._length - 1}" if self._length else "positions unknown"
-        ops = "replayed" if self.replayed and not self._record.materialized else f"{len(self.trace.ops)} ops"
+        deferred = not getattr(self._record, "materialized", True)  # its trace is not captured yet: not now either
+        ops = ("replayed" if self.replayed else "not captured yet") if deferred else f"{len(self.trace.ops)} ops"
         return f"<GenerationStep {self.index}: {where}{shown}, {ops}>"
 
 
