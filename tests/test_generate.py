@@ -424,10 +424,72 @@ def test_module_reads_with_a_module_engine_keep_no_op_graph(lm):
         assert torch.allclose(step.logits.float(), want.logits[k], atol=1e-6, rtol=0)
 
 
-def test_save_with_a_step_is_refused(tiny_gpt2):
+def test_save_at_steps_keeps_the_site_at_those_steps_only(lm):
+    model, ids, sites = lm
+    gen = tl.generate(model, ids, max_new_tokens=6, do_sample=False,
+                      save=[tl.at_step(sites[0], [1, 4]), tl.at_step(sites[1], slice(3, None))])
+    _, seen = hooked_generate(model, sites[0], input_ids=ids, max_new_tokens=6, do_sample=False)
+    _, seen_inner = hooked_generate(model, sites[1], input_ids=ids, max_new_tokens=6, do_sample=False)
+    for k, step in enumerate(gen.steps):
+        kept = {op.label for op in step.trace.ops if op.saved and not op.is_input}
+        want = set()
+        for site, steps in ((sites[0], (1, 4)), (sites[1], range(3, 6))):
+            if k in steps:
+                call = step.trace.module_call(site)
+                want |= {step.trace.ops[r.index].label for r in call.out_refs if r is not None}
+        assert kept == want, k
+    assert torch.equal(gen.read(tl.at_step(sites[0], 4)), seen[4])
+    inner = gen.read(tl.at_step(sites[1], 5))  # a module returning a tuple (attention: output, weights)
+    assert torch.equal(inner[0] if isinstance(inner, tuple) else inner, seen_inner[5])
+    with pytest.raises(tl.errors.ValueNotSavedError):
+        gen.read(tl.at_step(sites[0], 2))
+
+
+def test_save_at_a_step_from_the_end_or_beyond_the_steps_is_refused(tiny_gpt2):
     model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
-    with pytest.raises(tl.errors.InvalidArgumentError, match="every step"):
-        tl.generate(model, ids, max_new_tokens=2, save=tl.at_step("transformer.h.0", 1))
+    before = hook_state(model)
+    with pytest.raises(tl.errors.InvalidArgumentError, match="count from 0"):
+        tl.generate(model, ids, max_new_tokens=2, save=tl.at_step("transformer.h.0", -1))
+    with pytest.raises(StepNotFoundError, match="at most 2 step"):
+        tl.generate(model, ids, max_new_tokens=2, save=tl.at_step("transformer.h.0", 5))
+    assert_model_clean(model, before)
+
+
+@pytest.mark.parametrize("cached", [True, False], ids=["kv_cache", "no_cache"])
+def test_an_edit_at_an_absolute_position_applies_where_that_position_is_computed(tiny_gpt2, cached):
+    model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    vector = torch.full((32,), 3.0)
+    p = ids.shape[1] + 2  # the token chosen at step 2, computed at step 3 with a cache
+    gen = tl.generate(model, ids, max_new_tokens=6, do_sample=False, use_cache=cached,
+                      intervene=[("transformer.h.1", tl.add(vector, positions=[p]))])
+    calls, starts = [0], []
+
+    def count(m, a, k, o):
+        calls[0] += 1
+
+    def pre(m, a, k):
+        cache = k.get("cache", k.get("past_key_values"))
+        starts.append(cache.get_seq_length() if cached and cache is not None else 0)
+
+    def edit(m, i, o):
+        row = p - starts[-1]
+        if 0 <= row < o.shape[1]:
+            o = o.clone()
+            o[:, row] += vector
+            return o
+        return None
+
+    handles = [model.register_forward_pre_hook(pre, with_kwargs=True),
+               model.register_forward_hook(count, with_kwargs=True),
+               model.transformer.h[1].register_forward_hook(edit)]
+    try:
+        want = model.generate(ids, max_new_tokens=6, do_sample=False, use_cache=cached)
+    finally:
+        for h in handles:
+            h.remove()
+    assert torch.equal(gen.sequences, want)
+    edited = [k for k, step in enumerate(gen.steps) if step.trace.edits]
+    assert edited == ([3] if cached else [3, 4, 5])  # with a cache one step computes p; without, every later one
 
 
 # -- step 5: a fork of a step-k edit, replayed (test_generate_replay.py) -----------------------------------------

@@ -236,6 +236,6 @@ def test_a_parent_that_kept_no_block_output_replays_every_block_and_says_why(tin
     assert torch.equal(fork.sequences, want.sequences)
     assert fork.record.replayed == [3, 4, 5] and lower.n == 4  # every block ran at every step
     assert fork.record.layers == ("every block recomputed (the parent did not keep the output of transformer.h.0 "
-                                  "(save=))")
+                                  "(save=) at step 3)")
     assert torch.allclose(fork.read(tl.at_step("transformer.h.1", 4)), seen["transformer.h.1"][4], atol=1e-6,
                           rtol=0)

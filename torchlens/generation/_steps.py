@@ -32,7 +32,7 @@ from ..errors import (
     SiteNotInStepError,
     StepEditShapeError,
 )
-from .sites import StepSet
+from .sites import StepKeep, StepSet
 
 __all__ = ["GenerationRun", "StepCapture", "StepRecord", "cache_at", "cache_of", "for_step", "input_length",
            "positions_before", "record_steps", "restore_hooks", "run_generate", "set_hooks_aside"]
@@ -111,14 +111,27 @@ def positions_before(kwargs: dict) -> int:
     return 0
 
 
-def for_step(edit: Any, k: int) -> Any:
-    """``edit`` as step ``k`` applies it: an edit reading another generation (``tl.patch_from(gen)``)
-    reads that generation's step ``k``; any other edit is itself."""
+def for_step(edit: Any, k: int, start: int | None = None, length: int | None = None) -> Any:
+    """``edit`` as step ``k`` (computing positions ``start .. start + length - 1``) applies it; None
+    when it does not apply there.
+
+    An edit reading another generation (``tl.patch_from(gen)``) reads that generation's step ``k``.
+    An edit at token positions (``tl.add(v, positions=[p])``) takes absolute positions: it applies at
+    the steps that compute ``p``, at ``p``'s row there (a negative position counts from each step's
+    last row). Any other edit is itself.
+    """
     pick = getattr(getattr(edit, "source", None), "step_trace", None)
-    if not callable(pick):
-        return edit
-    edit = copy.copy(edit)
-    edit.source = pick(k)
+    if callable(pick):
+        edit = copy.copy(edit)
+        edit.source = pick(k)
+    positions = getattr(edit, "positions", None)
+    if isinstance(positions, list) and start is not None and length is not None:
+        rows = [p if p < 0 else p - start for p in positions if p < 0 or start <= p < start + length]
+        if not rows:
+            return None
+        if rows != positions:
+            edit = copy.copy(edit)
+            edit.positions = rows
     return edit
 
 
@@ -142,6 +155,7 @@ class StepCapture:
         self.backend = backend
         self.on_step = on_step
         self.count = first
+        self._keep = StepKeep(save)
         self._owner: int | None = None
         self._inside = False
         self._previous: Any = _NO_FORWARD
@@ -177,14 +191,32 @@ class StepCapture:
 
         return forward
 
+    def step_edits(self, k: int, start: int, length: int | None) -> list[Step]:
+        """The capture-time edits of step ``k`` (computing ``length`` positions from ``start``)."""
+        steps = []
+        for site, when, edit in self.edits:
+            if when.contains(k):
+                edit = for_step(edit, k, start, length)
+                if edit is not None:
+                    steps.append(Step(site, edit))
+        return steps
+
+    def keep_at(self, k: int) -> Any:
+        """``save=`` of step ``k``'s capture: the sites kept at every step and those ``tl.at_step`` names at ``k``."""
+        return self._keep.at(k)
+
     def _step(self, args: tuple, kwargs: dict) -> Any:
         k = self.count
         start, length = positions_before(kwargs), input_length(args, kwargs)
+        return self.capture(k, args, kwargs, start, length, self.step_edits(k, start, length))
+
+    def capture(self, k: int, args: tuple, kwargs: dict, start: int, length: int | None, steps: list[Step]) -> Any:
+        """Capture step ``k`` with ``steps`` as its edits; what the model returned."""
         rng = torch.get_rng_state()
-        steps = [Step(site, for_step(edit, k)) for site, when, edit in self.edits if when.contains(k)]
         hooks = self._set_hooks_aside()
         try:
-            trace = _trace(self.model, args, kwargs, save=self.save, intervene=steps or None, backend=self.backend)
+            trace = _trace(self.model, args, kwargs, save=self.keep_at(k), intervene=steps or None,
+                           backend=self.backend)
         except (StepEditShapeError, SiteNotInStepError):
             raise
         except EditNotAppliedError as err:

@@ -194,11 +194,12 @@ def _stand_in_refused(gen: GenerationTrace, cache: Any, stack: str, layer: int, 
     kinds = {type(layers[i]).__name__ for i in range(layer)}
     if not kinds <= set(_ROW_LAYERS):
         return f"cache layers of type {sorted(kinds - set(_ROW_LAYERS))} cannot be filled from the parent's rows"
-    trace = gen.records[first + 1].trace
-    try:
-        trace.module_output(trace.module_call(f"{stack}.{layer - 1}"))
-    except (SiteError, ValueNotSavedError):
-        return f"the parent did not keep the output of {stack}.{layer - 1} (save=)"
+    for k in range(first + 1, len(gen.records)):
+        trace = gen.records[k].trace
+        try:
+            trace.module_output(trace.module_call(f"{stack}.{layer - 1}"))
+        except (SiteError, ValueNotSavedError):
+            return f"the parent did not keep the output of {stack}.{layer - 1} (save=) at step {k}"
     return ""
 
 
@@ -265,15 +266,15 @@ class ReplayingCapture(StepCapture):
         k, plan = self.count, self.plan
         if plan.active and k > plan.first and not plan.same_tokens(args, kwargs):
             plan.active, plan.diverged = False, k
-        edited = any(when.contains(k) for _, when, _ in self.edits)
-        self.kinds[k] = "edited" if plan.active and edited else "regenerated" if not plan.active else "replayed"
-        if edited:
-            return super()._step(args, kwargs)
-        return self._uncaptured(k, args, kwargs, plan.active)
-
-    def _uncaptured(self, k: int, args: tuple, kwargs: dict, replay: bool) -> Any:
-        """Step ``k`` run without a capture (``replay``: blocks below the edit stood in for)."""
         start, length = positions_before(kwargs), input_length(args, kwargs)
+        steps = self.step_edits(k, start, length)
+        self.kinds[k] = "edited" if plan.active and steps else "regenerated" if not plan.active else "replayed"
+        if steps:
+            return self.capture(k, args, kwargs, start, length, steps)
+        return self._uncaptured(k, args, kwargs, start, length, plan.active)
+
+    def _uncaptured(self, k: int, args: tuple, kwargs: dict, start: int, length: int | None, replay: bool) -> Any:
+        """Step ``k`` run without a capture (``replay``: blocks below the edit stood in for)."""
         rng = torch.get_rng_state()
         if replay:
             with self.plan.stand_in(self.model, k, kwargs, start, length or 0):
@@ -281,6 +282,6 @@ class ReplayingCapture(StepCapture):
         else:
             output = self._forward(*args, **kwargs)
         self.count += 1
-        self.on_step(DeferredRecord(self.model, args, kwargs, start, length, rng, output, self.save, self.backend,
-                                    replay))
+        self.on_step(DeferredRecord(self.model, args, kwargs, start, length, rng, output, self.keep_at(k),
+                                    self.backend, replay))
         return output
