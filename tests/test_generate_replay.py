@@ -98,12 +98,15 @@ def test_a_kept_token_is_replayed_from_the_records_and_equals_a_hooked_generate(
     assert record.reused == [0, 1, 2] and record.edited == [3] and record.replayed == [4, 5, 6, 7]
     assert record.regenerated == [] and record.diverged_at is None
     assert f"{stack}.0..0 read from the parent's records" in record.layers
-    assert lower.n == 1  # block 0 ran at the edited step only: replayed steps read it from the parent
+    assert lower.n == 0  # block 0 never ran: every step from 3 on read it from the parent
     assert torch.equal(fork.sequences, want.sequences) and torch.equal(fork.sequences, gen.sequences)
     for k, step in enumerate(fork.steps):
         assert torch.allclose(step.logits, want.logits[k], atol=1e-6, rtol=0), k
     assert not torch.equal(fork.steps[6].logits, gen.steps[6].logits)  # the changed KV rows were read
     assert fork.steps[5].replayed and not fork.steps[3].replayed
+    # the edited step's trace is the parent's with the edit pushed down it (sliced replay)
+    assert [e.how for e in fork.steps[3].trace.edits] == ["replayed"]
+    assert torch.allclose(fork.read(tl.at_step(block, 3)), seen[block][3], atol=1e-6, rtol=0)
     # a replayed step's trace is captured when read: its values are what the hooks saw at that call
     for k in (5, 7):
         assert torch.allclose(fork.read(tl.at_step(block, k)), seen[block][k], atol=1e-6, rtol=0)
@@ -129,7 +132,7 @@ def test_a_changed_token_regenerates_for_real_from_there(lm, cache):
     assert record.edited == [2] and record.replayed == list(range(3, d + 1))
     assert record.regenerated == list(range(d + 1, n)) and record.regenerated  # the text did change
     assert f"from step {d + 1} on, regenerated" in record.how
-    assert lower.n == 1 + len(record.regenerated)  # block 0 ran again once the token differed
+    assert lower.n == len(record.regenerated)  # block 0 ran again once the token differed, not before
     for k, step in enumerate(fork.steps):
         assert torch.allclose(step.logits, want.logits[k], atol=1e-6, rtol=0), k
     last = n - 1
@@ -236,6 +239,6 @@ def test_a_parent_that_kept_no_block_output_replays_every_block_and_says_why(tin
     assert torch.equal(fork.sequences, want.sequences)
     assert fork.record.replayed == [3, 4, 5] and lower.n == 4  # every block ran at every step
     assert fork.record.layers == ("every block recomputed (the parent did not keep the output of transformer.h.0 "
-                                  "(save=) at step 3)")
+                                  "(save=) at step 2)")
     assert torch.allclose(fork.read(tl.at_step("transformer.h.1", 4)), seen["transformer.h.1"][4], atol=1e-6,
                           rtol=0)

@@ -213,10 +213,17 @@ class StepCapture:
     def capture(self, k: int, args: tuple, kwargs: dict, start: int, length: int | None, steps: list[Step]) -> Any:
         """Capture step ``k`` with ``steps`` as its edits; what the model returned."""
         rng = torch.get_rng_state()
+        trace = self.capture_trace(k, args, kwargs, start, length, steps, self.keep_at(k), self.backend)
+        self.count += 1
+        self.on_step(StepRecord(trace, start, length, rng))
+        return trace.raw_output
+
+    def capture_trace(self, k: int, args: tuple, kwargs: dict, start: int, length: int | None, steps: list[Step],
+                      save: Any, backend: str | None) -> Any:
+        """The trace of step ``k``'s model call with ``steps`` as its edits (errors named with the step)."""
         hooks = self._set_hooks_aside()
         try:
-            trace = _trace(self.model, args, kwargs, save=self.keep_at(k), intervene=steps or None,
-                           backend=self.backend)
+            return _trace(self.model, args, kwargs, save=save, intervene=steps or None, backend=backend)
         except (StepEditShapeError, SiteNotInStepError):
             raise
         except EditNotAppliedError as err:
@@ -227,9 +234,6 @@ class StepCapture:
                                      **err.fields) from err
         finally:
             self._restore_hooks(hooks)
-        self.count += 1
-        self.on_step(StepRecord(trace, start, length, rng))
-        return trace.raw_output
 
     def _set_hooks_aside(self) -> dict[str, Any]:
         return set_hooks_aside(self.model)

@@ -1,12 +1,14 @@
-"""``gen.fork().do(tl.at_step(site, k), edit)``: a generation edited after the fact, by re-execution.
+"""``gen.fork().do(tl.at_step(site, k), edit)``: a generation edited after the fact, replayed.
 
-The steps before the first step the edit reaches are unchanged, so the fork shares them with
-its parent. From that step on the model runs again for real: Hugging Face ``generate`` resumes
-from a copy of the parent's KV cache cropped to what step ``k`` received (the prompt is not
-re-read), with the random number generator as it was at step ``k`` (a sampled token is redrawn
-from the same state). A decoding loop, a cache that cannot be cropped, or an edit that reaches
-step 0 regenerates from the prompt. ``fork.record`` says which steps were reused and which
-re-run, how, and where the text first diverged from the parent's.
+The steps before the first step the edit reaches are unchanged, so the fork shares them with its
+parent. Step ``k`` runs with the edit: Hugging Face ``generate`` resumes from a copy of the parent's
+KV cache cut back to what step ``k`` received (the prompt is not read again), with the random
+number generator as it was at step ``k``. The steps after it are replayed from the parent's records
+(``generation.replay``: the blocks below the edited one are read, not run) while each step's token
+is the parent's, and regenerated for real from the first token that differs. Where replay cannot
+apply (a decoding loop, no KV cache, a cache that cannot be cut back) the fork re-executes every
+step from ``k`` (or from the prompt) and says why. ``fork.record`` says which steps were reused,
+replayed, edited and regenerated, and where the text first diverged from the parent's.
 """
 
 from __future__ import annotations

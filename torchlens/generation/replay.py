@@ -25,8 +25,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..api import _trace
 from ..core.records import ModuleCall
-from ..errors import SiteError, ValueNotSavedError
+from ..core.steps import Step
+from ..errors import SiteError, TorchLensError, ValueNotSavedError
 from ._steps import (
     StepCapture,
     cache_at,
@@ -56,11 +58,17 @@ class ReplayPlan:
         layer: the first block the edit changes; blocks ``< layer`` are read from the parent.
         why: why blocks below the edit are nevertheless run ("" when they are read).
         parent: the generation forked (its tokens are the guard, its records the values read).
+        hooked_edit: step ``first`` runs uncaptured too, the edit applied by a module hook.
     """
 
-    def __init__(self, parent: GenerationTrace, first: int, stack: str | None, layer: int, why: str) -> None:
+    def __init__(self, parent: GenerationTrace, first: int, stack: str | None, layer: int, why: str,
+                 hooked_edit: bool = False) -> None:
         self.parent = parent
         self.first = first
+        # the edit is at a module's output and the parent had no edit at step ``first``: that step runs
+        # its blocks from ``layer`` with the edit applied by a module hook, and its trace is the parent's
+        # step-``first`` trace with the edit replayed down it (sliced replay), made when first read
+        self.hooked_edit = hooked_edit
         self.stack = stack
         self.layer = layer
         self.why = why
@@ -127,8 +135,8 @@ _NONE = object()
 
 
 def plan_replay(gen: GenerationTrace, inner: Any, first: int) -> tuple[ReplayPlan | None, str]:
-    """The replay of ``gen``'s steps after an edit at ``inner`` reaching step ``first`` first;
-    ``(None, why)`` when the fork must re-execute instead."""
+    """The replay of ``gen``'s steps after an edit at ``inner`` (a bound site) reaching step ``first``
+    first; ``(None, why)`` when the fork must re-execute instead."""
     run = gen.run
     if run.loop is not None:
         return None, "a decoding loop runs from its inputs, not from a cache"
@@ -144,7 +152,16 @@ def plan_replay(gen: GenerationTrace, inner: Any, first: int) -> tuple[ReplayPla
         why = _stand_in_refused(gen, parent_cache, stack, layer, first)
         if why:
             layer = 0
-    return ReplayPlan(gen, first, stack, layer, why), ""
+    hooked = _module_site(gen.records[first].trace, inner) and not any(when.contains(first) for _, when, _ in gen.edits)
+    return ReplayPlan(gen, first, stack, layer, why, hooked), ""
+
+
+def _module_site(trace: Any, inner: Any) -> bool:
+    """Whether ``inner`` names module outputs only (module hooks can apply an edit there)."""
+    try:
+        return trace.bind(inner, strings_as_modules=True).module_paths() is not None
+    except SiteError:
+        return False
 
 
 def _edited_layer(gen: GenerationTrace, inner: Any, first: int) -> tuple[str | None, int, str]:
@@ -194,7 +211,7 @@ def _stand_in_refused(gen: GenerationTrace, cache: Any, stack: str, layer: int, 
     kinds = {type(layers[i]).__name__ for i in range(layer)}
     if not kinds <= set(_ROW_LAYERS):
         return f"cache layers of type {sorted(kinds - set(_ROW_LAYERS))} cannot be filled from the parent's rows"
-    for k in range(first + 1, len(gen.records)):
+    for k in range(first, len(gen.records)):
         trace = gen.records[k].trace
         try:
             trace.module_output(trace.module_call(f"{stack}.{layer - 1}"))
@@ -205,11 +222,14 @@ def _stand_in_refused(gen: GenerationTrace, cache: Any, stack: str, layer: int, 
 
 class DeferredRecord:
     """A step a fork ran without capturing it: its positions, RNG state and output, and a trace
-    captured on demand (that one step run again from a copy of the fork's cache cut back to it).
+    made the first time it is asked for: ``replay_from`` (a trace and an edit) by pushing the edit
+    down that trace (sliced replay), otherwise (or if that cannot reproduce it) by running that one
+    step again, with its edits ``steps``, from a copy of the fork's cache cut back to it.
     ``replayed``: computed from the parent's records (else the whole model ran, regenerating)."""
 
     def __init__(self, model: nn.Module, args: tuple, kwargs: dict, start: int, length: int | None,
-                 rng_state: torch.Tensor, output: Any, keep: Any, backend: str | None, replayed: bool) -> None:
+                 rng_state: torch.Tensor, output: Any, keep: Any, backend: str | None, replayed: bool,
+                 steps: list[Step] | None = None, replay_from: Any = None) -> None:
         self.replayed = replayed
         self.model = model
         self.args = args
@@ -220,6 +240,8 @@ class DeferredRecord:
         self.output = output
         self._keep = keep
         self._backend = backend
+        self._steps = steps
+        self._replay_from = replay_from
         self._trace: Any = None
 
     @property
@@ -232,17 +254,22 @@ class DeferredRecord:
 
     @property
     def trace(self) -> Any:
-        """The step's trace, captured the first time it is asked for."""
+        """The step's trace, made the first time it is asked for."""
+        if self._trace is None and self._replay_from is not None:
+            trace, step = self._replay_from
+            try:
+                self._trace = trace.fork().do(step.site, step.edit, replay="strict")
+            except TorchLensError:  # a guard or an unkept value: run the step again instead
+                self._replay_from = None
         if self._trace is None:
-            from ..api import _trace
-
             kwargs = dict(self._kwargs)
             key, cache = cache_of(kwargs)
             kwargs[key] = cache_at(cache, self.start)
             held = set_hooks_aside(self.model)
             try:
                 with torch.no_grad():
-                    self._trace = _trace(self.model, self.args, kwargs, save=self._keep, backend=self._backend)
+                    self._trace = _trace(self.model, self.args, kwargs, save=self._keep, intervene=self._steps or None,
+                                         backend=self._backend)
             finally:
                 restore_hooks(self.model, held)
         return self._trace
@@ -269,9 +296,23 @@ class ReplayingCapture(StepCapture):
         start, length = positions_before(kwargs), input_length(args, kwargs)
         steps = self.step_edits(k, start, length)
         self.kinds[k] = "edited" if plan.active and steps else "regenerated" if not plan.active else "replayed"
+        if steps and k == plan.first and plan.hooked_edit:
+            return self._hooked_edit(k, args, kwargs, start, length, steps)
         if steps:
             return self.capture(k, args, kwargs, start, length, steps)
         return self._uncaptured(k, args, kwargs, start, length, plan.active)
+
+    def _hooked_edit(self, k: int, args: tuple, kwargs: dict, start: int, length: int | None,
+                     steps: list[Step]) -> Any:
+        """The edited step, its blocks from ``plan.layer`` run with the edit applied by module hooks
+        (the rest stood in for); its trace is the parent's with the edit replayed down it, when read."""
+        rng = torch.get_rng_state()
+        with self.plan.stand_in(self.model, k, kwargs, start, length or 0):
+            trace = self.capture_trace(k, args, kwargs, start, length, steps, [s.site for s in steps], "hooks")
+        self.count += 1
+        self.on_step(DeferredRecord(self.model, args, kwargs, start, length, rng, trace.raw_output, self.keep_at(k),
+                                    self.backend, False, steps, (self.plan.parent.records[k].trace, steps[0])))
+        return trace.raw_output
 
     def _uncaptured(self, k: int, args: tuple, kwargs: dict, start: int, length: int | None, replay: bool) -> Any:
         """Step ``k`` run without a capture (``replay``: blocks below the edit stood in for)."""

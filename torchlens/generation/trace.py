@@ -325,14 +325,17 @@ class GenerationTrace:
 
 
 class GenerationFork(GenerationTrace):
-    """A branch of a generation; ``do`` edits it by re-running the steps the edit reaches and those after.
+    """A branch of a generation; ``do`` edits it at some steps and replays the steps after them.
 
-    The steps before the first step an edit reaches are the parent's (shared, not re-run). From
-    there the model runs again, for real: Hugging Face ``generate`` resumes from a copy of the
-    parent's KV cache cropped to what that step received, with the random number generator as it
-    was then (a sampled token is redrawn from the same state). A decoding loop, a cache that
-    cannot be cropped, or an edit that reaches step 0 regenerates from the prompt. ``record``
-    says which steps were reused and which re-run, how, and where the text first diverged.
+    The steps before the first step an edit reaches are the parent's (shared, not re-run). That
+    step runs with the edit, resuming Hugging Face ``generate`` from a copy of the parent's KV cache
+    cut back to it, with the random number generator as it was then. Each later step whose input
+    token is the parent's is replayed: only the blocks from the edited one on run, on its new
+    position, reading the changed KV rows; the blocks below are read from the parent's records.
+    From the first step whose token differs, the whole model runs again, for real. A decoding
+    loop, no KV cache or a cache that cannot be cut back re-executes instead. ``record`` (a
+    :class:`~torchlens.generation.fork.ForkRecord`) says which steps were reused, replayed, edited
+    and regenerated, which blocks ran, why replay did not apply, and where the text first diverged.
     """
 
     def __init__(self, parent: GenerationTrace) -> None:
@@ -343,10 +346,11 @@ class GenerationFork(GenerationTrace):
 
     def do(self, site: Any, edit: Any) -> GenerationFork:
         """Apply ``edit`` at ``site`` (a plain site: every step; ``tl.at_step(site, k | range | list)``)
-        and re-run the generation from the first step it reaches.
+        and recompute the generation from the first step it reaches (replayed while the tokens stay
+        the parent's, regenerated from the first that differs).
 
         Returns:
-            this fork, for chaining; ``fork.record`` describes what was re-run.
+            this fork, for chaining; ``fork.record`` describes what was replayed and re-run.
 
         Raises:
             StepNotFoundError: the edit's first step is beyond this generation's steps.
