@@ -5,10 +5,12 @@ A 16-token prompt, 32 new tokens, greedy. Cases, each a ratio to a plain ``model
 alternately in the same process:
 - ``reads_3_blocks``: the outputs of three blocks at every step (``save=`` them, ``backend="hooks"``).
 - ``every_op``: an every-op trace of every step.
-- ``fork_step16``: ``gen.fork().do(tl.at_step(block, 16), edit)`` on ``transformer.h.6``: step 16 captured
-  with the edit, the steps after it replayed from the parent's records (blocks 6-11 run, 0-5 read) while the
-  token is the parent's, regenerated for real from the first token that differs; as a ratio to a fresh
-  hooked ``generate`` with the same edit. ``_same_token``: a small edit, every token kept; ``_token_changes``:
+- ``fork_step16``: ``gen.fork().do(tl.at_step(block, 16), edit)`` on ``transformer.h.6``: step 16 and the
+  steps after it replayed from the parent's records (blocks 6-11 and the head run, blocks 0-5 read; the edit
+  applied by a module hook at step 16) while the token is the parent's, regenerated for real (uncaptured,
+  traces made when read) from the first token that differs; as a ratio to a fresh hooked ``generate`` with
+  the same edit. Nearly all of a replayed step is the model's own compute: on one thread the head's weight
+  (154 MB) is read once per step like those of 5.5 blocks, so a step from block 6 costs ~0.65 of a full one. ``_same_token``: a small edit, every token kept; ``_token_changes``:
   a large one, the token changes at step 17.
 - ``memory_256``: a 256-token generation with ``save=`` one block: the bytes its step traces hold
   (values and the model outputs they keep) next to what an unbounded every-op step holds.
