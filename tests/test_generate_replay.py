@@ -242,3 +242,27 @@ def test_a_parent_that_kept_no_block_output_replays_every_block_and_says_why(tin
                                   "(save=) at step 2)")
     assert torch.allclose(fork.read(tl.at_step("transformer.h.1", 4)), seen["transformer.h.1"][4], atol=1e-6,
                           rtol=0)
+
+
+# an edit at step 2 of the norm before block 1's attention that keeps the token of step 2 but changes that of
+# step 3 (its KV row changes what step 3 attends to): (scale, vector seed), found once by hand
+LATER_CHANGE = {"tiny_gpt2": (100.0, 3), "tiny_llama": (4.0, 5)}
+
+
+def test_a_token_that_changes_after_replayed_steps_trips_the_guard_there(lm, request):
+    model, ids, stack, below, norm = lm
+    scale, seed = LATER_CHANGE[request.node.callspec.params["lm"]]
+    gen = tl.generate(model, ids, max_new_tokens=8, do_sample=False)
+    vector = vector_for(model, scale, seed=seed)
+    want, seen = hooked(model, {norm: (vector, range(2, 3))}, reads=(f"{stack}.0",), input_ids=ids, max_new_tokens=8,
+                        do_sample=False)
+    with Calls(model, below) as lower:
+        fork = gen.fork().do(tl.at_step(norm, 2), tl.add(vector))
+    record = fork.record
+    assert torch.equal(fork.sequences, want.sequences) and record.diverged_step == 3
+    assert record.edited == [2] and record.replayed == [3] and record.regenerated == [4, 5, 6, 7]
+    assert lower.n == 4  # block 0 read from the parent at steps 2 and 3, run at 4..7
+    for k, step in enumerate(fork.steps):
+        assert torch.allclose(step.logits, want.logits[k], atol=1e-6, rtol=0), k
+    # the regenerated steps read block 0's KV rows that replay copied from the parent
+    assert torch.allclose(fork.read(tl.at_step(f"{stack}.0", 6)), seen[f"{stack}.0"][6], atol=1e-6, rtol=0)
