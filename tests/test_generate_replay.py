@@ -266,3 +266,15 @@ def test_a_token_that_changes_after_replayed_steps_trips_the_guard_there(lm, req
         assert torch.allclose(step.logits, want.logits[k], atol=1e-6, rtol=0), k
     # the regenerated steps read block 0's KV rows that replay copied from the parent
     assert torch.allclose(fork.read(tl.at_step(f"{stack}.0", 6)), seen[f"{stack}.0"][6], atol=1e-6, rtol=0)
+
+
+def test_showing_a_fork_captures_none_of_its_replayed_steps(tiny_gpt2):
+    model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    gen = tl.generate(model, ids, max_new_tokens=6, do_sample=False)
+    fork = gen.fork().do(tl.at_step("transformer.h.1.ln_1", 2), tl.add(vector_for(model, 1e-3)))
+    html, text = fork._repr_html_(), repr(fork.steps[4])
+    assert html.count("edited, captured when read") == 1 and html.count("replayed, captured when read") == 3
+    assert "replayed, captured when read" in text
+    assert not any(step._record.materialized for step in fork.steps[2:])
+    assert len(fork.steps[4].trace.ops) == len(gen.steps[4].trace.ops)  # reading it captures it
+    assert "captured when read" not in repr(fork.steps[4])

@@ -225,12 +225,14 @@ class DeferredRecord:
     made the first time it is asked for: ``replay_from`` (a trace and an edit) by pushing the edit
     down that trace (sliced replay), otherwise (or if that cannot reproduce it) by running that one
     step again, with its edits ``steps``, from a copy of the fork's cache cut back to it.
-    ``replayed``: computed from the parent's records (else the whole model ran, regenerating)."""
+    ``kind`` is the fork record's word for the step: "replayed" (computed from the parent's records),
+    "edited" (the edited step, run from the edited block) or "regenerated" (the whole model ran)."""
 
     def __init__(self, model: nn.Module, args: tuple, kwargs: dict, start: int, length: int | None,
-                 rng_state: torch.Tensor, output: Any, keep: Any, backend: str | None, replayed: bool,
+                 rng_state: torch.Tensor, output: Any, keep: Any, backend: str | None, kind: str,
                  steps: list[Step] | None = None, replay_from: Any = None) -> None:
-        self.replayed = replayed
+        self.kind = kind
+        self.replayed = kind == "replayed"
         self.model = model
         self.args = args
         self._kwargs = kwargs
@@ -311,7 +313,7 @@ class ReplayingCapture(StepCapture):
             trace = self.capture_trace(k, args, kwargs, start, length, steps, [s.site for s in steps], "hooks")
         self.count += 1
         self.on_step(DeferredRecord(self.model, args, kwargs, start, length, rng, trace.raw_output, self.keep_at(k),
-                                    self.backend, False, steps, (self.plan.parent.records[k].trace, steps[0])))
+                                    self.backend, "edited", steps, (self.plan.parent.records[k].trace, steps[0])))
         return trace.raw_output
 
     def _uncaptured(self, k: int, args: tuple, kwargs: dict, start: int, length: int | None, replay: bool) -> Any:
@@ -324,5 +326,5 @@ class ReplayingCapture(StepCapture):
             output = self._forward(*args, **kwargs)
         self.count += 1
         self.on_step(DeferredRecord(self.model, args, kwargs, start, length, rng, output, self.keep_at(k),
-                                    self.backend, replay))
+                                    self.backend, "replayed" if replay else "regenerated"))
         return output

@@ -144,7 +144,7 @@ class GenerationStep:
         shown = "" if token is None else f", token {token.tolist()}"
         where = f"positions {self._start}..{self._start + self._length - 1}" if self._length else "positions unknown"
         deferred = not getattr(self._record, "materialized", True)  # its trace is not captured yet: not now either
-        ops = ("replayed" if self.replayed else "not captured yet") if deferred else f"{len(self.trace.ops)} ops"
+        ops = f"{self._record.kind}, captured when read" if deferred else f"{len(self.trace.ops)} ops"
         return f"<GenerationStep {self.index}: {where}{shown}, {ops}>"
 
 
@@ -311,9 +311,13 @@ class GenerationTrace:
         for step in self.steps:
             token = step.token
             where = "?" if step._length is None else f"{step.positions.start}..{step.positions.stop - 1}"
+            if getattr(step._record, "materialized", True):
+                counts = (f"<td>{len(step.trace.ops)}</td><td>{len(step.trace.calls)}</td>"
+                          f"<td>{len(step.trace.edits)}</td>")
+            else:  # a fork's step not captured yet: showing it does not capture it
+                counts = f"<td colspan=3>{step._record.kind}, captured when read</td>"
             rows.append(f"<tr><td>{step.index}</td><td>{where}</td><td>{'-' if token is None else word(token)}</td>"
-                        f"<td>{len(step.trace.ops)}</td><td>{len(step.trace.calls)}</td>"
-                        f"<td>{len(step.trace.edits)}</td></tr>")
+                        f"{counts}</tr>")
         head = "".join(f"<th>{h}</th>" for h in ("step", "positions", "token", "ops", "module calls", "edits"))
         return (f'<div class="tl-box"><b>GenerationTrace</b>: {len(self.steps)} steps, prompt '
                 f"{self.prompt_length} tokens<p>{tokens}</p><details><summary>steps</summary><table><thead><tr>"
