@@ -278,3 +278,28 @@ def test_showing_a_fork_captures_none_of_its_replayed_steps(tiny_gpt2):
     assert not any(step._record.materialized for step in fork.steps[2:])
     assert len(fork.steps[4].trace.ops) == len(gen.steps[4].trace.ops)  # reading it captures it
     assert "captured when read" not in repr(fork.steps[4])
+
+
+def test_an_edit_of_the_last_step_runs_it_from_the_edited_block(tiny_llama):
+    model, ids = tiny_llama.model, tiny_llama.args[0]
+    gen = tl.generate(model, ids, max_new_tokens=5, do_sample=False)
+    vector = vector_for(model, 3.0)
+    with Calls(model, "model.layers.0.self_attn") as lower:
+        fork = gen.fork().do(tl.at_step("model.layers.1", 4), tl.add(vector))
+    want, _ = hooked(model, {"model.layers.1": (vector, range(4, 5))}, input_ids=ids, max_new_tokens=5,
+                     do_sample=False)
+    assert torch.equal(fork.sequences, want.sequences) and lower.n == 0
+    assert fork.record.edited == [4] and fork.record.replayed == [] and fork.record.regenerated == []
+    assert torch.allclose(fork.steps[4].logits, want.logits[4], atol=1e-6, rtol=0)
+
+
+def test_an_edit_that_does_not_fit_a_step_is_refused_and_the_model_left_clean(tiny_gpt2):
+    model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    gen = tl.generate(model, ids, max_new_tokens=6, do_sample=False)
+    before = hook_state(model)
+    with pytest.raises(tl.errors.StepEditShapeError, match="at step 3"):
+        gen.fork().do(tl.at_step("transformer.h.1", 3), tl.add(torch.ones(5)))
+    assert_model_clean(model, before)
+    assert all("forward" not in block.__dict__ for block in model.transformer.h)  # no block left stood in for
+    fork = gen.fork().do(tl.at_step("transformer.h.1", 3), tl.add(vector_for(model, 1e-3)))  # it still forks
+    assert fork.record.edited == [3] and fork.record.fallback is None

@@ -142,8 +142,6 @@ def plan_replay(gen: GenerationTrace, inner: Any, first: int) -> tuple[ReplayPla
         return None, "a decoding loop runs from its inputs, not from a cache"
     if gen.sequences is None:
         return None, "the parent's decoding returned no token ids to guard against"
-    if first + 1 >= len(gen.records):
-        return None, "the edit reaches the last step: no step follows it to replay"
     last_key, parent_cache = cache_of(gen.records[-1].kwargs)
     if parent_cache is None or not callable(getattr(parent_cache, "update", None)):
         return None, "the generation ran without a KV cache (each step recomputes every position)"
