@@ -210,6 +210,8 @@ def test_a_fork_of_a_fork_replays_from_the_first_forks_records(tiny_llama):
                         reads=("model.layers.1",), input_ids=ids, max_new_tokens=7, do_sample=False)
     assert torch.equal(fork.sequences, want.sequences)
     assert fork.record.reused == [0, 1, 2, 3] and fork.record.edited == [4] and fork.record.replayed == [5, 6]
+    # the second do read block 0 through the first do's steps from gen's records: no step was captured to read it
+    assert not any(step._record.materialized for step in fork.steps[2:])
     for k, step in enumerate(fork.steps):
         assert torch.allclose(step.logits, want.logits[k], atol=1e-6, rtol=0), k
     assert torch.allclose(fork.read(tl.at_step("model.layers.1", 3)), seen["model.layers.1"][3], atol=1e-6, rtol=0)

@@ -101,9 +101,7 @@ class ReplayPlan:
         if self.stack is None or self.layer == 0:
             yield
             return
-        record = self.parent.records[step]
-        trace = record.trace
-        below = trace.module_output(trace.module_call(f"{self.stack}.{self.layer - 1}"))
+        below = block_output(self.parent.records[step], self.stack, self.layer - 1)
         _, cache = cache_of(kwargs)
         _, parent_cache = cache_of(self.parent.records[-1].kwargs)
         blocks = model.get_submodule(self.stack)
@@ -210,12 +208,20 @@ def _stand_in_refused(gen: GenerationTrace, cache: Any, stack: str, layer: int, 
     if not kinds <= set(_ROW_LAYERS):
         return f"cache layers of type {sorted(kinds - set(_ROW_LAYERS))} cannot be filled from the parent's rows"
     for k in range(first, len(gen.records)):
-        trace = gen.records[k].trace
         try:
-            trace.module_output(trace.module_call(f"{stack}.{layer - 1}"))
+            block_output(gen.records[k], stack, layer - 1)
         except (SiteError, ValueNotSavedError):
             return f"the parent did not keep the output of {stack}.{layer - 1} (save=) at step {k}"
     return ""
+
+
+def block_output(record: Any, stack: str, i: int) -> Any:
+    """What block ``i`` of ``stack`` returned at a step: read from the record it was stood in from
+    when the step did not run it (a fork's step), so no trace is made to read it."""
+    while isinstance(record, DeferredRecord) and record.source is not None and i < record.stood_in:
+        record = record.source
+    trace = record.trace
+    return trace.module_output(trace.module_call(f"{stack}.{i}"))
 
 
 class DeferredRecord:
@@ -228,8 +234,11 @@ class DeferredRecord:
 
     def __init__(self, model: nn.Module, args: tuple, kwargs: dict, start: int, length: int | None,
                  rng_state: torch.Tensor, output: Any, keep: Any, backend: str | None, kind: str,
-                 steps: list[Step] | None = None, replay_from: Any = None) -> None:
+                 steps: list[Step] | None = None, replay_from: Any = None, source: Any = None,
+                 stood_in: int = 0) -> None:
         self.kind = kind
+        self.source = source  # the parent's record of this step, whose blocks below ``stood_in`` it read
+        self.stood_in = stood_in
         self.replayed = kind == "replayed"
         self.model = model
         self.args = args
@@ -311,7 +320,8 @@ class ReplayingCapture(StepCapture):
             trace = self.capture_trace(k, args, kwargs, start, length, steps, [s.site for s in steps], "hooks")
         self.count += 1
         self.on_step(DeferredRecord(self.model, args, kwargs, start, length, rng, trace.raw_output, self.keep_at(k),
-                                    self.backend, "edited", steps, (self.plan.parent.records[k].trace, steps[0])))
+                                    self.backend, "edited", steps, (self.plan.parent.records[k].trace, steps[0]),
+                                    *self._stood_in(k)))
         return trace.raw_output
 
     def _uncaptured(self, k: int, args: tuple, kwargs: dict, start: int, length: int | None, replay: bool) -> Any:
@@ -324,5 +334,11 @@ class ReplayingCapture(StepCapture):
             output = self._forward(*args, **kwargs)
         self.count += 1
         self.on_step(DeferredRecord(self.model, args, kwargs, start, length, rng, output, self.keep_at(k),
-                                    self.backend, "replayed" if replay else "regenerated"))
+                                    self.backend, "replayed" if replay else "regenerated", None, None,
+                                    *(self._stood_in(k) if replay else (None, 0))))
         return output
+
+    def _stood_in(self, k: int) -> tuple[Any, int]:
+        """The parent's record of step ``k`` and how many blocks this step read from it."""
+        plan = self.plan
+        return (plan.parent.records[k], plan.layer) if plan.stack is not None and plan.layer > 0 else (None, 0)
