@@ -131,7 +131,7 @@ def test_a_changed_token_regenerates_for_real_from_there(lm, cache):
     assert not torch.equal(fork.sequences[:, p + d], gen.sequences[:, p + d])
     assert record.edited == [2] and record.replayed == list(range(3, d + 1))
     assert record.regenerated == list(range(d + 1, n)) and record.regenerated  # the text did change
-    assert f"from step {d + 1} on, regenerated" in record.how
+    assert f"step {d + 1} reads a token the parent did not choose: regenerated from there on" in record.how
     assert lower.n == len(record.regenerated)  # block 0 ran again once the token differed, not before
     for k, step in enumerate(fork.steps):
         assert torch.allclose(step.logits, want.logits[k], atol=1e-6, rtol=0), k

@@ -103,7 +103,7 @@ def rerun(gen: GenerationTrace, triple: tuple[Any, StepSet, Any]) -> tuple[list[
     else:
         how = f"replayed from step {first}"
         if plan.diverged is not None:
-            how += f"; the token differs from step {plan.diverged} on, regenerated from there"
+            how += f"; step {plan.diverged} reads a token the parent did not choose: regenerated from there on"
         record = ForkRecord(first, list(range(start)), [k for k in steps if kinds.get(k) == "regenerated"], how,
                             position, None if position is None else position - gen.prompt_length,
                             replayed=[k for k in steps if kinds.get(k) == "replayed"],
