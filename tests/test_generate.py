@@ -424,13 +424,75 @@ def test_module_reads_with_a_module_engine_keep_no_op_graph(lm):
         assert torch.allclose(step.logits.float(), want.logits[k], atol=1e-6, rtol=0)
 
 
-def test_save_with_a_step_is_refused(tiny_gpt2):
+def test_save_at_steps_keeps_the_site_at_those_steps_only(lm):
+    model, ids, sites = lm
+    gen = tl.generate(model, ids, max_new_tokens=6, do_sample=False,
+                      save=[tl.at_step(sites[0], [1, 4]), tl.at_step(sites[1], slice(3, None))])
+    _, seen = hooked_generate(model, sites[0], input_ids=ids, max_new_tokens=6, do_sample=False)
+    _, seen_inner = hooked_generate(model, sites[1], input_ids=ids, max_new_tokens=6, do_sample=False)
+    for k, step in enumerate(gen.steps):
+        kept = {op.label for op in step.trace.ops if op.saved and not op.is_input}
+        want = set()
+        for site, steps in ((sites[0], (1, 4)), (sites[1], range(3, 6))):
+            if k in steps:
+                call = step.trace.module_call(site)
+                want |= {step.trace.ops[r.index].label for r in call.out_refs if r is not None}
+        assert kept == want, k
+    assert torch.equal(gen.read(tl.at_step(sites[0], 4)), seen[4])
+    inner = gen.read(tl.at_step(sites[1], 5))  # a module returning a tuple (attention: output, weights)
+    assert torch.equal(inner[0] if isinstance(inner, tuple) else inner, seen_inner[5])
+    with pytest.raises(tl.errors.ValueNotSavedError):
+        gen.read(tl.at_step(sites[0], 2))
+
+
+def test_save_at_a_step_from_the_end_or_beyond_the_steps_is_refused(tiny_gpt2):
     model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
-    with pytest.raises(tl.errors.InvalidArgumentError, match="every step"):
-        tl.generate(model, ids, max_new_tokens=2, save=tl.at_step("transformer.h.0", 1))
+    before = hook_state(model)
+    with pytest.raises(tl.errors.InvalidArgumentError, match="count from 0"):
+        tl.generate(model, ids, max_new_tokens=2, save=tl.at_step("transformer.h.0", -1))
+    with pytest.raises(StepNotFoundError, match="at most 2 step"):
+        tl.generate(model, ids, max_new_tokens=2, save=tl.at_step("transformer.h.0", 5))
+    assert_model_clean(model, before)
 
 
-# -- step 5: a fork of a step-k edit, by re-execution -----------------------------------------
+@pytest.mark.parametrize("cached", [True, False], ids=["kv_cache", "no_cache"])
+def test_an_edit_at_an_absolute_position_applies_where_that_position_is_computed(tiny_gpt2, cached):
+    model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    vector = torch.full((32,), 3.0)
+    p = ids.shape[1] + 2  # the token chosen at step 2, computed at step 3 with a cache
+    gen = tl.generate(model, ids, max_new_tokens=6, do_sample=False, use_cache=cached,
+                      intervene=[("transformer.h.1", tl.add(vector, positions=[p]))])
+    calls, starts = [0], []
+
+    def count(m, a, k, o):
+        calls[0] += 1
+
+    def pre(m, a, k):
+        cache = k.get("cache", k.get("past_key_values"))
+        starts.append(cache.get_seq_length() if cached and cache is not None else 0)
+
+    def edit(m, i, o):
+        row = p - starts[-1]
+        if 0 <= row < o.shape[1]:
+            o = o.clone()
+            o[:, row] += vector
+            return o
+        return None
+
+    handles = [model.register_forward_pre_hook(pre, with_kwargs=True),
+               model.register_forward_hook(count, with_kwargs=True),
+               model.transformer.h[1].register_forward_hook(edit)]
+    try:
+        want = model.generate(ids, max_new_tokens=6, do_sample=False, use_cache=cached)
+    finally:
+        for h in handles:
+            h.remove()
+    assert torch.equal(gen.sequences, want)
+    edited = [k for k, step in enumerate(gen.steps) if step.trace.edits]
+    assert edited == ([3] if cached else [3, 4, 5])  # with a cache one step computes p; without, every later one
+
+
+# -- step 5: a fork of a step-k edit, replayed (test_generate_replay.py) -----------------------------------------
 
 
 def hooked_edits(model, edits: dict[str, tuple[Callable[[Any], Any], range]], **kwargs):
@@ -465,8 +527,9 @@ def test_a_fork_of_a_step_k_edit_resumes_from_the_cache_and_equals_a_hooked_gene
     p = ids.shape[1]
     assert [s.positions for s in fork.steps] == [range(0, p)] + [range(p + k - 1, p + k) for k in range(1, 8)]
     record = fork.record
-    assert record.reused == [0, 1, 2] and record.regenerated == [3, 4, 5, 6, 7]
-    assert record.how.startswith("resumed at step 3")
+    assert record.reused == [0, 1, 2] and record.edited == [3] and record.fallback is None
+    assert sorted(record.replayed + record.regenerated) == [4, 5, 6, 7]
+    assert record.how.startswith("replayed from step 3")
     differs = (want.sequences != gen.sequences)[0].nonzero()[0].item()
     assert record.diverged_at == differs and record.diverged_step == differs - p
     assert fork.steps[1].trace is gen.steps[1].trace  # shared, not re-run
@@ -482,7 +545,8 @@ def test_a_fork_that_keeps_every_token_says_the_text_did_not_diverge(tiny_llama)
     want = hooked_edits(model, {"model.layers.1": (add_first(small), range(2, 3))}, input_ids=ids, max_new_tokens=6,
                         do_sample=False, output_logits=True, return_dict_in_generate=True)
     assert torch.equal(fork.sequences, gen.sequences) and torch.equal(fork.sequences, want.sequences)
-    assert fork.record.diverged_at is None and fork.record.regenerated == [2, 3, 4, 5]
+    assert fork.record.diverged_at is None and fork.record.edited == [2] and fork.record.replayed == [3, 4, 5]
+    assert fork.record.regenerated == []
     assert not torch.equal(fork.steps[2].logits, gen.steps[2].logits)  # the edit did land
     for k, step in enumerate(fork.steps):
         assert torch.allclose(step.logits, want.logits[k], atol=1e-6, rtol=0)
@@ -498,7 +562,7 @@ def test_a_fork_of_a_seeded_sampling_redraws_as_the_hooked_run_with_the_same_see
                         do_sample=True, top_k=0)
     assert torch.equal(fork.sequences, want)
     assert torch.equal(fork.sequences[:, :ids.shape[1] + 4], gen.sequences[:, :ids.shape[1] + 4])
-    assert fork.record.how.startswith("resumed at step 4")
+    assert fork.record.how.startswith("replayed from step 4")
 
 
 def test_forks_chain_and_an_every_step_edit_regenerates_from_the_prompt(tiny_gpt2):
@@ -509,7 +573,9 @@ def test_forks_chain_and_an_every_step_edit_regenerates_from_the_prompt(tiny_gpt
     want = hooked_edits(model, {"transformer.h.1": (add_first(a), range(2, 4)), "transformer.h.0": (add_first(b),
                                 range(0, 99))}, input_ids=ids, max_new_tokens=6, do_sample=False)
     assert torch.equal(fork.sequences, want)
-    assert fork.record.how.startswith("regenerated from the prompt") and fork.record.reused == []
+    # an edit at every step: each step is captured with it (from the prompt), none can be replayed
+    assert fork.record.reused == [] and fork.record.replayed == []
+    assert sorted(fork.record.edited + fork.record.regenerated) == list(range(6))
     assert len(fork.edits) == 2 and len(gen.edits) == 0
 
 

@@ -4,7 +4,8 @@
 loop, ``loop=fn``) and captures every call of the model's forward as one step; sites address
 steps with ``tl.at_step(site, k | range | list)`` (a plain site: every step), edits given to
 ``intervene=`` apply during generation, at the steps they name, and ``gen.fork().do(site, edit)``
-edits a finished generation by re-running it from the first step the edit reaches.
+edits a finished generation: the steps after the edit are replayed from its records while their
+tokens stay the same, and regenerated for real from the first token that differs.
 """
 
 from .compare import GenerationComparison

@@ -32,10 +32,10 @@ from ..errors import (
     SiteNotInStepError,
     StepEditShapeError,
 )
-from .sites import StepSet
+from .sites import StepKeep, StepSet
 
-__all__ = ["GenerationRun", "StepCapture", "StepRecord", "cache_of", "for_step", "input_length",
-           "positions_before", "record_steps", "run_generate"]
+__all__ = ["GenerationRun", "StepCapture", "StepRecord", "cache_at", "cache_of", "for_step", "input_length",
+           "positions_before", "record_steps", "restore_hooks", "run_generate", "set_hooks_aside"]
 
 _NO_FORWARD = object()
 # the model's own hook dictionaries: while a step's capture calls the model again, they are set
@@ -52,6 +52,16 @@ class StepRecord:
     start: int | None  # first absolute position of the step's input (None: unknown)
     length: int | None  # number of positions it computed
     rng_state: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def kwargs(self) -> dict:
+        """The keyword arguments of the step's model call (its KV cache among them)."""
+        return self.trace.kwargs
+
+    @property
+    def output(self) -> Any:
+        """What the model call returned to the decoding code (edits included)."""
+        return self.trace.raw_output
 
 
 @dataclass
@@ -101,14 +111,27 @@ def positions_before(kwargs: dict) -> int:
     return 0
 
 
-def for_step(edit: Any, k: int) -> Any:
-    """``edit`` as step ``k`` applies it: an edit reading another generation (``tl.patch_from(gen)``)
-    reads that generation's step ``k``; any other edit is itself."""
+def for_step(edit: Any, k: int, start: int | None = None, length: int | None = None) -> Any:
+    """``edit`` as step ``k`` (computing positions ``start .. start + length - 1``) applies it; None
+    when it does not apply there.
+
+    An edit reading another generation (``tl.patch_from(gen)``) reads that generation's step ``k``.
+    An edit at token positions (``tl.add(v, positions=[p])``) takes absolute positions: it applies at
+    the steps that compute ``p``, at ``p``'s row there (a negative position counts from each step's
+    last row). Any other edit is itself.
+    """
     pick = getattr(getattr(edit, "source", None), "step_trace", None)
-    if not callable(pick):
-        return edit
-    edit = copy.copy(edit)
-    edit.source = pick(k)
+    if callable(pick):
+        edit = copy.copy(edit)
+        edit.source = pick(k)
+    positions = getattr(edit, "positions", None)
+    if isinstance(positions, list) and start is not None and length is not None:
+        rows = [p if p < 0 else p - start for p in positions if p < 0 or start <= p < start + length]
+        if not rows:
+            return None
+        if rows != positions:
+            edit = copy.copy(edit)
+            edit.positions = rows
     return edit
 
 
@@ -132,6 +155,7 @@ class StepCapture:
         self.backend = backend
         self.on_step = on_step
         self.count = first
+        self._keep = StepKeep(save)
         self._owner: int | None = None
         self._inside = False
         self._previous: Any = _NO_FORWARD
@@ -167,14 +191,39 @@ class StepCapture:
 
         return forward
 
+    def step_edits(self, k: int, start: int, length: int | None) -> list[Step]:
+        """The capture-time edits of step ``k`` (computing ``length`` positions from ``start``)."""
+        steps = []
+        for site, when, edit in self.edits:
+            if when.contains(k):
+                edit = for_step(edit, k, start, length)
+                if edit is not None:
+                    steps.append(Step(site, edit))
+        return steps
+
+    def keep_at(self, k: int) -> Any:
+        """``save=`` of step ``k``'s capture: the sites kept at every step and those ``tl.at_step`` names at ``k``."""
+        return self._keep.at(k)
+
     def _step(self, args: tuple, kwargs: dict) -> Any:
         k = self.count
         start, length = positions_before(kwargs), input_length(args, kwargs)
+        return self.capture(k, args, kwargs, start, length, self.step_edits(k, start, length))
+
+    def capture(self, k: int, args: tuple, kwargs: dict, start: int, length: int | None, steps: list[Step]) -> Any:
+        """Capture step ``k`` with ``steps`` as its edits; what the model returned."""
         rng = torch.get_rng_state()
-        steps = [Step(site, for_step(edit, k)) for site, when, edit in self.edits if when.contains(k)]
+        trace = self.capture_trace(k, args, kwargs, start, length, steps, self.keep_at(k), self.backend)
+        self.count += 1
+        self.on_step(StepRecord(trace, start, length, rng))
+        return trace.raw_output
+
+    def capture_trace(self, k: int, args: tuple, kwargs: dict, start: int, length: int | None, steps: list[Step],
+                      save: Any, backend: str | None) -> Any:
+        """The trace of step ``k``'s model call with ``steps`` as its edits (errors named with the step)."""
         hooks = self._set_hooks_aside()
         try:
-            trace = _trace(self.model, args, kwargs, save=self.save, intervene=steps or None, backend=self.backend)
+            return _trace(self.model, args, kwargs, save=save, intervene=steps or None, backend=backend)
         except (StepEditShapeError, SiteNotInStepError):
             raise
         except EditNotAppliedError as err:
@@ -185,36 +234,54 @@ class StepCapture:
                                      **err.fields) from err
         finally:
             self._restore_hooks(hooks)
-        self.count += 1
-        self.on_step(StepRecord(trace, start, length, rng))
-        return trace.raw_output
 
     def _set_hooks_aside(self) -> dict[str, Any]:
-        """Empty the model's own hook dictionaries for the capture's call (they ran on the outer call)."""
-        held = {}
-        for name in _HOOK_DICTS:
-            hooks = getattr(self.model, name, None)
-            if hooks:
-                held[name] = hooks
-                setattr(self.model, name, OrderedDict())
-        return held
+        return set_hooks_aside(self.model)
 
     def _restore_hooks(self, held: dict[str, Any]) -> None:
-        for name, hooks in held.items():
-            setattr(self.model, name, hooks)
+        restore_hooks(self.model, held)
+
+
+def set_hooks_aside(model: nn.Module) -> dict[str, Any]:
+    """Empty the model's own hook dictionaries for a capture's call (they ran on the outer call)."""
+    held = {}
+    for name in _HOOK_DICTS:
+        hooks = getattr(model, name, None)
+        if hooks:
+            held[name] = hooks
+            setattr(model, name, OrderedDict())
+    return held
+
+
+def restore_hooks(model: nn.Module, held: dict[str, Any]) -> None:
+    for name, hooks in held.items():
+        setattr(model, name, hooks)
+
+
+def cache_at(cache: Any, start: int) -> Any:
+    """A copy of KV cache ``cache`` holding its first ``start`` positions only (what a step
+    computing from ``start`` received); the original is left as it is."""
+    cache = copy.deepcopy(cache)
+    extra = cache.get_seq_length() - start
+    if extra > 0:
+        cache.crop(-extra)
+    return cache
 
 
 def record_steps(model: nn.Module, run: GenerationRun, edits: list[tuple[Any, StepSet, Any]], *,
-                 inputs: Any = None, kwargs: dict | None = None, first: int = 0) -> tuple[list[StepRecord], Any]:
+                 inputs: Any = None, kwargs: dict | None = None, first: int = 0,
+                 capture: type[StepCapture] | Callable[..., StepCapture] | None = None
+                 ) -> tuple[list[StepRecord], Any]:
     """Run ``run``'s decoding (on other ``inputs`` / ``kwargs`` when given: a fork resuming at step
     ``first``) with one capture per model call; the step records and what the decoding returned.
+    ``capture`` builds the per-call capture (default :class:`StepCapture`; a fork's replay passes its own).
 
     Raises:
         EmptyGenerationError: the decoding never called the model.
     """
     inputs = run.inputs if inputs is None else inputs
     records: list[StepRecord] = []
-    with StepCapture(model, edits, run.keep, run.backend, records.append, first=first):
+    with (capture or StepCapture)(model, edits, run.keep, run.backend, records.append, first=first):
         if run.loop is not None:
             output = run.loop(model, inputs)
         else:

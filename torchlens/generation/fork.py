@@ -1,25 +1,27 @@
-"""``gen.fork().do(tl.at_step(site, k), edit)``: a generation edited after the fact, by re-execution.
+"""``gen.fork().do(tl.at_step(site, k), edit)``: a generation edited after the fact, replayed.
 
-The steps before the first step the edit reaches are unchanged, so the fork shares them with
-its parent. From that step on the model runs again for real: Hugging Face ``generate`` resumes
-from a copy of the parent's KV cache cropped to what step ``k`` received (the prompt is not
-re-read), with the random number generator as it was at step ``k`` (a sampled token is redrawn
-from the same state). A decoding loop, a cache that cannot be cropped, or an edit that reaches
-step 0 regenerates from the prompt. ``fork.record`` says which steps were reused and which
-re-run, how, and where the text first diverged from the parent's.
+The steps before the first step the edit reaches are unchanged, so the fork shares them with its
+parent. Step ``k`` runs with the edit: Hugging Face ``generate`` resumes from a copy of the parent's
+KV cache cut back to what step ``k`` received (the prompt is not read again), with the random
+number generator as it was at step ``k``. The steps after it are replayed from the parent's records
+(``generation.replay``: the blocks below the edited one are read, not run) while each step's token
+is the parent's, and regenerated for real from the first token that differs. Where replay cannot
+apply (a decoding loop, no KV cache, a cache that cannot be cut back) the fork re-executes every
+step from ``k`` (or from the prompt) and says why. ``fork.record`` says which steps were reused,
+replayed, edited and regenerated, and where the text first diverged from the parent's.
 """
 
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import StepNotFoundError
-from ._steps import cache_of, record_steps
+from ._steps import cache_at, cache_of, record_steps
 from .compare import first_token_difference
+from .replay import ReplayingCapture, ReplayPlan, plan_replay
 from .sites import StepSet, check_reached
 
 if TYPE_CHECKING:
@@ -33,18 +35,29 @@ _RELATIVE = ("min_new_tokens",)
 
 @dataclass
 class ForkRecord:
-    """What a fork's last ``do`` re-executed, and where its text left the parent's."""
+    """What a fork's last ``do`` computed, how, and where its text left the parent's.
+
+    Every step from ``first`` on is in exactly one of ``replayed`` (computed from the parent's
+    records: blocks from the edited one on, the rest read), ``edited`` (an edit applies there and
+    every token so far is the parent's: captured for real) and ``regenerated`` (the model ran again
+    for real: from the first step whose token differs, or every step when replay could not apply).
+    """
 
     first: int  # the first step the edit reaches: steps before it are the parent's
     reused: list[int]  # steps shared with the parent (not re-run)
-    regenerated: list[int]  # steps the model ran again
-    how: str  # "resumed at step k from the parent's KV cache" or "regenerated from the prompt: <why>"
+    regenerated: list[int]  # steps the model ran again, for real
+    how: str  # "replayed from step k ...", "resumed at step k from the parent's KV cache: <why>", "regenerated ..."
     diverged_at: int | None  # the first absolute position whose token differs from the parent's (None: same text)
     diverged_step: int | None  # the step that chose that token
+    replayed: list[int] = field(default_factory=list)  # steps computed from the parent's records
+    edited: list[int] = field(default_factory=list)  # steps captured for real because an edit applies there
+    layers: str = ""  # which blocks the replayed steps ran, and which they read from the parent
+    fallback: str | None = None  # why the fork re-executed instead of replaying (None: it replayed)
 
 
 def rerun(gen: GenerationTrace, triple: tuple[Any, StepSet, Any]) -> tuple[list[Any], Any, ForkRecord]:
-    """Re-run ``gen``'s generation with its edits and ``triple`` from the first step ``triple`` reaches.
+    """Recompute ``gen``'s generation with its edits and ``triple`` from the first step ``triple`` reaches:
+    replayed from ``gen``'s records while the tokens stay the parent's, else re-executed.
 
     Returns:
         the step records (``gen``'s own before that step), what the decoding returned, and the record.
@@ -58,25 +71,52 @@ def rerun(gen: GenerationTrace, triple: tuple[Any, StepSet, Any]) -> tuple[list[
         raise StepNotFoundError(f"the edit starts at step {first}, beyond this generation's {n} step(s) "
                                 f"(0..{n - 1})", step=first, n_steps=n)
     edits = [*gen.edits, triple]
-    resume, why = _resume_at(gen, first)
-    if resume is None:
-        with torch.random.fork_rng(devices=[]):
-            torch.set_rng_state(gen.run.start_rng)
-            records, output = record_steps(gen.model, gen.run, edits)
-        start, how = 0, f"regenerated from the prompt: {why}"
+    if first == 0 and gen.run.loop is None:
+        resume, why = (gen.run.inputs, dict(gen.run.kwargs)), ""
     else:
-        inputs, kwargs = resume
-        with torch.random.fork_rng(devices=[]):
-            torch.set_rng_state(gen.records[first].rng_state)
-            records, output = record_steps(gen.model, gen.run, edits, inputs=inputs, kwargs=kwargs, first=first)
-        records = [*gen.records[:first], *records]
-        start, how = first, f"resumed at step {first} from the parent's KV cache"
+        resume, why = _resume_at(gen, first)
+    plan, fallback = plan_replay(gen, triple[0], first) if resume is not None else (None, why)
+    if plan is None and first == 0:
+        resume, why = None, fallback
+    kinds: dict[int, str] = {}
+    rng = gen.run.start_rng if resume is None or first == 0 else gen.records[first].rng_state
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(rng)
+        if resume is None:
+            records, output = record_steps(gen.model, gen.run, edits)
+        else:
+            inputs, kwargs = resume
+            capture = None if plan is None else _replaying(plan, kinds)
+            records, output = record_steps(gen.model, gen.run, edits, inputs=inputs, kwargs=kwargs, first=first,
+                                           capture=capture)
+            records = [*gen.records[:first], *records]
     check_reached([triple], len(records))
     seq = getattr(output, "sequences", output)
     position = first_token_difference(gen.sequences, seq if isinstance(seq, torch.Tensor) else None, gen.prompt_length)
-    record = ForkRecord(first, list(range(start)), list(range(start, len(records))), how, position,
-                        None if position is None else position - gen.prompt_length)
+    start = 0 if resume is None else first
+    steps = range(start, len(records))
+    if plan is None:
+        how = (f"regenerated from the prompt: {why}" if resume is None else
+               f"resumed at step {first} from the parent's KV cache: {fallback}")
+        record = ForkRecord(first, list(range(start)), list(steps), how, position,
+                            None if position is None else position - gen.prompt_length, fallback=fallback)
+    else:
+        how = f"replayed from step {first}"
+        if plan.diverged is not None:
+            how += f"; step {plan.diverged} reads a token the parent did not choose: regenerated from there on"
+        record = ForkRecord(first, list(range(start)), [k for k in steps if kinds.get(k) == "regenerated"], how,
+                            position, None if position is None else position - gen.prompt_length,
+                            replayed=[k for k in steps if kinds.get(k) == "replayed"],
+                            edited=[k for k in steps if kinds.get(k) == "edited"], layers=plan.describe())
     return records, output, record
+
+
+def _replaying(plan: ReplayPlan, kinds: dict[int, str]) -> Any:
+    def build(*args: Any, **kwargs: Any) -> ReplayingCapture:
+        capture = ReplayingCapture(*args, plan=plan, **kwargs)
+        capture.kinds = kinds
+        return capture
+    return build
 
 
 def _resume_at(gen: GenerationTrace, k: int) -> tuple[tuple[Any, dict] | None, str]:
@@ -90,15 +130,12 @@ def _resume_at(gen: GenerationTrace, k: int) -> tuple[tuple[Any, dict] | None, s
     if any(key in run.kwargs for key in _RELATIVE):
         return None, f"{[key for key in _RELATIVE if key in run.kwargs]} count from the start of generate"
     step = gen.records[k]
-    key, cache = cache_of(step.trace.kwargs)
+    key, cache = cache_of(step.kwargs)
     if cache is None or step.start is None or step.length is None:
         return None, "the step received no KV cache to resume from"
     if not getattr(cache, "is_croppable", False) or not hasattr(cache, "crop"):
         return None, f"a {type(cache).__name__} cannot be cropped back to step {k}"
-    cache = copy.deepcopy(cache)  # the parent's steps keep theirs
-    extra = cache.get_seq_length() - step.start
-    if extra > 0:
-        cache.crop(-extra)
+    cache = cache_at(cache, step.start)  # a copy: the parent's steps keep theirs
     end = step.start + step.length  # the tokens known when step k ran: the prompt and k - 1 new ones
     inputs = dict(run.inputs) if isinstance(run.inputs, dict) else {"input_ids": run.inputs}
     inputs["input_ids"] = gen.sequences[:, :end]

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..api import check_model
-from ..core.selectors import Selector, as_selector
+from ..core.selectors import Selector
 from ..core.steps import Step
 from ..core.text import is_text, text_inputs, tokenizer_for
 from ..errors import (
@@ -21,7 +21,7 @@ from ..errors import (
     NoGenerateError,
 )
 from ._steps import GenerationRun, record_steps
-from .sites import StepSet, check_reached, edit_triple, split_step
+from .sites import StepKeep, StepSet, check_reached, edit_triple
 from .trace import GenerationTrace
 
 __all__ = ["generate"]
@@ -50,8 +50,9 @@ def generate(model: nn.Module, inputs: Any, *, loop: Callable[[nn.Module, Any], 
         intervene: edits applied while generating: ``(site, edit)`` pairs or ``tl.when(site, edit)``,
             one or a list. A plain site is edited at every step; ``tl.at_step(site, k | range | list)``
             at those steps only (a steering vector at every new token: ``tl.at_step(site, slice(1, None))``).
-        save: keep only the values of these sites at every step (as ``tl.trace(save=...)``); the
-            graph of each step is still recorded. None keeps every value.
+        save: keep only the values of these sites (as ``tl.trace(save=...)``): a plain site at every
+            step, ``tl.at_step(site, k | range | list)`` at those steps only (the other steps keep no
+            value of it); the graph of each step is still recorded. None keeps every value.
         tokenizer: a Hugging Face tokenizer: encodes text ``inputs`` and decodes ``gen.text``.
         seed: ``torch.manual_seed(seed)`` before generating (sampling then equals a plain
             ``generate`` after the same ``manual_seed``); the global RNG state is restored afterwards.
@@ -80,9 +81,9 @@ def generate(model: nn.Module, inputs: Any, *, loop: Callable[[nn.Module, Any], 
     elif generate_kwargs:
         raise InvalidArgumentError(f"{sorted(generate_kwargs)} are keywords of model.generate; with loop= your "
                                    "loop decides how to decode", remedy="Pass them to your loop instead.")
-    if isinstance(save, StepSet) or _has_steps(save):
-        raise InvalidArgumentError("save= keeps its sites at every step; tl.at_step is for reads and edits",
-                                   remedy="Pass plain sites to save=, then read the steps you want.")
+    keep = StepKeep(save)
+    if loop is None:
+        _check_reach(keep.triples(), generate_kwargs.get("max_new_tokens"))
     tokenizer = tokenizer_for(model, tokenizer)
     inputs = _encode(model, inputs, tokenizer)
     prompt_length = _prompt_length(inputs)
@@ -91,7 +92,7 @@ def generate(model: nn.Module, inputs: Any, *, loop: Callable[[nn.Module, Any], 
             torch.manual_seed(seed)
         run = GenerationRun(inputs, loop, dict(generate_kwargs), save, backend, tokenizer, torch.get_rng_state())
         records, output = record_steps(model, run, edits)
-    check_reached(edits, len(records))
+    check_reached([*edits, *keep.triples()], len(records))
     return GenerationTrace(model, records, output=output, prompt_length=prompt_length, run=run, edits=edits)
 
 
@@ -137,16 +138,6 @@ def _edits(intervene: Any) -> list[tuple[Selector, StepSet, Any]]:
 
 def _is_pair(item: Any) -> bool:
     return isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], (str, Selector))
-
-
-def _has_steps(save: Any) -> bool:
-    if save is None:
-        return False
-    try:
-        sel = as_selector(save)
-    except InvalidArgumentError:
-        return False
-    return split_step(sel)[1].every is False
 
 
 def _check_generate(model: nn.Module, kwargs: dict) -> None:

@@ -16,7 +16,7 @@ from ..core.selectors import Record, Selector, as_selector
 from ..core.steps import check_edit
 from ..errors import InvalidArgumentError, StepNotFoundError, StepSiteOutsideGenerationError
 
-__all__ = ["AtStep", "StepSet", "at_step", "check_reached", "edit_triple", "split_step"]
+__all__ = ["AtStep", "NoSite", "StepKeep", "StepSet", "at_step", "check_reached", "edit_triple", "split_step"]
 
 
 class StepSet:
@@ -175,3 +175,46 @@ def check_reached(edits: list[tuple[Selector, StepSet, Any]], n: int, before: bo
                 f"step 0 reads the prompt", step=highest, n_steps=n,
                 remedy="Name steps below the number of steps (max_new_tokens steps with a KV cache), "
                        "or an open range: tl.at_step(site, slice(k, None)).")
+
+
+class NoSite(Selector):
+    """Matches nothing: ``save=`` of a step that no ``tl.at_step`` save site names (its trace keeps no value)."""
+
+    def match(self, trace: Any) -> list[Record]:
+        return []
+
+    def describe(self) -> str:
+        return "no site"
+
+
+class StepKeep:
+    """``save=`` of a generation, step by step: plain sites at every step, ``tl.at_step`` sites at theirs.
+
+    Raises:
+        InvalidArgumentError: an ``at_step`` site of ``save=`` counts its steps from the end.
+    """
+
+    def __init__(self, save: Any) -> None:
+        self.save = save
+        self.entries: list[tuple[Selector, StepSet]] | None = None  # None: the same save= at every step
+        items = save if isinstance(save, (list, tuple)) else [save]
+        if save is None or not any(isinstance(item, AtStep) for item in items):
+            return
+        self.entries = []
+        for item in items:
+            inner, steps = split_step(item)
+            if steps.negative():
+                raise InvalidArgumentError(f"save={item!r}: steps count from 0 (the number of steps is not known "
+                                           "before generating)", remedy="Give steps from 0: tl.at_step(site, 5).")
+            self.entries.append((inner, steps))
+
+    def at(self, k: int) -> Any:
+        """What step ``k``'s capture keeps."""
+        if self.entries is None:
+            return self.save
+        chosen = [inner for inner, steps in self.entries if steps.contains(k)]
+        return chosen or NoSite()
+
+    def triples(self) -> list[tuple[Selector, StepSet, Any]]:
+        """``(site, steps, None)`` per step-bound entry: what ``check_reached`` checks."""
+        return [(inner, steps, None) for inner, steps in self.entries or () if not steps.every]

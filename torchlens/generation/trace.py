@@ -56,10 +56,20 @@ class GenerationStep:
     def __init__(self, gen: GenerationTrace, index: int, record: StepRecord) -> None:
         self._gen = gen
         self.index = index
-        self.trace: Trace = record.trace
+        self._record = record
         self._start = record.start
         self._length = record.length
-        self.rng_state = record.rng_state
+        self.rng_state = record.rng_state  # the global RNG state the step's call started with (what it drew from)
+
+    @property
+    def trace(self) -> Trace:
+        """The step's trace (a step a fork replayed is captured again the first time it is asked for)."""
+        return self._record.trace
+
+    @property
+    def replayed(self) -> bool:
+        """Whether a fork computed this step from its parent's records (layers below the edit read, not run)."""
+        return bool(getattr(self._record, "replayed", False))
 
     @property
     def positions(self) -> range:
@@ -82,13 +92,13 @@ class GenerationStep:
     @property
     def output(self) -> Any:
         """What the model returned at this step (edits included)."""
-        return self.trace.raw_output
+        return self._record.output
 
     @property
     def logits(self) -> torch.Tensor | None:
         """The model's logits at the step's last position, ``(batch, vocab)``: what the next token is
         chosen from (before the decoding code's processors such as temperature or top-k)."""
-        logits = _logits_of(self.trace.raw_output)
+        logits = _logits_of(self._record.output)
         return None if logits is None else logits[:, -1]
 
     @property
@@ -133,7 +143,9 @@ class GenerationStep:
         token = self.token
         shown = "" if token is None else f", token {token.tolist()}"
         where = f"positions {self._start}..{self._start + self._length - 1}" if self._length else "positions unknown"
-        return f"<GenerationStep {self.index}: {where}{shown}, {len(self.trace.ops)} ops>"
+        deferred = not getattr(self._record, "materialized", True)  # its trace is not captured yet: not now either
+        ops = f"{self._record.kind}, captured when read" if deferred else f"{len(self.trace.ops)} ops"
+        return f"<GenerationStep {self.index}: {where}{shown}, {ops}>"
 
 
 class StepList:
@@ -299,9 +311,13 @@ class GenerationTrace:
         for step in self.steps:
             token = step.token
             where = "?" if step._length is None else f"{step.positions.start}..{step.positions.stop - 1}"
+            if getattr(step._record, "materialized", True):
+                counts = (f"<td>{len(step.trace.ops)}</td><td>{len(step.trace.calls)}</td>"
+                          f"<td>{len(step.trace.edits)}</td>")
+            else:  # a fork's step not captured yet: showing it does not capture it
+                counts = f"<td colspan=3>{step._record.kind}, captured when read</td>"
             rows.append(f"<tr><td>{step.index}</td><td>{where}</td><td>{'-' if token is None else word(token)}</td>"
-                        f"<td>{len(step.trace.ops)}</td><td>{len(step.trace.calls)}</td>"
-                        f"<td>{len(step.trace.edits)}</td></tr>")
+                        f"{counts}</tr>")
         head = "".join(f"<th>{h}</th>" for h in ("step", "positions", "token", "ops", "module calls", "edits"))
         return (f'<div class="tl-box"><b>GenerationTrace</b>: {len(self.steps)} steps, prompt '
                 f"{self.prompt_length} tokens<p>{tokens}</p><details><summary>steps</summary><table><thead><tr>"
@@ -313,14 +329,17 @@ class GenerationTrace:
 
 
 class GenerationFork(GenerationTrace):
-    """A branch of a generation; ``do`` edits it by re-running the steps the edit reaches and those after.
+    """A branch of a generation; ``do`` edits it at some steps and replays the steps after them.
 
-    The steps before the first step an edit reaches are the parent's (shared, not re-run). From
-    there the model runs again, for real: Hugging Face ``generate`` resumes from a copy of the
-    parent's KV cache cropped to what that step received, with the random number generator as it
-    was then (a sampled token is redrawn from the same state). A decoding loop, a cache that
-    cannot be cropped, or an edit that reaches step 0 regenerates from the prompt. ``record``
-    says which steps were reused and which re-run, how, and where the text first diverged.
+    The steps before the first step an edit reaches are the parent's (shared, not re-run). That
+    step runs with the edit, resuming Hugging Face ``generate`` from a copy of the parent's KV cache
+    cut back to it, with the random number generator as it was then. Each later step whose input
+    token is the parent's is replayed: only the blocks from the edited one on run, on its new
+    position, reading the changed KV rows; the blocks below are read from the parent's records.
+    From the first step whose token differs, the whole model runs again, for real. A decoding
+    loop, no KV cache or a cache that cannot be cut back re-executes instead. ``record`` (a
+    :class:`~torchlens.generation.fork.ForkRecord`) says which steps were reused, replayed, edited
+    and regenerated, which blocks ran, why replay did not apply, and where the text first diverged.
     """
 
     def __init__(self, parent: GenerationTrace) -> None:
@@ -331,10 +350,11 @@ class GenerationFork(GenerationTrace):
 
     def do(self, site: Any, edit: Any) -> GenerationFork:
         """Apply ``edit`` at ``site`` (a plain site: every step; ``tl.at_step(site, k | range | list)``)
-        and re-run the generation from the first step it reaches.
+        and recompute the generation from the first step it reaches (replayed while the tokens stay
+        the parent's, regenerated from the first that differs).
 
         Returns:
-            this fork, for chaining; ``fork.record`` describes what was re-run.
+            this fork, for chaining; ``fork.record`` describes what was replayed and re-run.
 
         Raises:
             StepNotFoundError: the edit's first step is beyond this generation's steps.
