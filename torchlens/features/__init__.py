@@ -1,0 +1,9 @@
+"""Feature dictionaries (sparse autoencoders, transcoders) as sites of a trace: read, edit, replay.
+
+``tl.features.as_dictionary(sae)`` wraps any module with ``encode`` / ``decode`` (SAELens ``SAE`` objects
+as they are); ``tl.features.load_sae(path)`` reads SAELens's on-disk layout without SAELens.
+"""
+
+from .dictionary import FeatureDictionary, SavedSAE, as_dictionary, load_sae
+
+__all__ = ["FeatureDictionary", "SavedSAE", "as_dictionary", "load_sae"]
