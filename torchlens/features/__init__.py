@@ -1,9 +1,15 @@
 """Feature dictionaries (sparse autoencoders, transcoders) as sites of a trace: read, edit, replay.
 
 ``tl.features.as_dictionary(sae)`` wraps any module with ``encode`` / ``decode`` (SAELens ``SAE`` objects
-as they are); ``tl.features.load_sae(path)`` reads SAELens's on-disk layout without SAELens.
+as they are); ``tl.features.load_sae(path)`` reads SAELens's on-disk layout without SAELens;
+``tl.trace(model, x, features={site: sae})`` splices them in for one capture (docs/features.md).
 """
 
+from .attach import FeatureAttachment, FeatureSplice, attach
 from .dictionary import FeatureDictionary, SavedSAE, as_dictionary, load_sae
+from .edits import FeatureEdit, ablate, clamp, scale, steer
 
-__all__ = ["FeatureDictionary", "SavedSAE", "as_dictionary", "load_sae"]
+__all__ = [
+    "FeatureAttachment", "FeatureDictionary", "FeatureEdit", "FeatureSplice", "SavedSAE", "ablate", "as_dictionary",
+    "attach", "clamp", "load_sae", "scale", "steer",
+]
