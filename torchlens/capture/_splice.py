@@ -62,6 +62,16 @@ class SpliceTools:
                 tensor = rec._edit_op(when, tensor, op.module, op.module_pass, op.label, op)
         return tensor
 
+    def unrecorded(self, func: Any, *args: Any) -> Any:
+        """``func(*args)`` with the recorder paused: a value the splice needs that is no op of the trace."""
+        rec = self.recorder
+        rec.flush()
+        rec.paused = True
+        try:
+            return func(*args)
+        finally:
+            rec.paused = False
+
     def opaque(self, func: Any, args: tuple, value: torch.Tensor, part: str) -> torch.Tensor:
         """Record one op ``<site>.<part>`` computing ``func(*args)``, whose value is ``value`` (computed
         already by the splice, never a second time); replay re-runs ``func`` when an argument changed.

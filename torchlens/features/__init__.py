@@ -8,8 +8,9 @@ as they are); ``tl.features.load_sae(path)`` reads SAELens's on-disk layout with
 from .attach import FeatureAttachment, FeatureSplice, attach
 from .dictionary import FeatureDictionary, SavedSAE, as_dictionary, load_sae
 from .edits import FeatureEdit, ablate, clamp, scale, steer
+from .reads import FeatureList, active, feature_acts, top
 
 __all__ = [
-    "FeatureAttachment", "FeatureDictionary", "FeatureEdit", "FeatureSplice", "SavedSAE", "ablate", "as_dictionary",
-    "attach", "clamp", "load_sae", "scale", "steer",
+    "FeatureAttachment", "FeatureDictionary", "FeatureEdit", "FeatureList", "FeatureSplice", "SavedSAE", "ablate",
+    "active", "as_dictionary", "attach", "clamp", "feature_acts", "load_sae", "scale", "steer", "top",
 ]

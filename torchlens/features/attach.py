@@ -94,12 +94,17 @@ class FeatureSplice:
     def splice(self, x: Any, tools: Any) -> torch.Tensor:
         self._check(x, tools.call.key if tools.call.pass_index != 1 else tools.call.address)
         d = self.dictionary
-        f = tools.name(d.encode(x), "features")
-        recon = tools.name(d.decode(f), "recon")
+        raw_f = d.encode(x)
+        f = tools.name(raw_f, "features")  # a capture-time edit of <site>.features gives another tensor
+        raw_recon = d.decode(f)
+        recon = tools.name(raw_recon, "recon")
         if not self.use_error_term:
             tools.name(x - recon, "error")
             return recon
-        clean = tools.opaque(self._clean, (x,), recon, "recon_clean")
+        # The clean reconstruction is the one just made, unless the features or the reconstruction were
+        # edited during this capture: then it is made again from the encoder's output (not an op).
+        value = raw_recon if f is raw_f else tools.unrecorded(d.decode, raw_f)
+        clean = tools.opaque(self._clean, (x,), value, "recon_clean")
         tools.name(x - clean, "error")
         return x + (recon - clean)
 
