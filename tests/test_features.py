@@ -140,10 +140,24 @@ def test_plain_module_and_loaded_sae(gpt, tmp_path) -> None:
 
 def test_extract_reads_sub_sites(gpt, sae) -> None:
     model, ids = gpt
-    got = tl.extract(model, ids, [f"{SITE}.features", f"{SITE}.error", REAL], features={SITE: sae})
+    before = hook_state(model)
+    keys = [f"{SITE}.features", f"{SITE}.recon", f"{SITE}.error", REAL]
+    got = tl.extract(model, ids, keys, features={SITE: sae})  # module hooks serve it: no op recorded
+    assert_model_clean(model, before)
     x = block_out(model, ids)
-    assert torch.equal(got[f"{SITE}.features"], sae.encode(x).detach())
+    with torch.no_grad():
+        f = sae.encode(x)
+        recon = sae.decode(f)
+    assert torch.equal(got[f"{SITE}.features"], f)
+    assert torch.equal(got[f"{SITE}.recon"], recon)
+    assert torch.equal(got[f"{SITE}.error"], x - recon)
     assert torch.equal(got[REAL], x)
+    # with an op site among the reads every op is recorded, and the sub-sites are ops of that capture
+    mixed = tl.extract(model, ids, {"f": f"{SITE}.features", "ln": "layer_norm_1"}, features={SITE: sae})
+    assert torch.equal(mixed["f"], f)
+    with pytest.raises(tl.SiteNotFoundError) as err:  # a sub-site of a site no dictionary is attached to
+        tl.extract(model, ids, ["blocks.0.features"], features={SITE: sae})
+    assert f"{REAL}.features" in str(err.value)  # the nearest names show the attached one
 
 
 def test_save_keeps_the_named_sub_site(gpt, sae) -> None:

@@ -30,7 +30,7 @@ from .errors import (
     SiteNotFoundError,
     UnsupportedModelError,
 )
-from .features.attach import feature_steps
+from .features.attach import feature_steps, sub_site_reads
 from .plugins import choose_engine, engines
 from .store._trace_store import TraceStore, check_recompute
 
@@ -482,24 +482,31 @@ def extract(model: nn.Module, x: Any, sites: Any, *, grad: bool = False, backend
     if not named:
         raise InvalidArgumentError("extract() needs at least one site")
     selectors = {k: bind(model, as_selector(v)) for k, v in named.items()}
-    union = None
-    for sel in selectors.values():
-        union = sel if union is None else union | sel
     args, kwargs = split_inputs(x, model=model, tokenizer=tokenizer)
-    whens = _bound_steps(model, intervene)
-    if features is not None:
-        whens = feature_steps(model, features) + whens
-        _check_records_ops(backend)
+    splices = feature_steps(model, features) if features is not None else []
+    # Sub-sites of a spliced dictionary are read from the splice itself when module hooks serve the rest.
+    subs = sub_site_reads(selectors, splices)
+    union = None
+    for key, sel in selectors.items():
+        if key not in subs:
+            union = sel if union is None else union | sel
     request = CaptureRequest(model, args, kwargs, record_ops=False, sites=union, save=union, grad=grad,
-                             intervene=whens)
-    if not request.module_only() or features is not None:
+                             intervene=splices + _bound_steps(model, intervene))
+    if not request.module_only():
         request.record_ops = True
+        for key in subs:
+            request.sites = request.save = selectors[key] if request.sites is None else request.sites | selectors[key]
+        subs = {}
     if stop:
         _check_stop(request)
         request.stop_after_sites = True
     result = _capture(request, backend)
     out: dict[str, Any] = {}
     for key, sel in selectors.items():
+        if key in subs and not result.has_op_graph:
+            splice, part, pass_index = subs[key]
+            out[key] = splice.sub_site_value(part, pass_index)
+            continue
         paths = sel.module_paths()
         if paths is not None and len(paths) == 1:
             out[key] = _module_value(result, paths[0], key)

@@ -27,12 +27,13 @@ import torch
 from torch import nn
 
 from ..arch.resolve import bind
-from ..core.selectors import ModuleOutput, Selector, as_selector
+from ..capture._splice import SUB_SITE
+from ..core.selectors import Label, ModuleOutput, Selector, as_selector
 from ..core.steps import Step
 from ..errors import FeatureSiteError, InvalidArgumentError
 from .dictionary import FeatureDictionary, as_dictionary
 
-__all__ = ["FeatureAttachment", "FeatureSplice", "attach", "feature_steps"]
+__all__ = ["FeatureAttachment", "FeatureSplice", "attach", "feature_steps", "sub_site_reads"]
 
 
 class FeatureAttachment:
@@ -81,12 +82,18 @@ class FeatureSplice:
     """
 
     name = "features"
+    may_change_nothing = True  # with the error term kept, the site's value is unchanged: that is the point
 
-    def __init__(self, dictionary: FeatureDictionary, site: str, use_error_term: bool = True) -> None:
+    def __init__(self, dictionary: FeatureDictionary, site: str, use_error_term: bool = True,
+                 address: str = "") -> None:
         self.dictionary = dictionary
         self.site = site
+        self.address = address  # the real module address the site names
         self.use_error_term = bool(use_error_term)
         self._clean = _CleanRecon(dictionary)
+        # The sub-site values of each pass when applied as a plain edit (module hooks, no op recorded):
+        # {(pass, part): value}, what ``tl.extract`` reads on that path.
+        self.seen: dict[tuple[int, str], torch.Tensor] = {}
 
     def _check(self, value: Any, where: str) -> None:
         self.dictionary.check_input(value, site=where)
@@ -110,8 +117,23 @@ class FeatureSplice:
 
     def __call__(self, x: Any, *, ctx: Any = None) -> torch.Tensor:
         self._check(x, self.site)
-        recon = self.dictionary.decode(self.dictionary.encode(x))
+        f = self.dictionary.encode(x)
+        recon = self.dictionary.decode(f)
+        n = getattr(ctx, "pass_index", None) or 1
+        self.seen.update({(n, "features"): f, (n, "recon"): recon, (n, "recon_clean"): recon,
+                          (n, "error"): x - recon})
         return recon if not self.use_error_term else x + (recon - recon)
+
+    def sub_site_value(self, part: str, pass_index: int = 1) -> torch.Tensor:
+        """A sub-site's value from the last plain application (``__call__``) of this splice.
+
+        Raises:
+            FeatureSiteError: the site did not run that pass.
+        """
+        found = self.seen.get((pass_index, part))
+        if found is None:
+            raise FeatureSiteError(f"{self.site!r} did not run pass {pass_index} in this forward", site=self.site)
+        return found
 
     def __repr__(self) -> str:
         return f"FeatureSplice({self.site!r}, {self.dictionary!r}, use_error_term={self.use_error_term})"
@@ -150,5 +172,18 @@ def feature_steps(model: nn.Module, features: Any) -> list[Step]:
                 f"features= attaches to one module's output; {site!r} is "
                 + (f"{bound.describe()}" if paths is None else f"{paths}"),
                 site=str(site))
-        steps.append(Step(ModuleOutput(paths[0]), FeatureSplice(dictionary, str(site), use_error_term)))
+        splice = FeatureSplice(dictionary, str(site), use_error_term, address=paths[0])
+        steps.append(Step(ModuleOutput(paths[0]), splice))
     return steps
+
+
+def sub_site_reads(selectors: dict[str, Selector], steps: list[Step]) -> dict[str, tuple[FeatureSplice, str, int]]:
+    """Which of ``selectors`` (bound) read a sub-site of a dictionary spliced by ``steps``:
+    ``{key: (splice, part, pass)}``, so a module-hooks capture can serve them from the splice itself."""
+    by_address = {s.edit.address: s.edit for s in steps if isinstance(s.edit, FeatureSplice)}
+    found = {}
+    for key, sel in selectors.items():
+        match = SUB_SITE.match(sel.label) if isinstance(sel, Label) else None
+        if match is not None and match["site"] in by_address:
+            found[key] = (by_address[match["site"]], match["part"], int(match["pass"] or 1))
+    return found
