@@ -231,7 +231,11 @@ def test_forks_sweep_feature_ablations(gpt, sae) -> None:
             g[..., -1, i] = 0.0
             return g
         assert torch.allclose(fork.output.logits, spliced_logits(model, ids, sae, edit), atol=ATOL)
-        assert fork.edits[-1].replay.fallbacks == []
+        log = fork.edits[-1].replay
+        assert log.fallbacks == []
+        # the decoder's matmul ran once on every fork's row (one read of W_dec), not once per fork
+        decode = [e for e in log.entries if e[0] == "matmul_2"] or [e for e in log.entries if e[1] == "matmul"]
+        assert decode and decode[0][2] == "rows" and decode[0][4].startswith("stacked"), decode
 
 
 def test_patch_features_from_another_trace(gpt, sae) -> None:
