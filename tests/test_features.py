@@ -364,3 +364,12 @@ def test_sub_site_of_an_unattached_site(gpt) -> None:
     with pytest.raises(EditNotAppliedError):
         tl.trace(model, ids, features={SITE: saelens_sae(d_in=32)},
                  intervene=tl.when("blocks.0.features", tl.features.ablate(0)))
+
+
+def test_dictionaries_of_a_trace(gpt, sae) -> None:
+    model, ids = gpt
+    t = tl.trace(model, ids, features={SITE: sae})
+    found = tl.features.dictionaries(t)
+    assert list(found) == [REAL] and found[REAL].module is sae
+    assert tl.features.dictionaries(t.fork().do(f"{SITE}.features", tl.features.ablate(0)))[REAL].module is sae
+    assert tl.features.dictionaries(tl.trace(model, ids)) == {}

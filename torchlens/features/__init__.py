@@ -5,12 +5,12 @@ as they are); ``tl.features.load_sae(path)`` reads SAELens's on-disk layout with
 ``tl.trace(model, x, features={site: sae})`` splices them in for one capture (docs/features.md).
 """
 
-from .attach import FeatureAttachment, FeatureSplice, attach
+from .attach import FeatureAttachment, FeatureSplice, attach, dictionaries
 from .dictionary import FeatureDictionary, SavedSAE, as_dictionary, load_sae
 from .edits import FeatureEdit, ablate, clamp, scale, steer
 from .reads import FeatureList, active, feature_acts, top
 
 __all__ = [
     "FeatureAttachment", "FeatureDictionary", "FeatureEdit", "FeatureList", "FeatureSplice", "SavedSAE", "ablate",
-    "active", "as_dictionary", "attach", "clamp", "feature_acts", "load_sae", "scale", "steer", "top",
+    "active", "as_dictionary", "attach", "clamp", "dictionaries", "feature_acts", "load_sae", "scale", "steer", "top",
 ]

@@ -34,7 +34,7 @@ from ..core.steps import Step
 from ..errors import FeatureSiteError, InvalidArgumentError
 from .dictionary import FeatureDictionary, as_dictionary
 
-__all__ = ["FeatureAttachment", "FeatureSplice", "attach", "feature_steps", "sub_site_reads"]
+__all__ = ["FeatureAttachment", "FeatureSplice", "attach", "dictionaries", "feature_steps", "sub_site_reads"]
 
 
 class FeatureAttachment:
@@ -189,4 +189,21 @@ def sub_site_reads(selectors: dict[str, Selector], steps: list[Step]) -> dict[st
         match = SUB_SITE.match(sel.label) if isinstance(sel, Label) else None
         if match is not None and match["site"] in by_address:
             found[key] = (by_address[match["site"]], match["part"], int(match["pass"] or 1))
+    return found
+
+
+def dictionaries(trace: Any) -> dict[str, FeatureDictionary]:
+    """The feature dictionaries a trace (or fork) was captured with, by the real module address of their site.
+
+    Args:
+        trace: a trace captured with ``features=`` (a fork gives its parent's).
+
+    Returns:
+        ``{address: dictionary}``, e.g. ``{"transformer.h.6": FeatureDictionary(...)}`` for
+        ``features={"blocks.6": sae}``; empty when none was attached.
+    """
+    found = {}
+    for step in getattr(trace, "steps", None) or ():
+        if isinstance(step.edit, FeatureSplice):
+            found[step.edit.address] = step.edit.dictionary
     return found
