@@ -7,7 +7,7 @@ the recorded graph; ``tl.when`` edits during capture; ``tl.validate`` checks a c
 
 from importlib.metadata import PackageNotFoundError, version
 
-from . import debug, errors, mechinterp, patching
+from . import debug, errors, features, mechinterp, patching
 from ._services import install_services
 from .analysis import plots
 from .analysis.draw import Drawing, draw
@@ -102,6 +102,7 @@ __all__ = [
     "draw",
     "errors",
     "extract",
+    "features",
     "func",
     "generate",
     "in_module",

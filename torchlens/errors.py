@@ -13,10 +13,11 @@ __all__ = [
     "AmbiguousSiteError", "AmbiguousTokenError", "CaptureError", "CaptureMemoryError", "DatasetError",
     "DatasetFormatError", "DatasetRowError", "DrawingScaledDown", "EditDtypeError", "EditError", "EditHadNoEffect",
     "EditHadNoEffectError", "EditNotAppliedError", "EditShapeError", "EmptyGenerationError", "EmptySelectionError",
-    "FacetReadOnlyError", "FingerprintMismatchError", "FormatVersionError", "FunctionsNotResolved",
+    "FacetReadOnlyError", "FeatureDictionaryFormatError", "FeatureDtypeError", "FeatureError", "FeatureIndexError",
+    "FeatureSiteError", "FeatureWidthError", "FingerprintMismatchError", "FormatVersionError", "FunctionsNotResolved",
     "FusedKernelError", "GenerationError", "GenerationStrategyError", "GraphvizNotFoundError", "GuardChangedError",
     "InvalidArgumentError", "JobMismatchError", "LayoutInferenceError", "LegacyArgumentError", "NoGenerateError",
-    "NotPortableError",
+    "NotAFeatureDictionaryError", "NotPortableError",
     "OptionalDependencyError", "OutOfOrderError", "PaddingNotSupportedError", "PickleNotAllowedError", "PluginError",
     "PositionNotInStepError", "RandomForwardError", "RandomOpsWarning", "RecipeError", "RecipeExistsError",
     "RecipeFormatError", "RecipeHelperError", "ReplayError", "ReplayFallbackError", "ReplayFellBack",
@@ -469,6 +470,54 @@ class StepEditShapeError(GenerationError, EditShapeError):
 
     remedy = ("Give an edit that broadcasts over the sequence axis (a vector of the hidden size, or shape "
               "(1, 1, d)), a function edit, or restrict it to the steps it fits: tl.at_step(site, 0).")
+
+
+# -- feature dictionaries (tl.features: SAEs and transcoders at a site) --------------------
+
+
+class FeatureError(TorchLensError):
+    """A feature dictionary (an SAE or transcoder) could not be read, attached or edited; the model is unchanged."""
+
+    remedy = "See the features guide (docs/features.md) for what a feature dictionary needs and how it attaches."
+
+
+class NotAFeatureDictionaryError(FeatureError, TypeError):
+    """The object given as a feature dictionary has no ``encode(x)`` and ``decode(f)`` methods."""
+
+    remedy = ("Pass an nn.Module with encode(x) -> f and decode(f) -> x_hat, a SAELens SAE, or a dictionary "
+              "loaded with tl.features.load_sae(path).")
+
+
+class FeatureWidthError(FeatureError, ValueError):
+    """The dictionary's input width differs from the width of the site it is attached to (both are named)."""
+
+    remedy = "Attach the dictionary to a site of its input width (d_in), or use the dictionary trained for this site."
+
+
+class FeatureDtypeError(FeatureError, TypeError):
+    """The dictionary's dtype or device differs from the site's (the message says which, and both values)."""
+
+    remedy = "Move the dictionary to the site's dtype and device first: sae.to(dtype=..., device=...)."
+
+
+class FeatureIndexError(FeatureError, IndexError):
+    """A feature index outside 0 .. d_sae - 1 (the dictionary's width is named)."""
+
+    remedy = "Use feature indices between 0 and d_sae - 1 (tl.features.as_dictionary(sae).d_sae)."
+
+
+class FeatureSiteError(FeatureError, SiteError):
+    """A dictionary was attached to a site whose value is not one tensor (e.g. a tuple), or to no such site."""
+
+    remedy = ("Attach it to a site whose output is one tensor: a block's residual (blocks.6 on a canonical model, "
+              "or the submodule producing the tensor you mean); trace.modules lists the names.")
+
+
+class FeatureDictionaryFormatError(FeatureError, ValueError):
+    """A saved dictionary's folder lacks cfg.json / sae_weights.safetensors, or names an architecture not read here."""
+
+    remedy = ("Point load_sae at a folder in SAELens's layout (cfg.json + sae_weights.safetensors) of a standard, "
+              "jumprelu or topk SAE; load others with SAELens and pass the SAE object itself.")
 
 
 def all_error_classes() -> list[type[TorchLensError]]:

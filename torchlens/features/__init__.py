@@ -1,0 +1,16 @@
+"""Feature dictionaries (sparse autoencoders, transcoders) as sites of a trace: read, edit, replay.
+
+``tl.features.as_dictionary(sae)`` wraps any module with ``encode`` / ``decode`` (SAELens ``SAE`` objects
+as they are); ``tl.features.load_sae(path)`` reads SAELens's on-disk layout without SAELens;
+``tl.trace(model, x, features={site: sae})`` splices them in for one capture (docs/features.md).
+"""
+
+from .attach import FeatureAttachment, FeatureSplice, attach, dictionaries
+from .dictionary import FeatureDictionary, SavedSAE, as_dictionary, load_sae
+from .edits import FeatureEdit, ablate, clamp, scale, steer
+from .reads import FeatureList, active, feature_acts, top
+
+__all__ = [
+    "FeatureAttachment", "FeatureDictionary", "FeatureEdit", "FeatureList", "FeatureSplice", "SavedSAE", "ablate",
+    "active", "as_dictionary", "attach", "clamp", "dictionaries", "feature_acts", "load_sae", "scale", "steer", "top",
+]
