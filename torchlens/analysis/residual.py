@@ -154,7 +154,8 @@ def _final_norm(trace: Trace, norm: str | bool) -> str:
 
 def accumulated_resid(trace: Any, inputs: Any = None, *, layers: Sequence[int] | int | None = None,
                       apply_ln: bool | str = False, pos_slice: Any = None, norm: str | bool = True,
-                      return_labels: bool = False) -> torch.Tensor | tuple[torch.Tensor, list[str]]:
+                      return_labels: bool = False, tokenizer: Any = None,
+                      ) -> torch.Tensor | tuple[torch.Tensor, list[str]]:
     """The residual stream at every layer boundary, ``[n_layers + 1, batch, position, d_model]``.
 
     Row 0 is the embeddings' output (``blocks.0.resid_pre``); row ``L`` the output of block
@@ -163,7 +164,7 @@ def accumulated_resid(trace: Any, inputs: Any = None, *, layers: Sequence[int] |
 
     Args:
         trace: a trace (``tl.trace(model, ids)``), or a model with ``inputs``.
-        inputs: the model's input ids when ``trace`` is a model.
+        inputs: the model's inputs when ``trace`` is a model: token ids, or text (with ``tokenizer``).
         layers: which rows (default: all ``n_layers + 1``); ``-1`` is the final residual.
         apply_ln: False (default): the raw residual. True or ``"per_row"``: the final-norm
             module on each row (TransformerLens 3.9's ``accumulated_resid(apply_ln=True)``).
@@ -172,17 +173,19 @@ def accumulated_resid(trace: Any, inputs: Any = None, *, layers: Sequence[int] |
         pos_slice: positions to keep: an int (the axis is dropped), a slice, or a list of ints.
         norm: the final norm, as in ``tl.logit_lens`` (True: found from the trace; an address; False: none).
         return_labels: also return TransformerLens's row labels (``0_pre`` ... ``final_post``).
+        tokenizer: tokenizes text ``inputs`` (default: the model's ``tokenizer`` attribute).
 
     Raises:
         InvalidArgumentError: a bad ``apply_ln``, ``norm`` or ``pos_slice``, or a model without inputs.
         SiteNotFoundError: a row out of range, or a residual site this trace lacks.
         UnsupportedModelError: ``"final_scale"`` on a final norm that is neither LayerNorm nor RMSNorm.
+        TokenizerRequiredError: text ``inputs`` and no tokenizer.
     """
     if not any(apply_ln is v or (isinstance(v, str) and apply_ln == v) for v in APPLY_LN):
         raise InvalidArgumentError(f"apply_ln is False, True, 'per_row' or 'final_scale', got {apply_ln!r}",
                                    remedy="apply_ln=True normalises each row; 'final_scale' uses the final "
                                    "residual's scale (TransformerLens's apply_ln_to_stack).")
-    trace = _trace_of(trace, inputs, "accumulated_resid")
+    trace = _trace_of(trace, inputs, "accumulated_resid", tokenizer)
     model = _model_of(trace)
     view = arch(model)
     rows = view.layer_indices(layers, boundaries=True)
@@ -199,13 +202,14 @@ def accumulated_resid(trace: Any, inputs: Any = None, *, layers: Sequence[int] |
     return (stack, resid_labels(view.n_layers, rows)) if return_labels else stack
 
 
-def _trace_of(trace: Any, inputs: Any, name: str) -> Trace:
+def _trace_of(trace: Any, inputs: Any, name: str, tokenizer: Any = None) -> Trace:
+    """``trace``, or the model ``trace`` run on ``inputs`` (token ids, or text through ``tokenizer``)."""
     if isinstance(trace, Trace):
         return trace
     if inputs is None:
         raise InvalidArgumentError(f"{name} takes a trace, or a model and its inputs",
                                    remedy=f"tl.{name}(tl.trace(model, ids)) or tl.{name}(model, ids).")
-    return _as_trace(trace, inputs, "inputs")
+    return _as_trace(trace, inputs, "inputs", tokenizer)
 
 
 def _boundary(trace: Trace, view: ArchView, row: int) -> torch.Tensor:
