@@ -307,8 +307,9 @@ def activation_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any]
         batch_size: how many cells replay together (``Trace.forks``: one read of each weight per
             batch instead of per cell). Each cell of a batch holds its recomputed rows until the
             batch is scored — at most one trace's values per cell — so this bounds the memory.
-        tokenizer: tokenizes text prompts, and names positions given as token strings (default:
-            the model's ``tokenizer`` attribute; a trace keeps the one it was made with).
+        tokenizer: tokenizes text prompts (default: the model's ``tokenizer`` attribute); the
+            traces made keep it, so ``positions`` may be token strings (as with traces made with
+            ``tl.trace(model, text, tokenizer=tok)``).
 
     Returns:
         a :class:`PatchingResult` with dims ``("layer", "position")``, ``("layer", "head")`` or
