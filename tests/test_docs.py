@@ -3,6 +3,8 @@
 - Every ```python fence whose first line is ``# migration-test: tool=NAME expected=LITERAL``
   (in ``docs/**/*.md`` and ``README.md``) runs in a fresh interpreter; its ``RESULT`` must
   equal the literal. Fences whose tool is not importable are skipped, with the reason.
+  The site shows them without that scaffolding, with the output they print
+  (``docs/gen_examples.py``, which owns the fence format; checked here and in the browser).
 - ``mkdocs build --strict`` must succeed: no broken link, no missing API object.
 - The errors page, generated from ``torchlens.errors``, must list every error class.
 
@@ -30,10 +32,17 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-HEADER = re.compile(r"^#\s*migration-test:\s*tool=(\S+)\s+expected=(.+)$")
-FENCE = re.compile(r"^```python[^\n]*\n(.*?)^```", re.S | re.M)
 FENCE_TIMEOUT = 180
-ORACLES = ROOT / "tests" / "fixtures" / "oracles"  # see tests/fixtures/oracles/baukit/__init__.py
+
+
+def _load_hook(name: str):
+    spec = importlib.util.spec_from_file_location(name, DOCS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+EXAMPLES = _load_hook("gen_examples")  # the fence format, how the site shows a fence, how an example runs
 
 # Executed in the child interpreter: run the example, print its RESULT as JSON.
 CHILD = textwrap.dedent(
@@ -78,13 +87,10 @@ def collect_fences(paths: list[pathlib.Path]) -> list[Fence]:
     found = []
     for path in paths:
         text = path.read_text(encoding="utf-8")
-        for match in FENCE.finditer(text):
-            code = match.group(1)
-            head = HEADER.match(code.split("\n", 1)[0])
-            if head is None:
-                continue
+        for match, tool, code in EXAMPLES.fences(text):
             line = text.count("\n", 0, match.start()) + 1
-            found.append(Fence(path, line, head.group(1), head.group(2).strip(), code))
+            expected = EXAMPLES.HEADER.match(code.split("\n", 1)[0]).group(2).strip()
+            found.append(Fence(path, line, tool, expected, code))
     return found
 
 
@@ -103,20 +109,7 @@ def norm(value):
     return value
 
 
-def tool_available(tool: str) -> bool:
-    """Whether a fence's tool can be imported: installed, or (baukit) loadable through its stand-in."""
-    stand_in = ORACLES / tool / "__init__.py"
-    if stand_in.is_file():
-        spec = importlib.util.spec_from_file_location(f"_probe_{tool}", stand_in)
-        try:
-            spec.loader.exec_module(importlib.util.module_from_spec(spec))
-            return True
-        except ImportError:  # the oracle is not unpacked (PackageNotFoundError is a ModuleNotFoundError)
-            return False
-    try:
-        return importlib.util.find_spec(tool) is not None
-    except (ImportError, ValueError):
-        return False
+tool_available = EXAMPLES.tool_available
 
 
 @dataclasses.dataclass
@@ -137,10 +130,7 @@ def run_fence(fence: Fence, workdir: pathlib.Path) -> Outcome:
     runner = workdir / "_run_fence.py"
     if not runner.exists():
         runner.write_text(CHILD, encoding="utf-8")
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONHASHSEED="0")
-    if (ORACLES / fence.tool).is_dir():  # a tool whose package only loads through its stand-in (baukit)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ORACLES), env.get("PYTHONPATH")]))
+    env = EXAMPLES.example_env(fence.tool)  # offline, one thread, a stand-in on the path (baukit)
     start = time.perf_counter()
     try:
         proc = subprocess.run([sys.executable, str(runner), str(script)], cwd=workdir, env=env,
@@ -200,6 +190,36 @@ def test_fence_headers_are_valid() -> None:
         assert "RESULT" in fence.code, f"{fence.id} never sets RESULT"
 
 
+# -- what the site shows of an example ------------------------------------------------------------
+
+
+def test_the_site_shows_every_example_without_its_scaffolding() -> None:
+    for fence in FENCES:
+        shown = EXAMPLES.shown_code(fence.code)  # parses, or raises
+        assert "migration-test" not in shown and "RESULT" not in shown, f"{fence.id} shows its test scaffolding"
+        assert shown.strip(), f"{fence.id} shows nothing"
+
+
+def test_shown_code_drops_the_header_the_result_and_what_only_held_it() -> None:
+    code = textwrap.dedent("""\
+        # migration-test: tool=torchlens expected=(1, 2)
+        import torch
+        x = torch.ones(2)
+        print(x.sum())
+        with torch.no_grad():
+            RESULT = (1,
+                      2)
+        if True:
+            y = 3
+            RESULT = (y, 2)
+        """)
+    assert EXAMPLES.shown_code(code) == "import torch\nx = torch.ones(2)\nprint(x.sum())\nif True:\n    y = 3\n"
+    tail = "# migration-test: tool=torchlens expected=1\nx = 1\nprint(x)\n# checks: the reference\nRESULT = x\n"
+    assert EXAMPLES.shown_code(tail) == "x = 1\nprint(x)\n"
+    with pytest.raises(SyntaxError):
+        EXAMPLES.shown_code("# migration-test: tool=torchlens expected=1\nif True:\n# checks\n    RESULT = 1\n")
+
+
 # -- what the pages say TorchLens has ------------------------------------------------------------
 
 
@@ -234,6 +254,93 @@ def test_transformerlens_page_maps_the_patching_grids_and_accumulated_resid() ->
     assert "get_act_patch_resid_pre" not in lacks  # the grids TorchLens has are not listed as missing
 
 
+def _table_namespace() -> dict:
+    """What the TransformerLens table's TorchLens calls name: a 4-block GPT-2, its traces, a tokenizer."""
+    import torch
+    import transformers
+    from test_text_inputs import gpt2_style_tokenizer
+
+    import torchlens as tl
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=4, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    tokens = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    trace = tl.trace(model, tokens)
+    return {
+        "tl": tl, "torch": torch, "model": model, "tokens": tokens, "trace": trace, "tok": gpt2_style_tokenizer(),
+        "text": "The city of Paris is in France", "clean_trace": trace,
+        "corrupted_trace": tl.trace(model, torch.tensor([[1, 2, 9, 4, 5, 6]])),
+        "metric": tl.patching.logit_diff(3, 4), "a": 3, "b": 4, "i": 3, "k": 2,
+        "site": tl.module("transformer.h.0.mlp"), "edit": tl.zero_ablate(), "attn_path": "transformer.h.0.attn",
+        "stack": tl.decompose_resid(trace),
+    }
+
+
+def _resolves(code: str, roots: dict) -> bool | None:
+    """Whether every attribute chain from a known root (``tl.patching.x``, ``trace.str_tokens``)
+    exists; None when the code names no root."""
+    import dataclasses as dc
+
+    seen = False
+    for node in ast.walk(ast.parse(code)):
+        if not isinstance(node, ast.Attribute):
+            continue
+        chain, base = [], node
+        while isinstance(base, ast.Attribute):
+            chain.insert(0, base.attr)
+            base = base.value
+        if not isinstance(base, ast.Name) or base.id not in roots:
+            continue
+        seen, obj = True, roots[base.id]
+        for attr in chain:
+            fields = {f.name for f in dc.fields(obj)} if dc.is_dataclass(obj) else set()
+            if not (hasattr(obj, attr) or attr in fields or attr in getattr(obj, "__annotations__", {})):
+                return False
+            obj = getattr(obj, attr, None)
+            if obj is None:
+                break
+    return seen or None
+
+
+def test_transformerlens_table_calls_run_or_resolve() -> None:
+    """Every row of the TransformerLens table names a TorchLens call that runs (on a 4-block GPT-2)
+    or, where it holds ``...`` or names the reader's own objects, whose every name exists."""
+    import torchlens as tl
+
+    page = (DOCS / "coming-from-transformerlens.md").read_text(encoding="utf-8")
+    table = page.split("## Translation table", 1)[1].split("\n#", 1)[0]
+    rows = [row for row in _table_rows(table) if len(row) == 3 and row[0] != "TransformerLens"]
+    assert len(rows) >= 35
+    namespace = _table_namespace()
+    roots = {"tl": tl, "torchlens": tl, "trace": tl.Trace, "ctx": tl.EditContext}
+    ran = 0
+    for theirs, ours, notes in rows:
+        checked = []
+        for column, cell in ((0, ours), (1, notes)):
+            for code in re.findall(r"`([^`]+)`", cell):
+                try:
+                    tree = ast.parse(code)
+                except SyntaxError:
+                    continue  # a fragment such as `.logits` or `fn(activation, *, ctx)`
+                names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+                if not names & roots.keys():
+                    continue
+                has_ellipsis = any(isinstance(n, ast.Constant) and n.value is Ellipsis for n in ast.walk(tree))
+                if not has_ellipsis and names <= namespace.keys():
+                    try:
+                        exec(compile(tree, "<table>", "exec"), dict(namespace))
+                    except Exception as err:  # noqa: BLE001 - the row's call must run
+                        raise AssertionError(f"row {theirs}: {code} raised {type(err).__name__}: {err}") from err
+                    ran += 1
+                    checked.append(column)
+                else:
+                    assert _resolves(code, roots) is not False, f"row {theirs}: {code} names something missing"
+                    checked.append(column)
+        assert 0 in checked, f"row {theirs}: no TorchLens call in {ours!r} runs or resolves"
+    assert ran >= 30, f"only {ran} of the table's calls ran"
+
+
 # -- the seed examples are on the migration pages, verbatim ---------------------------------
 
 SEEDS = ROOT.parent / "shared" / "acceptance" / "seed_fences"
@@ -256,10 +363,7 @@ def test_seed_fence_is_on_a_page(seed: pathlib.Path) -> None:
 
 
 def _gen_errors():
-    spec = importlib.util.spec_from_file_location("gen_errors", DOCS / "gen_errors.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _load_hook("gen_errors")
 
 
 def test_errors_page_lists_every_error_class() -> None:
@@ -325,6 +429,21 @@ def test_built_errors_page_has_every_class(built_site) -> None:
         assert f'id="{cls.__name__.lower()}"' in html, f"{cls.__name__} has no section on the built errors page"
     assert 'id="errors-the-shims-add"' in html, "the shims' errors are missing from the errors page"
     assert "could not be imported while building this page" not in html, "a shim failed to import during the build"
+
+
+def test_built_pages_show_no_scaffolding_and_the_printed_output(built_site) -> None:
+    proc, site = built_site
+    if proc.returncode != 0:
+        pytest.skip("the site did not build; test_mkdocs_build_strict says why")
+    pages = sorted(site.rglob("*.html"))
+    assert len(pages) > 10
+    for page in pages:
+        html = page.read_text(encoding="utf-8")
+        assert "migration-test" not in html, f"{page.relative_to(site)} shows a test marker"
+        assert "RESULT" not in html, f"{page.relative_to(site)} shows an example's RESULT"
+    tl_page = (site / "coming-from-transformerlens" / "index.html").read_text(encoding="utf-8")
+    assert tl_page.count('<span class="filename">Output</span>') >= 2, "the TransformerLens page shows no output"
+    assert "final_post" in tl_page.split('<span class="filename">Output</span>', 1)[1]  # printed labels
 
 
 def test_built_api_page_documents_the_entry_points(built_site) -> None:

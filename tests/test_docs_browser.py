@@ -1,7 +1,8 @@
-"""The built docs site in a real browser: the graph pictures are on the pages and have a size.
+"""The built docs site in a real browser: the graph pictures are on the pages and have a size,
+no page shows an example's test scaffolding, and examples show the output they printed.
 
-Builds the site (its pictures are drawn at build time by ``docs/gen_images.py``), opens the
-getting-started and drawing pages in headless Chromium (Debian package ``chromium``, which
+Builds the site (its pictures are drawn at build time by ``docs/gen_images.py``, examples'
+output by ``docs/gen_examples.py``), opens the pages in headless Chromium (Debian package ``chromium``, which
 ``scripts/test.sh`` installs) and asks the page, through the DevTools protocol over a pipe
 (standard library only), for every image's loaded and laid-out size.
 """
@@ -32,6 +33,15 @@ IMAGES_JS = """
     return {src: i.getAttribute("src"), alt: i.alt, width: b.width, height: b.height,
             natural: [i.naturalWidth, i.naturalHeight]}; });
 })()
+"""
+
+
+# The text a reader sees (rendered, visible), and the output blocks under examples.
+TEXT_JS = """
+(() => ({text: document.querySelector("article").innerText,
+         outputs: Array.from(document.querySelectorAll("article .highlight"))
+           .filter(b => (b.querySelector(".filename") || {}).textContent === "Output")
+           .map(b => b.querySelector("code").innerText)}))()
 """
 
 
@@ -88,16 +98,20 @@ class Browser:
             if msg.get("method") == method and msg.get("sessionId") == session:
                 return
 
-    def images_on(self, url: str) -> list[dict]:
+    def evaluate_on(self, url: str, expression: str) -> object:
+        """Load ``url`` in a new tab and return the value of a JavaScript ``expression`` there."""
         target = self.call("Target.createTarget", {"url": "about:blank"})["targetId"]
         session = self.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
         self.call("Page.enable", session=session)
         self.call("Page.navigate", {"url": url}, session=session)
         self.wait_event("Page.loadEventFired", session)
-        result = self.call("Runtime.evaluate", {"expression": IMAGES_JS, "awaitPromise": True,
+        result = self.call("Runtime.evaluate", {"expression": expression, "awaitPromise": True,
                                                 "returnByValue": True}, session=session)
         self.call("Target.closeTarget", {"targetId": target})
         return result["result"]["value"]
+
+    def images_on(self, url: str) -> list[dict]:
+        return self.evaluate_on(url, IMAGES_JS)
 
     def close(self) -> None:
         try:
@@ -149,3 +163,23 @@ def test_every_picture_on_the_drawing_page_loads(site, browser):
     assert len(images) >= 9
     broken = [i["src"] for i in images if not (i["natural"][0] > 0 and i["width"] > 0)]
     assert not broken, f"pictures that did not load or have no size: {broken}"
+
+
+def test_no_page_shows_test_scaffolding(site, browser):
+    """Examples are tested through a ``# migration-test:`` line and a closing ``RESULT``; the reader
+    sees neither, on any page."""
+    pages = sorted(site.rglob("index.html"))
+    assert len(pages) > 10
+    for page in pages:
+        shown = browser.evaluate_on(page.as_uri(), TEXT_JS)
+        where = page.relative_to(site)
+        assert "migration-test" not in shown["text"], f"{where} shows a test marker"
+        assert "RESULT" not in shown["text"], f"{where} shows an example's RESULT"
+
+
+def test_examples_show_what_they_printed(site, browser):
+    shown = browser.evaluate_on((site / "coming-from-transformerlens" / "index.html").as_uri(), TEXT_JS)
+    outputs = shown["outputs"]
+    assert len(outputs) >= 3, outputs
+    assert any("final_post" in out and "PatchingResult" in out for out in outputs), outputs
+    assert any("reads agree: True" in out and "patches agree: False" in out for out in outputs), outputs

@@ -1,68 +1,133 @@
-"""Attribution patching's raw estimate against TransformerLens 3.9's recipe on the same weights.
+"""Patching grids and attribution patching against TransformerLens 3.9 on the same weights.
 
-The HookedTransformer is built offline from the tiny GPT-2's weights (a config written out by
-hand, TransformerLens's own ``convert_gpt2_weights``, no folding or centring); the layer norms'
-weights and biases are drawn at random first, so a mistake in either implementation shows.
-TransformerLens's recipe: cache the clean run, then a forward and backward on the corrupted run
-with hooks keeping ``blocks.L.hook_resid_pre`` and its gradient; estimate =
-``((clean - corrupted) * grad).sum(-1)``.
+The HookedTransformer is built offline by ``tests/tl_oracle.py`` (a config written out by hand,
+TransformerLens's own weight conversion, no folding or centring) from a model whose norms have
+random weights and biases, so a mistake in either implementation shows. Tiny GPT-2 with fused
+(SDPA) and eager attention, and a grouped-query Llama; batch 2, one answer pair per prompt.
+
+References:
+
+- exact grids: TransformerLens's ``patching`` module (``get_act_patch_resid_pre`` / ``_resid_mid``
+  / ``_attn_out`` / ``_mlp_out``, ``get_act_patch_attn_head_out_all_pos`` / ``_by_pos``), and
+  ``generic_activation_patch`` with ``layer_pos_patch_setter`` for ``resid_post`` (the module has
+  no shortcut for it);
+- attribution patching: TransformerLens's recipe, written with its hooks: cache the clean run,
+  then a forward and backward on the corrupted run keeping each hook's value and gradient;
+  estimate = ``((clean - corrupted) * grad)`` summed over the features, the batch (and, for heads,
+  the positions): ``hook_resid_pre``, ``hook_resid_post``, ``hook_attn_out``, ``hook_mlp_out``,
+  ``hook_z``.
 """
 
 from __future__ import annotations
 
-import copy
+import contextlib
+import io
 import warnings
 
 import pytest
 import torch
+from conftest import eager_copy
+from tl_oracle import hooked_gpt2, hooked_llama, randomized_norms
 
 import torchlens as tl
 
-CLEAN = torch.tensor([[1, 2, 3, 4, 5, 6]])
-CORRUPT = torch.tensor([[1, 2, 11, 4, 5, 6]])
-GOOD, BAD = 3, 11
+pytestmark = pytest.mark.filterwarnings("ignore:HookedTransformer is deprecated:DeprecationWarning")
+
+ATOL = 1e-5
+GOOD, BAD = [3, 40], [9, 2]  # one answer pair per prompt of the batch
 
 
-def _hooked_gpt2(hf_model):
-    """A HookedTransformer computing the same function as ``hf_model`` (a GPT2LMHeadModel)."""
-    try:
-        from transformer_lens import HookedTransformer, HookedTransformerConfig
-        from transformer_lens.pretrained.weight_conversions import convert_gpt2_weights
-    except ImportError as err:  # the test extra installs it; a bare environment may not have it
-        pytest.skip(f"transformer_lens cannot be imported ({err})")
-    c = hf_model.config
-    cfg = HookedTransformerConfig(
-        n_layers=c.n_layer, d_model=c.n_embd, n_heads=c.n_head, d_head=c.n_embd // c.n_head, d_mlp=4 * c.n_embd,
-        d_vocab=c.vocab_size, n_ctx=c.n_positions, act_fn="gelu_new", normalization_type="LN",
-        eps=c.layer_norm_epsilon, positional_embedding_type="standard", default_prepend_bos=False,
-        device="cpu",
-    )
-    with warnings.catch_warnings():  # 3.9 announces HookedTransformer's removal in 4.0 (the test extra pins <4)
-        warnings.simplefilter("ignore", DeprecationWarning)
-        model = HookedTransformer(cfg)
-    model.load_state_dict(convert_gpt2_weights(hf_model, cfg), strict=False)
-    return model.eval()
+def _prompts(ids: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clean and corrupted batches of 2: the corrupted prompts differ at two positions."""
+    clean = torch.cat([ids, (ids * 7 + 3) % vocab])
+    corrupted = clean.clone()
+    corrupted[:, 2] = (corrupted[:, 2] + 11) % vocab
+    corrupted[:, -2] = (corrupted[:, -2] + 5) % vocab
+    return clean, corrupted
 
 
-@pytest.fixture(scope="module")
-def gpt2_pair(tiny_gpt2):
-    """The tiny GPT-2 with random layer-norm weights and biases, and its HookedTransformer twin."""
-    model = copy.deepcopy(tiny_gpt2.model)
-    g = torch.Generator().manual_seed(7)
+@pytest.fixture(scope="module", params=["gpt2_sdpa", "gpt2_eager", "llama_gqa"])
+def pair(request):
+    """(our model, HookedTransformer on its weights, clean ids, corrupted ids), batch 2."""
+    pytest.importorskip("transformer_lens", reason="transformer_lens (the test extra) is not installed")
+    if request.param.startswith("gpt2"):
+        case = request.getfixturevalue("tiny_gpt2")
+        model = randomized_norms(case.model, seed=7)
+        if request.param == "gpt2_eager":
+            model = eager_copy(model)
+        hooked = hooked_gpt2(model)
+    else:
+        case = request.getfixturevalue("tiny_llama")
+        assert case.model.config.num_key_value_heads < case.model.config.num_attention_heads  # GQA
+        model = randomized_norms(case.model, seed=7)
+        hooked = hooked_llama(model)
+    clean, corrupted = _prompts(case.args[0], model.config.vocab_size)
+    with torch.no_grad():  # the twin computes the same function, so every comparison below is about patching
+        assert torch.allclose(hooked(clean), model(clean).logits, atol=ATOL)
+    return model, hooked, clean, corrupted
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return float((a.float() - b.float()).abs().max())
+
+
+def _quiet(fn, *args, **kwargs):
+    """A TransformerLens patching call without its progress bar on stderr."""
+    with contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*args, **kwargs)
+
+
+def _tl_grid(hooked, clean: torch.Tensor, corrupted: torch.Tensor, metric, site: str,
+             by_pos: bool = False) -> torch.Tensor:
+    from transformer_lens import patching
+
+    _, cache = hooked.run_with_cache(clean)
+    if site == "resid_post":
+        return _quiet(patching.generic_activation_patch, hooked, corrupted, cache, metric,
+                      patch_setter=patching.layer_pos_patch_setter, activation_name="resid_post",
+                      index_axis_names=("layer", "pos"))
+    fn = {"resid_pre": patching.get_act_patch_resid_pre, "resid_mid": patching.get_act_patch_resid_mid,
+          "attn": patching.get_act_patch_attn_out, "mlp": patching.get_act_patch_mlp_out,
+          "heads": patching.get_act_patch_attn_head_out_by_pos if by_pos
+          else patching.get_act_patch_attn_head_out_all_pos}[site]
+    return _quiet(fn, hooked, corrupted, cache, metric)
+
+
+@pytest.mark.parametrize("site", ["resid_pre", "resid_mid", "resid_post", "attn", "mlp", "heads"])
+def test_activation_patching_grid_equals_transformer_lens(pair, site):
+    model, hooked, clean, corrupted = pair
+    metric = tl.patching.logit_diff(GOOD, BAD)
+    want = _tl_grid(hooked, clean, corrupted, metric, site)
+    got = tl.patching.activation_patching(clean, corrupted, metric, model=model, site=site)
+    assert got.dims == (("layer", "head") if site == "heads" else ("layer", "position"))
+    assert (want - want.mean()).abs().max() > 20 * ATOL  # a grid whose cells differ by more than the tolerance
+    assert _max_diff(got.values, want) < ATOL, (site, _max_diff(got.values, want))
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".ln_" in name or name.startswith("transformer.ln_f"):
-                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.3 * torch.randn(p.shape, generator=g))
-    return model, _hooked_gpt2(model)
+        assert abs(got.corrupted - float(metric(hooked(corrupted)))) < ATOL
+        assert abs(got.clean - float(metric(hooked(clean)))) < ATOL
 
 
-def _tl_attribution(ht) -> torch.Tensor:
-    """TransformerLens's attribution-patching recipe over ``blocks.L.hook_resid_pre``: [layer, position]."""
-    def metric(logits):
-        return logits[0, -1, GOOD] - logits[0, -1, BAD]
+def test_head_by_position_grid_equals_transformer_lens(pair):
+    """Each head's output at one position: TransformerLens's [layer, pos, head] is our [layer, head, position]."""
+    model, hooked, clean, corrupted = pair
+    metric = tl.patching.logit_diff(GOOD, BAD)
+    want = _tl_grid(hooked, clean, corrupted, metric, "heads", by_pos=True)
+    got = tl.patching.activation_patching(clean, corrupted, metric, model=model, site="heads",
+                                          positions=list(range(clean.shape[1])))
+    assert got.dims == ("layer", "head", "position")
+    assert _max_diff(got.values, want.permute(0, 2, 1)) < ATOL
 
-    names = [f"blocks.{layer}.hook_resid_pre" for layer in range(ht.cfg.n_layers)]
-    _, clean_cache = ht.run_with_cache(CLEAN)
+
+TL_HOOK = {"resid_pre": "hook_resid_pre", "resid_post": "hook_resid_post", "attn": "hook_attn_out",
+           "mlp": "hook_mlp_out", "heads": "attn.hook_z"}
+
+
+def _tl_attribution(hooked, clean: torch.Tensor, corrupted: torch.Tensor, metric, site: str) -> torch.Tensor:
+    """TransformerLens's attribution-patching recipe: [layer, position], or [layer, head] for heads."""
+    names = [f"blocks.{layer}.{TL_HOOK[site]}" for layer in range(hooked.cfg.n_layers)]
+    _, clean_cache = hooked.run_with_cache(clean)
     acts, grads = {}, {}
 
     def keep_act(act, hook):
@@ -71,30 +136,33 @@ def _tl_attribution(ht) -> torch.Tensor:
     def keep_grad(grad, hook):
         grads[hook.name] = grad.detach()
 
-    ht.reset_hooks()
+    hooked.reset_hooks()
     for name in names:
-        ht.add_hook(name, keep_act, "fwd")
-        ht.add_hook(name, keep_grad, "bwd")
+        hooked.add_hook(name, keep_act, "fwd")
+        hooked.add_hook(name, keep_grad, "bwd")
     try:
-        metric(ht(CORRUPT)).backward()
+        metric(hooked(corrupted)).backward()
     finally:
-        ht.reset_hooks()
-        ht.zero_grad(set_to_none=True)
-    return torch.stack([((clean_cache[n] - acts[n]) * grads[n]).sum(-1)[0] for n in names])
+        hooked.reset_hooks()
+        hooked.zero_grad(set_to_none=True)
+    rows = []
+    for n in names:
+        attribution = (clean_cache[n] - acts[n]) * grads[n]  # [batch, pos, d] or [batch, pos, head, d_head]
+        rows.append(attribution.sum((0, 1, 3)) if site == "heads" else attribution.sum((0, 2)))
+    return torch.stack(rows)
 
 
-def test_attribution_patching_raw_estimate_equals_transformer_lens_recipe(gpt2_pair):
-    """``result.estimate`` is TransformerLens's raw estimate per layer × position (1e-5);
-    ``result.values`` is the corrupted metric plus it."""
-    model, ht = gpt2_pair
-    with torch.no_grad():  # the twin computes the same function, so the comparison is about attribution
-        assert torch.allclose(ht(CLEAN), model(CLEAN).logits, atol=1e-5)
-    want = _tl_attribution(ht)
-    result = tl.patching.attribution_patching(CLEAN, CORRUPT, tl.patching.logit_diff(GOOD, BAD), model=model)
-    assert result.estimate is not None and result.estimate.shape == want.shape == (2, 6)
-    assert want.abs().max() > 1e-3  # a grid that is not all zeros
-    assert torch.allclose(result.estimate, want, atol=1e-5), (result.estimate - want).abs().max()
+@pytest.mark.parametrize("site", ["resid_pre", "resid_post", "attn", "mlp", "heads"])
+def test_attribution_patching_raw_estimate_equals_transformer_lens_recipe(pair, site):
+    """``result.estimate`` is TransformerLens's raw estimate per cell; ``result.values`` is the corrupted
+    metric plus it."""
+    model, hooked, clean, corrupted = pair
+    metric = tl.patching.logit_diff(GOOD, BAD)
+    want = _tl_attribution(hooked, clean, corrupted, metric, site)
+    result = tl.patching.attribution_patching(clean, corrupted, metric, model=model, site=site)
+    assert result.estimate is not None and result.estimate.shape == want.shape
+    assert want.abs().max() > 20 * ATOL  # a grid that is not all zeros
+    assert _max_diff(result.estimate, want) < ATOL, (site, _max_diff(result.estimate, want))
     assert torch.allclose(result.values, result.corrupted + result.estimate, atol=1e-6)
     with torch.no_grad():
-        logits = ht(CORRUPT)
-    assert abs(result.corrupted - float(logits[0, -1, GOOD] - logits[0, -1, BAD])) < 1e-5
+        assert abs(result.corrupted - float(metric(hooked(corrupted)))) < ATOL

@@ -8,13 +8,12 @@ each head's output and the direct logit attribution of every component must agre
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 import torchlens as tl
 from tests.conftest import assert_model_clean, eager_copy, hook_state
+from tests.tl_oracle import hooked_gpt2, hooked_llama, randomized_norms
 
 
 def _need_transformer_lens() -> None:
@@ -31,44 +30,18 @@ ATOL = 1e-5
 
 def _randomise(model: torch.nn.Module, seed: int = 7) -> torch.nn.Module:
     """Norm weights away from 1, every bias away from 0 (seeded), so a dropped scale or bias shows."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-            elif "ln" in name or "norm" in name:
-                p.copy_(1 + torch.randn(p.shape, generator=gen) * 0.3)
-    return model
-
-
-def _hooked_gpt2(hf: torch.nn.Module, fold_ln: bool = False):
-    """TransformerLens's HookedTransformer on ``hf``'s weights (its own conversion; no folding unless asked)."""
-    from transformer_lens import HookedTransformer, HookedTransformerConfig
-    from transformer_lens.pretrained.weight_conversions import convert_gpt2_weights
-
-    c = hf.config
-    cfg = HookedTransformerConfig(
-        d_model=c.n_embd, d_head=c.n_embd // c.n_head, n_heads=c.n_head, n_layers=c.n_layer, n_ctx=c.n_positions,
-        d_vocab=c.vocab_size, d_mlp=c.n_inner or 4 * c.n_embd, act_fn="gelu_new", normalization_type="LN",
-        positional_embedding_type="standard", eps=c.layer_norm_epsilon, original_architecture="GPT2LMHeadModel",
-        default_prepend_bos=False, device="cpu",
-    )
-    hooked = HookedTransformer(cfg)
-    hooked.load_state_dict(convert_gpt2_weights(hf, cfg), strict=False)
-    if fold_ln:
-        hooked.process_weights_(fold_ln=True, center_writing_weights=False, center_unembed=False)
-    return hooked.eval()
+    return randomized_norms(model, seed, biases=True)
 
 
 @pytest.fixture(scope="module", params=["sdpa", "eager"])
 def gpt2_pair(request, tiny_gpt2):
     _need_transformer_lens()
-    hf = _randomise(copy.deepcopy(tiny_gpt2.model))
+    hf = _randomise(tiny_gpt2.model)
     if request.param == "eager":
         hf = eager_copy(hf)
     with torch.no_grad():
-        _, cache = _hooked_gpt2(hf).run_with_cache(IDS)
-        _, folded = _hooked_gpt2(hf, fold_ln=True).run_with_cache(IDS)
+        _, cache = hooked_gpt2(hf).run_with_cache(IDS)
+        _, folded = hooked_gpt2(hf, fold_ln=True).run_with_cache(IDS)
     return hf, tl.trace(hf, IDS), cache, folded
 
 
@@ -179,32 +152,13 @@ def test_attributions_sum_to_the_model_logits(gpt2_pair):
 # -- a grouped-query Llama ------------------------------------------------------------------------
 
 
-def _hooked_llama(hf: torch.nn.Module):
-    from transformer_lens import HookedTransformer, HookedTransformerConfig
-    from transformer_lens.pretrained.weight_conversions import convert_llama_weights
-
-    c = hf.config
-    head_dim = c.hidden_size // c.num_attention_heads
-    cfg = HookedTransformerConfig(
-        d_model=c.hidden_size, d_head=head_dim, n_heads=c.num_attention_heads, n_layers=c.num_hidden_layers,
-        n_ctx=c.max_position_embeddings, d_vocab=c.vocab_size, d_mlp=c.intermediate_size, act_fn="silu",
-        normalization_type="RMS", positional_embedding_type="rotary", rotary_dim=head_dim, final_rms=True,
-        gated_mlp=True, n_key_value_heads=c.num_key_value_heads, eps=c.rms_norm_eps,
-        rotary_base=c.rope_parameters["rope_theta"] if getattr(c, "rope_parameters", None) else c.rope_theta,
-        original_architecture="LlamaForCausalLM", default_prepend_bos=False, device="cpu",
-    )
-    hooked = HookedTransformer(cfg)
-    hooked.load_state_dict(convert_llama_weights(hf, cfg), strict=False)
-    return hooked.eval()
-
-
 @pytest.fixture(scope="module")
 def llama_pair(tiny_llama):
     _need_transformer_lens()
-    hf = _randomise(copy.deepcopy(tiny_llama.model))
+    hf = _randomise(tiny_llama.model)
     ids = torch.tensor([[3, 17, 42, 9, 100, 5, 77], [8, 1, 64, 33, 2, 90, 12]])
     with torch.no_grad():
-        hooked = _hooked_llama(hf)
+        hooked = hooked_llama(hf)
         logits, cache = hooked.run_with_cache(ids)
         if _max_diff(logits, hf(ids).logits) > 1e-4:
             pytest.skip("TransformerLens's Llama conversion does not reproduce this transformers Llama's logits")

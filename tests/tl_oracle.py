@@ -3,9 +3,11 @@
 An independent re-implementation to cross-check against: the config is written by hand
 (the fields ``convert_hf_model_config`` would read from the hub), the weights go through
 TransformerLens's own conversion (``convert_gpt2_weights`` / ``convert_llama_weights``) and
-``load_state_dict``, with no folding, centring or other processing, so activations match the
-Hugging Face model's. ``randomize_norms`` gives the norms weights and biases away from 1 and 0
-so a convention that forgets them shows.
+``load_state_dict``, with no folding, centring or other processing (unless ``fold_ln=True`` asks
+for TransformerLens's layer-norm folding, for the results it defines on a folded model), so
+activations match the Hugging Face model's. ``randomized_norms`` gives the norms weights and
+biases away from 1 and 0 (and, asked, every other bias away from 0) so a convention that
+forgets them shows. The one builder of these twins for every TransformerLens cross-check.
 """
 
 from __future__ import annotations
@@ -20,11 +22,16 @@ from torch import nn
 __all__ = ["hooked_gpt2", "hooked_llama", "randomized_norms"]
 
 
-def randomized_norms(model: nn.Module, seed: int = 1) -> nn.Module:
-    """A copy of ``model`` whose norm weights (and biases) are random, not 1 (and 0)."""
+def randomized_norms(model: nn.Module, seed: int = 1, *, biases: bool = False) -> nn.Module:
+    """A copy of ``model`` whose norm weights (and biases) are random, not 1 (and 0); with
+    ``biases=True`` every other bias too (``0.1 * randn``), so a dropped bias term shows."""
     twin = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
+        if biases:
+            for name, p in twin.named_parameters():
+                if name.endswith("bias"):
+                    p.copy_(0.1 * torch.randn(p.shape, generator=gen))
         for module in twin.modules():
             if isinstance(module, nn.LayerNorm) or "norm" in type(module).__name__.lower():
                 weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
@@ -35,13 +42,15 @@ def randomized_norms(model: nn.Module, seed: int = 1) -> nn.Module:
     return twin
 
 
-def _hooked(cfg_dict: dict[str, Any], state_dict: dict[str, torch.Tensor]) -> Any:
+def _hooked(cfg_dict: dict[str, Any], state_dict: dict[str, torch.Tensor], fold_ln: bool) -> Any:
     from transformer_lens import HookedTransformer
 
     with warnings.catch_warnings():  # 3.9 announces HookedTransformer's removal in 4.0; the test extra pins <4
         warnings.simplefilter("ignore", DeprecationWarning)
         model = HookedTransformer(_config(cfg_dict))
     model.load_state_dict(state_dict, strict=False)
+    if fold_ln:  # the norms' weights folded into the next weights; nothing centred
+        model.process_weights_(fold_ln=True, center_writing_weights=False, center_unembed=False)
     return model.eval()
 
 
@@ -51,8 +60,9 @@ def _config(cfg_dict: dict[str, Any]) -> Any:
     return HookedTransformerConfig(**cfg_dict, device="cpu", dtype=torch.float32)
 
 
-def hooked_gpt2(hf_model: nn.Module) -> Any:
-    """A ``HookedTransformer`` computing what the ``GPT2LMHeadModel`` ``hf_model`` computes."""
+def hooked_gpt2(hf_model: nn.Module, *, fold_ln: bool = False) -> Any:
+    """A ``HookedTransformer`` computing what the ``GPT2LMHeadModel`` ``hf_model`` computes
+    (``fold_ln=True``: with the layer norms folded, as ``from_pretrained`` does by default)."""
     from transformer_lens.pretrained.weight_conversions import convert_gpt2_weights
 
     c = hf_model.config
@@ -62,11 +72,12 @@ def hooked_gpt2(hf_model: nn.Module) -> Any:
         "act_fn": c.activation_function, "normalization_type": "LN", "original_architecture": "GPT2LMHeadModel",
         "scale_attn_by_inverse_layer_idx": c.scale_attn_by_inverse_layer_idx,
     }
-    return _hooked(cfg, convert_gpt2_weights(hf_model, _config(cfg)))
+    return _hooked(cfg, convert_gpt2_weights(hf_model, _config(cfg)), fold_ln)
 
 
-def hooked_llama(hf_model: nn.Module) -> Any:
-    """A ``HookedTransformer`` computing what the ``LlamaForCausalLM`` ``hf_model`` computes (GQA too)."""
+def hooked_llama(hf_model: nn.Module, *, fold_ln: bool = False) -> Any:
+    """A ``HookedTransformer`` computing what the ``LlamaForCausalLM`` ``hf_model`` computes (GQA too;
+    ``fold_ln`` as in :func:`hooked_gpt2`)."""
     from transformer_lens.pretrained.weight_conversions import convert_llama_weights
 
     c = hf_model.config
@@ -80,7 +91,7 @@ def hooked_llama(hf_model: nn.Module) -> Any:
         "rotary_dim": head_dim, "rotary_base": _rope_theta(c), "final_rms": True, "gated_mlp": True,
         "original_architecture": "LlamaForCausalLM",
     }
-    return _hooked(cfg, convert_llama_weights(hf_model, _config(cfg)))
+    return _hooked(cfg, convert_llama_weights(hf_model, _config(cfg)), fold_ln)
 
 
 def _rope_theta(config: Any) -> float:

@@ -25,11 +25,12 @@ from ..arch.resolve import arch
 from ..capture._random import refuse_random
 from ..core.indices import python_indices
 from ..core.steps import REPLAY, Step
+from ..core.text import HOW_TO_PASS, decode_tokens, input_ids_of, is_text, text_inputs, token_position, tokenizer_for
 from ..core.trace import Trace
 from ..core.tree import first_tensor, flatten, unflatten
 from ..edit.edits import when
 from ..edit.reads import OutputRead, replay_reads
-from ..errors import GuardChangedError, InvalidArgumentError, TokenNotFoundError
+from ..errors import GuardChangedError, InvalidArgumentError, TokenizerRequiredError, TokenNotFoundError
 from . import plots
 from .heads import head_patch_site
 from .patching_metrics import MetricReads, logit_diff, logits_of, metric_position, prob, score
@@ -208,13 +209,16 @@ def restore_rows(donor: Any, positions: Sequence[int] | int | None, *, axis: int
 # -- activation patching ------------------------------------------------------------------------
 
 
-def _as_trace(model: Any, value: Any, what: str) -> Trace:
+def _as_trace(model: Any, value: Any, what: str, tokenizer: Any = None) -> Trace:
+    """``value`` as a trace: itself, or ``model`` run on it (token ids, or text through ``tokenizer``,
+    else the model's ``tokenizer`` attribute: ``torchlens.core.text``)."""
     if isinstance(value, Trace):
         return value
     if model is None:
         raise InvalidArgumentError(f"{what} is not a trace, and no model= was given to capture it",
-                                   remedy="Pass traces (tl.trace(model, ids)) or model= with input tensors.")
-    return capture(model, value)
+                                   remedy="Pass traces (tl.trace(model, ids)) or model= with input tensors or "
+                                   "text (and tokenizer=).")
+    return capture(model, value, tokenizer=tokenizer)
 
 
 def _model_of(*traces: Trace) -> Any:
@@ -278,16 +282,17 @@ def _check_pair(clean: Trace, corrupted: Trace) -> None:
 
 def activation_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any], *, model: Any = None,
                         site: str = "resid_pre", layers: Sequence[int] | None = None,
-                        positions: Sequence[int] | None = None, progress: bool | None = None,
-                        batch_size: int = DEFAULT_BATCH) -> PatchingResult:
+                        positions: Sequence[int | str] | int | str | None = None, progress: bool | None = None,
+                        batch_size: int = DEFAULT_BATCH, tokenizer: Any = None) -> PatchingResult:
     """Patch each (layer, position) — or each (layer, head [, position]) — from the clean run into the corrupted one.
 
     Each cell is a fork of ``corrupted`` with one clean value restored and replayed on the
     rows it reaches; ``values[cell]`` is ``metric`` of that fork's output.
 
     Args:
-        clean: the clean trace (``tl.trace(model, ids)``), or its input ids with ``model=``.
-        corrupted: the corrupted trace, or its input ids with ``model=``.
+        clean: the clean trace (``tl.trace(model, ids)``), or its inputs with ``model=``: token
+            ids, or a string / list of strings (tokenized with ``tokenizer``).
+        corrupted: the corrupted trace, or its inputs with ``model=`` (as ``clean``).
         metric: ``metric(model_output) -> scalar`` (e.g. :func:`logit_diff`, :func:`prob`).
         model: the model, when ``clean``/``corrupted`` are inputs.
         site: one of ``resid_pre``, ``resid_mid``, ``resid_post``, ``attn``, ``mlp`` (a layer ×
@@ -302,6 +307,9 @@ def activation_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any]
         batch_size: how many cells replay together (``Trace.forks``: one read of each weight per
             batch instead of per cell). Each cell of a batch holds its recomputed rows until the
             batch is scored — at most one trace's values per cell — so this bounds the memory.
+        tokenizer: tokenizes text prompts (default: the model's ``tokenizer`` attribute); the
+            traces made keep it, so ``positions`` may be token strings (as with traces made with
+            ``tl.trace(model, text, tokenizer=tok)``).
 
     Returns:
         a :class:`PatchingResult` with dims ``("layer", "position")``, ``("layer", "head")`` or
@@ -311,12 +319,16 @@ def activation_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any]
     Raises:
         InvalidArgumentError: unknown ``site``, traces without a model, inputs of different
             lengths, a position outside the prompt.
-        SiteNotFoundError: a layer out of range or without that site.
+        SiteNotFoundError: a layer out of range, or a site the model's adapter does not give its blocks
+            (the error names the adapter and the sites it has).
+        TokenizerRequiredError: text prompts, or token-string positions, and no tokenizer.
+        TokenNotFoundError / AmbiguousTokenError: a token-string position absent from the prompts,
+            or occurring twice.
     """
     if site not in KINDS:
         raise InvalidArgumentError(f"site= is one of {KINDS}, got {site!r}")
     _check_batch(batch_size)
-    clean, corrupted = _as_trace(model, clean, "clean"), _as_trace(model, corrupted, "corrupted")
+    clean, corrupted = _as_trace(model, clean, "clean", tokenizer), _as_trace(model, corrupted, "corrupted", tokenizer)
     _check_pair(clean, corrupted)
     refuse_random("activation patching", clean, corrupted)
     model = model if model is not None else _model_of(corrupted, clean)
@@ -405,10 +417,12 @@ def _seq_len(trace: Trace) -> int:
 # -- causal tracing (ROME) --------------------------------------------------------------------------
 
 
-def causal_trace(model: Any, ids: torch.Tensor, subject: Sequence[int], *, answer: int | None = None,
+def causal_trace(model: Any, ids: torch.Tensor | str, subject: Sequence[int | str] | int | str, *,
+                 answer: int | None = None,
                  kinds: Sequence[str] = ("resid_post", "attn", "mlp"), noise: float | None = None,
                  samples: int = 3, seed: int = 1, layers: Sequence[int] | None = None, window: int = 1,
-                 progress: bool | None = None, batch_size: int = DEFAULT_BATCH) -> dict[str, PatchingResult]:
+                 progress: bool | None = None, batch_size: int = DEFAULT_BATCH,
+                 tokenizer: Any = None) -> dict[str, PatchingResult]:
     """ROME causal tracing: noise the subject tokens' embeddings, restore one clean state at a time.
 
     The corrupted runs add ``noise`` × a standard normal to the token embeddings (``embed``) of
@@ -420,8 +434,9 @@ def causal_trace(model: Any, ids: torch.Tensor, subject: Sequence[int], *, answe
 
     Args:
         model: a causal language model with an architecture adapter.
-        ids: token ids ``[1, positions]``.
-        subject: the positions of the subject tokens (negative ones count from the end).
+        ids: token ids ``[1, positions]``, or the prompt as a string (tokenized with ``tokenizer``).
+        subject: the positions of the subject tokens (negative ones count from the end), or token
+            strings (``" Paris"``, with a tokenizer) each occurring once in the prompt.
         answer: the token whose probability is traced (default: the clean run's top token).
         kinds: which sites to restore: ``resid_post`` (block outputs), ``attn``, ``mlp``.
         noise: the noise scale (default: 3 × the standard deviation of the token embeddings, as in ROME).
@@ -434,6 +449,8 @@ def causal_trace(model: Any, ids: torch.Tensor, subject: Sequence[int], *, answe
             ``trace_important_window``). 1 (default): that block alone.
         progress: show a progress bar.
         batch_size: how many cells of one noised run replay together (as in :func:`activation_patching`).
+        tokenizer: tokenizes a text prompt and finds token-string subjects (default: the model's
+            ``tokenizer`` attribute).
 
     Returns:
         ``{kind: PatchingResult}`` over ``("layer", "position")``; ``clean`` is the clean
@@ -443,12 +460,18 @@ def causal_trace(model: Any, ids: torch.Tensor, subject: Sequence[int], *, answe
     Raises:
         InvalidArgumentError: bad ``ids``, ``subject`` (a position outside the prompt), ``kinds``
             or ``window`` (not a whole number >= 1).
-        SiteNotFoundError: a layer out of range.
+        SiteNotFoundError: a layer out of range, or a kind the model's adapter does not give its blocks.
+        TokenizerRequiredError: a text prompt or token-string subject and no tokenizer.
+        TokenNotFoundError / AmbiguousTokenError: a subject token string absent from the prompt, or
+            occurring twice.
     """
+    tokenizer = tokenizer_for(model, tokenizer)
+    if is_text(ids):
+        ids = input_ids_of(*text_inputs(ids, model, tokenizer))
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1:
-        raise InvalidArgumentError("causal_trace takes token ids of shape [1, positions]")
+        raise InvalidArgumentError("causal_trace takes token ids of shape [1, positions], or one string")
     seq = ids.shape[1]
-    subject = _positions(subject, seq)
+    subject = _positions(_subject_positions(subject, ids, tokenizer), seq)
     if not subject:
         raise InvalidArgumentError("subject= lists at least one position")
     _check_batch(batch_size)
@@ -503,6 +526,19 @@ def causal_trace(model: Any, ids: torch.Tensor, subject: Sequence[int], *, answe
                                        {"answer": answer, "noise": noise, "subject": subject, "window": window,
                                         "ids": [int(i) for i in ids[0]]})
     return results
+
+
+def _subject_positions(subject: Any, ids: torch.Tensor, tokenizer: Any) -> Any:
+    """``subject`` with token strings replaced by their one position in the prompt ``ids``."""
+    items = [subject] if isinstance(subject, (int, str)) else list(subject)
+    if not any(isinstance(s, str) for s in items):
+        return subject
+    if tokenizer is None:
+        named = next(s for s in items if isinstance(s, str))
+        raise TokenizerRequiredError(f"subject= names tokens as strings ({named!r}) and no tokenizer is known to "
+                                     "find them", remedy=HOW_TO_PASS)
+    row = decode_tokens(ids, tokenizer)[0]
+    return [token_position(row, s) if isinstance(s, str) else s for s in items]
 
 
 def _window(layer: int, window: int, n_layers: int) -> list[int]:

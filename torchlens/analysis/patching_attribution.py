@@ -32,12 +32,14 @@ ATTRIBUTION_KINDS = ("resid_pre", "resid_post", "attn", "mlp", "heads")
 
 
 def attribution_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any], *, model: Any = None,
-                         site: str = "resid_pre", layers: Sequence[int] | None = None) -> PatchingResult:
+                         site: str = "resid_pre", layers: Sequence[int] | None = None,
+                         tokenizer: Any = None) -> PatchingResult:
     """Estimate the activation-patching grid of ``site`` from one backward pass.
 
     Args:
-        clean: the clean trace, or its input ids with ``model=``.
-        corrupted: the corrupted trace, or its input ids with ``model=``.
+        clean: the clean trace, or its inputs with ``model=``: token ids, or a string / list of
+            strings (tokenized with ``tokenizer``).
+        corrupted: the corrupted trace, or its inputs with ``model=`` (as ``clean``).
         metric: ``metric(model_output) -> scalar tensor`` (differentiable, e.g.
             :func:`~torchlens.analysis.patching.logit_diff`).
         model: the model (default: the traces').
@@ -45,6 +47,7 @@ def attribution_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any
             or ``heads`` (a layer × head grid: each head's output at every position, read
             from a ``grad=True`` trace of the corrupted run through the attention facets).
         layers: which blocks (default: all); negative ones count from the end (``-1``: the last).
+        tokenizer: tokenizes text prompts (default: the model's ``tokenizer`` attribute).
 
     Returns:
         a :class:`~torchlens.analysis.patching.PatchingResult` over ``("layer", "position")``
@@ -56,12 +59,13 @@ def attribution_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any
 
     Raises:
         InvalidArgumentError: an unsupported ``site``, a metric that is not a differentiable scalar.
-        SiteNotFoundError: a layer out of range.
+        SiteNotFoundError: a layer out of range, or a site the model's adapter does not give its blocks.
+        TokenizerRequiredError: text prompts and no tokenizer.
     """
     if site not in ATTRIBUTION_KINDS:
         raise InvalidArgumentError(f"attribution patching supports site= {ATTRIBUTION_KINDS}, got {site!r}",
                                    remedy="Use activation_patching for resid_mid.")
-    clean, corrupted = _as_trace(model, clean, "clean"), _as_trace(model, corrupted, "corrupted")
+    clean, corrupted = _as_trace(model, clean, "clean", tokenizer), _as_trace(model, corrupted, "corrupted", tokenizer)
     _check_pair(clean, corrupted)
     model = model if model is not None else _model_of(corrupted, clean)
     refuse_random("attribution patching", clean, corrupted, model=model)  # its gradients would be a random graph's

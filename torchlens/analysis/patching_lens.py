@@ -83,12 +83,14 @@ def logit_lens(trace: Any, inputs: Any = None, *, layers: Sequence[int] | int | 
 
     Args:
         trace: a trace (``tl.trace(model, ids)``), or a model with ``inputs``.
-        inputs: the model's input ids when ``trace`` is a model.
+        inputs: the model's inputs when ``trace`` is a model: token ids, or a string / list of
+            strings (tokenized with ``tokenizer``).
         layers: which rows (default: all ``n_layers + 1``): 0 is the embeddings' output, ``L``
             block ``L-1``'s output; negative ones count from the end (``-1``: the final residual).
         norm: True finds the final norm from the trace (:func:`find_final_norm`); a module
             address names it; False applies none.
-        tokenizer: decodes token ids in ``top_tokens`` and plots.
+        tokenizer: tokenizes text ``inputs`` and decodes token ids in ``top_tokens`` and plots
+            (default: the trace's, else the model's ``tokenizer`` attribute).
 
     Returns:
         a :class:`LogitLens`.
@@ -96,8 +98,10 @@ def logit_lens(trace: Any, inputs: Any = None, *, layers: Sequence[int] | int | 
     Raises:
         InvalidArgumentError: a model without inputs, or a bad ``norm``.
         SiteNotFoundError: no unembedding, or a row out of range.
+        TokenizerRequiredError: text ``inputs`` and no tokenizer.
     """
-    trace = _trace_of(trace, inputs, "logit_lens")
+    trace = _trace_of(trace, inputs, "logit_lens", tokenizer)
+    tokenizer = tokenizer if tokenizer is not None else getattr(trace, "tokenizer", None)
     model = _model_of(trace)
     view = arch(model)
     rows = view.layer_indices(layers, boundaries=True)

@@ -20,7 +20,7 @@ Two ways of applying the final norm (``apply_ln=``):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -34,9 +34,11 @@ from ..core.tree import first_tensor
 from ..errors import InvalidArgumentError, SiteNotFoundError, UnsupportedModelError
 from .patching import _as_trace, _model_of
 
-__all__ = ["APPLY_LN", "accumulated_resid", "final_norm_scale", "find_final_norm", "resid_labels"]
+__all__ = ["APPLY_LN", "FinalNorm", "accumulated_resid", "final_norm_scale", "find_final_norm", "resid_labels"]
 
 APPLY_LN = (False, True, "per_row", "final_scale")
+
+_OWN_NORM = "Use apply_ln=True (the model's own norm on each row), or divide by the scale yourself."
 
 # Ops between the final norm and the unembedding that only move values around.
 _PASS_THROUGH = frozenset({"view", "reshape", "getitem", "contiguous", "to", "float", "flatten", "dropout"})
@@ -74,24 +76,55 @@ def resid_labels(n_layers: int, rows: Sequence[int] | None = None) -> list[str]:
     return ["final_post" if r == n_layers else f"{r}_pre" for r in rows]
 
 
-def final_norm_scale(norm: nn.Module, final: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """The scale ``[..., 1]`` the final norm divided ``final`` (its input) by, and whether it centres.
+class FinalNorm(NamedTuple):
+    """The final norm as one run applied it: ``out = (x - mean if centred) / scale * weight + bias``."""
 
-    LayerNorm: ``sqrt(var + eps)`` and centring; RMSNorm (a module with ``variance_epsilon``
-    or ``eps`` and RMS in its class name): ``sqrt(mean(x²) + eps)``, no centring.
+    scale: torch.Tensor  # [..., 1], float32: sqrt(mean(x_centred²) + eps) of the final residual
+    weight: torch.Tensor  # [d_model] (ones for a norm without one)
+    centred: bool  # LayerNorm: the mean is subtracted first; RMSNorm: not
+    bias: torch.Tensor | None
+
+
+def final_norm_scale(trace: Trace, address: str, final: torch.Tensor, *, remedy: str) -> FinalNorm:
+    """The final norm at ``address`` as this run applied it to ``final`` (its input, the final residual).
+
+    The one rule for the final norm's scale (``accumulated_resid(apply_ln="final_scale")``,
+    ``apply_ln_to_stack``, ``logit_attrs``): a ``nn.LayerNorm`` centres and divides by
+    ``sqrt(var + eps)``; any other norm with a float ``eps`` / ``variance_epsilon`` is taken as
+    an RMSNorm, ``sqrt(mean(x²) + eps)``. Either way the norm's recorded output must equal
+    ``(x - mean if centred) / scale * weight + bias``, else the norm is of another kind
+    (Gemma's ``1 + weight``, a group norm ...) and is refused.
 
     Raises:
-        UnsupportedModelError: a norm of another kind.
+        UnsupportedModelError: the module is neither a LayerNorm nor an RMSNorm with weight and eps
+            (``remedy`` says what the caller can do instead).
     """
+    norm = _model_of(trace).get_submodule(address)
     name = type(norm).__name__
-    if isinstance(norm, nn.LayerNorm):
-        return (final.var(-1, unbiased=False, keepdim=True) + norm.eps).sqrt(), True
-    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
-    if "rms" in name.lower() and isinstance(eps, float):
-        return (final.pow(2).mean(-1, keepdim=True) + eps).sqrt(), False
-    raise UnsupportedModelError(
-        f"apply_ln='final_scale' knows LayerNorm and RMSNorm final norms; this model's is a {name}",
-        remedy="Use apply_ln=True (the model's own norm on each row), or divide by the scale yourself.")
+    centred = isinstance(norm, nn.LayerNorm)
+    eps = next((getattr(norm, a) for a in ("eps", "variance_epsilon") if isinstance(getattr(norm, a, None), float)),
+               None)
+    d_model = final.size(-1)
+    weight = getattr(norm, "weight", None)
+    weight = torch.ones(d_model, dtype=final.dtype, device=final.device) if weight is None else weight
+    bias = getattr(norm, "bias", None) if centred else None
+    if eps is None or not isinstance(weight, torch.Tensor) or weight.shape != (d_model,):
+        raise UnsupportedModelError(f"the final-norm scale is defined for LayerNorm and RMSNorm final norms (with "
+                                    f"weight and eps); {address!r} is a {name}", remedy=remedy)
+    with torch.no_grad():
+        x = final.float()
+        if centred:
+            x = x - x.mean(-1, keepdim=True)
+        scale = (x.pow(2).mean(-1, keepdim=True) + eps).sqrt()
+        normed = x / scale * weight.float() + (bias.float() if bias is not None else 0.0)
+    recorded = first_tensor(trace[address].out)
+    tol = max(1e-3, 4 * torch.finfo(recorded.dtype).eps)
+    if recorded.shape != normed.shape or not torch.allclose(normed, recorded.float(), atol=tol, rtol=tol):
+        raise UnsupportedModelError(
+            f"the final-norm scale is defined for LayerNorm and RMSNorm final norms; {address!r} ({name}) does not "
+            f"compute (x{' - mean' if centred else ''}) / scale * weight (+ bias) with its weight and eps",
+            remedy=remedy)
+    return FinalNorm(scale, weight, centred, bias)
 
 
 def _positions(t: torch.Tensor, pos_slice: Any) -> torch.Tensor:
@@ -121,7 +154,8 @@ def _final_norm(trace: Trace, norm: str | bool) -> str:
 
 def accumulated_resid(trace: Any, inputs: Any = None, *, layers: Sequence[int] | int | None = None,
                       apply_ln: bool | str = False, pos_slice: Any = None, norm: str | bool = True,
-                      return_labels: bool = False) -> torch.Tensor | tuple[torch.Tensor, list[str]]:
+                      return_labels: bool = False, tokenizer: Any = None,
+                      ) -> torch.Tensor | tuple[torch.Tensor, list[str]]:
     """The residual stream at every layer boundary, ``[n_layers + 1, batch, position, d_model]``.
 
     Row 0 is the embeddings' output (``blocks.0.resid_pre``); row ``L`` the output of block
@@ -130,7 +164,7 @@ def accumulated_resid(trace: Any, inputs: Any = None, *, layers: Sequence[int] |
 
     Args:
         trace: a trace (``tl.trace(model, ids)``), or a model with ``inputs``.
-        inputs: the model's input ids when ``trace`` is a model.
+        inputs: the model's inputs when ``trace`` is a model: token ids, or text (with ``tokenizer``).
         layers: which rows (default: all ``n_layers + 1``); ``-1`` is the final residual.
         apply_ln: False (default): the raw residual. True or ``"per_row"``: the final-norm
             module on each row (TransformerLens 3.9's ``accumulated_resid(apply_ln=True)``).
@@ -139,17 +173,19 @@ def accumulated_resid(trace: Any, inputs: Any = None, *, layers: Sequence[int] |
         pos_slice: positions to keep: an int (the axis is dropped), a slice, or a list of ints.
         norm: the final norm, as in ``tl.logit_lens`` (True: found from the trace; an address; False: none).
         return_labels: also return TransformerLens's row labels (``0_pre`` ... ``final_post``).
+        tokenizer: tokenizes text ``inputs`` (default: the model's ``tokenizer`` attribute).
 
     Raises:
         InvalidArgumentError: a bad ``apply_ln``, ``norm`` or ``pos_slice``, or a model without inputs.
         SiteNotFoundError: a row out of range, or a residual site this trace lacks.
         UnsupportedModelError: ``"final_scale"`` on a final norm that is neither LayerNorm nor RMSNorm.
+        TokenizerRequiredError: text ``inputs`` and no tokenizer.
     """
     if not any(apply_ln is v or (isinstance(v, str) and apply_ln == v) for v in APPLY_LN):
         raise InvalidArgumentError(f"apply_ln is False, True, 'per_row' or 'final_scale', got {apply_ln!r}",
                                    remedy="apply_ln=True normalises each row; 'final_scale' uses the final "
                                    "residual's scale (TransformerLens's apply_ln_to_stack).")
-    trace = _trace_of(trace, inputs, "accumulated_resid")
+    trace = _trace_of(trace, inputs, "accumulated_resid", tokenizer)
     model = _model_of(trace)
     view = arch(model)
     rows = view.layer_indices(layers, boundaries=True)
@@ -157,21 +193,23 @@ def accumulated_resid(trace: Any, inputs: Any = None, *, layers: Sequence[int] |
     address = _final_norm(trace, norm) if apply_ln is not False else ""
     with torch.no_grad():
         if address and apply_ln == "final_scale":
-            scale, centre = final_norm_scale(model.get_submodule(address), _boundary(trace, view, view.n_layers))
-            stack = ((stack - stack.mean(-1, keepdim=True)) if centre else stack) / scale
+            applied = final_norm_scale(trace, address, _boundary(trace, view, view.n_layers), remedy=_OWN_NORM)
+            stack = ((stack - stack.mean(-1, keepdim=True)) if applied.centred else stack) / applied.scale.to(
+                stack.dtype)
         elif address:
             stack = model.get_submodule(address)(stack)
     stack = _positions(stack, pos_slice)
     return (stack, resid_labels(view.n_layers, rows)) if return_labels else stack
 
 
-def _trace_of(trace: Any, inputs: Any, name: str) -> Trace:
+def _trace_of(trace: Any, inputs: Any, name: str, tokenizer: Any = None) -> Trace:
+    """``trace``, or the model ``trace`` run on ``inputs`` (token ids, or text through ``tokenizer``)."""
     if isinstance(trace, Trace):
         return trace
     if inputs is None:
         raise InvalidArgumentError(f"{name} takes a trace, or a model and its inputs",
                                    remedy=f"tl.{name}(tl.trace(model, ids)) or tl.{name}(model, ids).")
-    return _as_trace(trace, inputs, "inputs")
+    return _as_trace(trace, inputs, "inputs", tokenizer)
 
 
 def _boundary(trace: Trace, view: ArchView, row: int) -> torch.Tensor:

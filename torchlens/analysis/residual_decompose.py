@@ -37,7 +37,7 @@ from ..core.tree import first_tensor
 from ..errors import InvalidArgumentError, SiteNotFoundError, UnsupportedModelError
 from .facets import _attention_feeding
 from .patching import _model_of
-from .patching_lens import find_final_norm
+from .residual import FinalNorm, final_norm_scale, find_final_norm
 
 __all__ = ["MODES", "ResidualStack", "apply_ln_to_stack", "decompose_resid", "logit_attrs"]
 
@@ -223,37 +223,14 @@ def _check_sum(stack: torch.Tensor, resid: torch.Tensor, view: Any, boundary: in
 # -- through the final norm and the unembedding ----------------------------------------------------
 
 
-def _final_norm(trace: Trace, view: Any) -> tuple[torch.Tensor, torch.Tensor, bool, torch.Tensor | None]:
-    """``(scale [batch, pos, 1], weight, centred, bias)`` of the final norm as this run applied it."""
-    model = _model_of(trace)
+def _applied_norm(trace: Trace, view: Any) -> FinalNorm:
+    """The final norm as this run applied it (``scale [batch, pos, 1]``, weight, centred, bias); none: ones."""
     resid = _out(trace, f"blocks.{view.n_layers - 1}")
     address = find_final_norm(trace)
-    d_model = resid.size(-1)
     if not address:
-        return torch.ones_like(resid[..., :1]), torch.ones(d_model, dtype=resid.dtype), False, None
-    norm = model.get_submodule(address)
-    centred = isinstance(norm, nn.LayerNorm)
-    eps = next((getattr(norm, a) for a in ("eps", "variance_epsilon") if isinstance(getattr(norm, a, None), float)),
-               None)
-    weight = getattr(norm, "weight", None)
-    bias = getattr(norm, "bias", None) if centred else None
-    if eps is None or not isinstance(weight, torch.Tensor) or weight.shape != (d_model,):
-        raise UnsupportedModelError(f"the final norm {address!r} ({type(norm).__name__}) is neither a LayerNorm nor "
-                                    "an RMSNorm with weight and eps", remedy="Apply the norm yourself to the stack.")
-    x = resid.float()
-    if centred:
-        x = x - x.mean(-1, keepdim=True)
-    scale = (x.pow(2).mean(-1, keepdim=True) + eps).sqrt()
-    normed = x / scale * weight.float() + (bias.float() if bias is not None else 0.0)
-    recorded = first_tensor(trace[address].out)
-    tol = max(1e-3, 4 * torch.finfo(recorded.dtype).eps)
-    if not torch.allclose(normed, recorded.float(), atol=tol, rtol=tol):
-        raise UnsupportedModelError(
-            f"the final norm {address!r} ({type(norm).__name__}) is not (x{' - mean' if centred else ''}) / scale "
-            "* weight (+ bias) with its weight and eps, so its scale cannot be applied to components",
-            remedy="Apply the norm yourself to the stack.",
-        )
-    return scale, weight, centred, bias
+        return FinalNorm(torch.ones_like(resid[..., :1]).float(), torch.ones(resid.size(-1), dtype=resid.dtype),
+                         False, None)
+    return final_norm_scale(trace, address, resid, remedy="Apply the norm yourself to the stack.")
 
 
 def _stack_tensor(stack: Any, resid_shape: torch.Size) -> torch.Tensor:
@@ -282,7 +259,7 @@ def apply_ln_to_stack(trace: Any, stack: Any) -> torch.Tensor:
         UnsupportedModelError: a final norm of another kind.
     """
     view = arch(_model_of(trace))
-    scale, _, centred, _ = _final_norm(trace, view)
+    scale, _, centred, _ = _applied_norm(trace, view)
     tensor = _stack_tensor(stack, scale.shape[:-1] + (view.d_model or _out(trace, "embed").size(-1),))
     if centred:
         tensor = tensor - tensor.mean(-1, keepdim=True)
@@ -337,7 +314,7 @@ def logit_attrs(trace: Any, stack: Any, tokens: Any, incorrect_tokens: Any = Non
     model = _model_of(trace)
     view = arch(model)
     scaled = apply_ln_to_stack(trace, stack)
-    _, weight, _, _ = _final_norm(trace, view)
+    _, weight, _, _ = _applied_norm(trace, view)
     unembed = view.module("unembed")
     w_u = getattr(unembed, "weight", None)
     if not isinstance(unembed, nn.Linear) or w_u is None:

@@ -422,15 +422,25 @@ class ArchView:
                                   site="layers", axis=f"this {self.adapter} model has {self.n_layers + 1} layer "
                                   f"boundaries ({self.n_layers} blocks and the embeddings)")
         have = [int(n.split(".")[1]) for n in self.names(kind or "block")]
-        if layers is None:
-            return have
-        rows = python_indices(layers, self.n_layers, what="layer", error=SiteNotFoundError, site="layers",
-                              axis=f"this {self.adapter} model has {self.n_layers} blocks")
-        missing = [i for i in rows if i not in have]
+        rows = have if layers is None else python_indices(
+            layers, self.n_layers, what="layer", error=SiteNotFoundError, site="layers",
+            axis=f"this {self.adapter} model has {self.n_layers} blocks")
+        missing = [i for i in range(self.n_layers) if i not in have] if layers is None and kind else \
+            [i for i in rows if i not in have]
         if missing:
-            raise SiteNotFoundError(f"blocks {missing} have no {kind} site (this model has {self.n_layers} blocks)",
-                                    site=kind, remedy=f"Pick layers among {have}.")
+            raise self._lacks(kind, missing, have)
         return rows
+
+    def _lacks(self, kind: str | None, missing: list[int], have: list[int]) -> SiteNotFoundError:
+        """The error for blocks without ``kind``: which adapter, why (its reason), what its blocks have."""
+        target = self.targets.get(f"blocks.{missing[0]}.{kind}")
+        why = target.message if isinstance(target, TorchLensError) else target if isinstance(target, str) else ""
+        kinds = [k for k in KINDS if self.names(k)]
+        where = f"blocks {missing}" if have else f"the blocks of this {self.adapter} model"
+        return SiteNotFoundError(
+            f"{where} have no {kind} site{f' ({why})' if why else ''}; the {self.adapter} adapter gives "
+            f"{'blocks ' + str(have) + ' a ' + str(kind) + ' site, and ' if have else ''}its blocks {kinds}",
+            site=kind, remedy=f"Pick layers among {have}." if have else f"Use one of {kinds}.")
 
     def selector(self, name: str) -> Selector:
         """The selector a canonical name (optionally ``name:pass``) stands for in this model.
