@@ -5,5 +5,9 @@ as they are); ``tl.features.load_sae(path)`` reads SAELens's on-disk layout with
 """
 
 from .dictionary import FeatureDictionary, SavedSAE, as_dictionary, load_sae
+from .dla import feature_activations, feature_logit_attrs
+from .stats import FeatureStats, SiteFeatureStats, feature_stats, load_feature_stats
 
 __all__ = ["FeatureDictionary", "SavedSAE", "as_dictionary", "load_sae"]
+__all__ += ["FeatureStats", "SiteFeatureStats", "feature_activations", "feature_logit_attrs", "feature_stats",
+            "load_feature_stats"]
