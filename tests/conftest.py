@@ -768,3 +768,36 @@ class LinearToyLM(nn.Module):
 def linear_toy() -> Case:
     model = _seeded(LinearToyLM)
     return Case("linear_toy", model, (torch.tensor([[1, 5, 3, 9, 2]]),))
+
+
+# -- feature dictionaries (tl.features) ------------------------------------------------------------
+
+
+class LinearSAE(nn.Module):
+    """A hand-written ReLU SAE with nn.Linear encoder / decoder (no cfg, no W_dec attribute)."""
+
+    def __init__(self, d_in: int = 8, d_sae: int = 32) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(d_in, d_sae)
+        self.decoder = nn.Linear(d_sae, d_in)
+
+    def encode(self, x):
+        return torch.relu(self.encoder(x))
+
+    def decode(self, f):
+        return self.decoder(f)
+
+
+def saelens_sae(arch: str = "standard", d_in: int = 8, d_sae: int = 32, seed: int = 0, **extra) -> Any:
+    """A SAELens inference SAE of ``arch`` with random (seeded) weights, biases and thresholds away from 0."""
+    from sae_lens.registry import get_sae_class
+
+    cls, cfg_cls = get_sae_class(arch)
+    sae = cls(cfg_cls(d_in=d_in, d_sae=d_sae, **extra))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sae.named_parameters():
+            p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+            if name == "threshold":
+                p.abs_().add_(0.05)
+    return sae.eval()

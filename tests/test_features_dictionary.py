@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from conftest import LinearSAE, saelens_sae
 from torch import nn
 
 import torchlens as tl
@@ -20,37 +21,6 @@ from torchlens.errors import (
 )
 
 sae_lens = pytest.importorskip("sae_lens")
-
-
-class LinearSAE(nn.Module):
-    """A hand-written ReLU SAE with nn.Linear encoder / decoder (no cfg, no W_dec attribute)."""
-
-    def __init__(self, d_in: int = 8, d_sae: int = 32) -> None:
-        super().__init__()
-        self.encoder = nn.Linear(d_in, d_sae)
-        self.decoder = nn.Linear(d_sae, d_in)
-
-    def encode(self, x):
-        return torch.relu(self.encoder(x))
-
-    def decode(self, f):
-        return self.decoder(f)
-
-
-def saelens_sae(arch: str = "standard", d_in: int = 8, d_sae: int = 32, seed: int = 0, **extra):
-    """A SAELens inference SAE of ``arch`` with random (seeded) weights, biases and thresholds away from 0."""
-    from sae_lens.registry import get_sae_class
-
-    cls, cfg_cls = get_sae_class(arch)
-    cfg = cfg_cls(d_in=d_in, d_sae=d_sae, **extra)
-    sae = cls(cfg)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sae.named_parameters():
-            p.copy_(0.3 * torch.randn(p.shape, generator=gen) + (0.05 if name == "threshold" else 0.0))
-            if name == "threshold":
-                p.abs_()
-    return sae.eval()
 
 
 def test_plain_module_is_read_through_its_linears() -> None:

@@ -30,6 +30,7 @@ from .errors import (
     SiteNotFoundError,
     UnsupportedModelError,
 )
+from .features.attach import feature_steps, sub_site_reads
 from .plugins import choose_engine, engines
 from .store._trace_store import TraceStore, check_recompute
 
@@ -202,6 +203,7 @@ def trace(
     offload_values: Any = None,
     max_bytes: int | str | None = "auto",
     tokenizer: Any = None,
+    features: Any = None,
     **kwargs: Any,
 ) -> Trace:
     """Run ``model(*args, **kwargs)`` once and record every executed op.
@@ -243,6 +245,10 @@ def trace(
         tokenizer: tokenizes text inputs (padded on its ``padding_side``, with an attention
             mask) and gives the trace ``tokens``, ``str_tokens`` and ``position(token)``;
             default: the model's ``tokenizer`` attribute, if it has one.
+        features: ``{site: sae}``: splice feature dictionaries (SAEs, transcoders: anything with
+            ``encode`` / ``decode``) into module outputs for this capture only; their ops are ops of
+            the trace, with sub-sites ``<site>.features``, ``<site>.recon``, ``<site>.error``
+            (docs/features.md). With nothing edited the output is the model's own, bit for bit.
 
     Returns:
         the Trace.
@@ -275,7 +281,7 @@ def trace(
     sink = _sink(store, offload_values, store_recompute)
     try:
         result = _trace(model, call_args, call_kwargs, save=save, intervene=intervene, backend=backend, grad=grad,
-                        strict=strict, sink=sink, max_bytes=limit)
+                        strict=strict, sink=sink, max_bytes=limit, features=features)
     except CaptureMemoryError as err:
         if failure is None:
             raise
@@ -362,15 +368,18 @@ def _read_available() -> int | None:
 
 def _trace(model: nn.Module, args: tuple, kwargs: dict, *, save: Any = None, intervene: Any = None,
            backend: str | None = None, grad: bool = False, strict: bool = False, sink: Any = None,
-           max_bytes: int | None = None) -> Trace:
+           max_bytes: int | None = None, features: Any = None) -> Trace:
     """``tl.trace`` on inputs already split into the model's (args, kwargs)."""
     whens = _bound_steps(model, intervene)
+    if features is not None:  # spliced first: an edit of the same module output sees the spliced value
+        whens = feature_steps(model, features) + whens
+        _check_records_ops(backend)
     saved = _as_save(save)
     if saved is not None:
         saved = bind(model, saved)
     request = CaptureRequest(model, args, kwargs, record_ops=True, intervene=whens, save=saved, grad=grad,
                              strict=strict, sink=sink, max_bytes=max_bytes)
-    if backend is None:
+    if backend is None and features is None:
         # (the module-only request is built only where it may serve: a dataclass replace per capture was
         # a few percent of a tiny model's every-op capture)
         if whens and saved is not None:
@@ -378,12 +387,21 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict, *, save: Any = None, int
             if module_request.module_only():
                 # An edit plus a module read needs no op graph: module hooks serve it at hook cost.
                 request = module_request
-    else:
+    elif backend is not None:
         named = engines().get(backend)
         if named is not None and not getattr(named, "records_ops", True):
             # an engine that records module outputs only (a capability it declares)
             request = replace(request, record_ops=False, sites=saved, save=None, sink=None)
     return _capture(request, backend)
+
+
+def _check_records_ops(backend: str | None) -> None:
+    """Feature dictionaries are spliced in as recorded ops: an engine recording module outputs only cannot."""
+    named = engines().get(backend) if backend is not None else None
+    if named is not None and not getattr(named, "records_ops", True):
+        raise InvalidArgumentError(
+            f"features= records the dictionary's ops, but backend={backend!r} records module outputs only",
+            remedy="Drop backend= (the default engine records every op) when passing features=.")
 
 
 def _bound_steps(model: nn.Module, intervene: Any) -> list[Step]:
@@ -423,7 +441,7 @@ def trace_until(model: nn.Module, args: tuple, kwargs: dict, until: Any, interve
 
 
 def extract(model: nn.Module, x: Any, sites: Any, *, grad: bool = False, backend: str | None = None,
-            intervene: Any = None, stop: bool = False, tokenizer: Any = None) -> dict:
+            intervene: Any = None, stop: bool = False, tokenizer: Any = None, features: Any = None) -> dict:
     """Read activations in one forward; module outputs are read with forward hooks only.
 
     Args:
@@ -440,6 +458,8 @@ def extract(model: nn.Module, x: Any, sites: Any, *, grad: bool = False, backend
             without a pass index; a site module the model would call again later is read at
             its first call (``extract`` without ``stop`` refuses such an ambiguous read).
         tokenizer: tokenizes a text ``x`` (default: the model's ``tokenizer`` attribute).
+        features: ``{site: sae}`` as in ``tl.trace``: the dictionaries are spliced in for this call, and
+            ``sites`` may name their sub-sites (``'blocks.6.features'``); every op is then recorded.
 
     Returns:
         ``{key: value}`` where a module's value is exactly what a forward hook on it sees;
@@ -462,20 +482,31 @@ def extract(model: nn.Module, x: Any, sites: Any, *, grad: bool = False, backend
     if not named:
         raise InvalidArgumentError("extract() needs at least one site")
     selectors = {k: bind(model, as_selector(v)) for k, v in named.items()}
-    union = None
-    for sel in selectors.values():
-        union = sel if union is None else union | sel
     args, kwargs = split_inputs(x, model=model, tokenizer=tokenizer)
+    splices = feature_steps(model, features) if features is not None else []
+    # Sub-sites of a spliced dictionary are read from the splice itself when module hooks serve the rest.
+    subs = sub_site_reads(selectors, splices)
+    union = None
+    for key, sel in selectors.items():
+        if key not in subs:
+            union = sel if union is None else union | sel
     request = CaptureRequest(model, args, kwargs, record_ops=False, sites=union, save=union, grad=grad,
-                             intervene=_bound_steps(model, intervene))
+                             intervene=splices + _bound_steps(model, intervene))
     if not request.module_only():
         request.record_ops = True
+        for key in subs:
+            request.sites = request.save = selectors[key] if request.sites is None else request.sites | selectors[key]
+        subs = {}
     if stop:
         _check_stop(request)
         request.stop_after_sites = True
     result = _capture(request, backend)
     out: dict[str, Any] = {}
     for key, sel in selectors.items():
+        if key in subs and not result.has_op_graph:
+            splice, part, pass_index = subs[key]
+            out[key] = splice.sub_site_value(part, pass_index)
+            continue
         paths = sel.module_paths()
         if paths is not None and len(paths) == 1:
             out[key] = _module_value(result, paths[0], key)

@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from ..capture._splice import SUB_SITE, sub_site_label
 from ..capture.hooks import resolve_module
 from ..core.names import nearest
 from ..core.selectors import InModule, Label, ModuleOutput, Selector, _And, _Or, split_pass
@@ -203,7 +204,28 @@ def _bind_in_module(model: nn.Module, selector: InModule) -> Selector:
     return bound
 
 
+def _bind_sub_site(model: nn.Module, label: str) -> Label | None:
+    """A splice's sub-site (``blocks.6.features``: ``torchlens.capture._splice``) as the label the capture
+    gives it (``transformer.h.6.features``), its module named however the caller likes; None otherwise."""
+    found = SUB_SITE.match(label)
+    if found is None:
+        return None
+    try:
+        resolve_module(model, split_pass(label)[0])
+        return None  # a real module of that name wins
+    except LookupError:
+        pass
+    try:
+        address, _ = real_address(model, found["site"])
+    except LookupError:
+        return None
+    return Label(sub_site_label(address, int(found["pass"] or 1), found["part"]))
+
+
 def _bind_label(model: nn.Module, selector: Label, strings_as_modules: bool) -> Selector:
+    sub = _bind_sub_site(model, selector.label)
+    if sub is not None:
+        return sub
     bound = _bind_module(model, selector.label)
     if bound is not None:
         return bound

@@ -49,6 +49,7 @@ from ._classify import info_for
 from ._cow import CopyOnWrite
 from ._memory import CHECK_EVERY, CHECK_MASK, CHECK_SHIFT, resident_bytes
 from ._provenance import DISPATCHER_DIRS, INTERNAL, is_dispatcher, source_of
+from ._splice import SpliceTools
 
 __all__ = ["EditApplier", "Recorder"]
 
@@ -376,6 +377,8 @@ class Recorder(TorchFunctionMode, CopyOnWrite, ModuleCalls):
         """Apply ``when`` to ``value`` and record the edit as an EDIT op in the graph."""
         if self.pending:  # the edit may read the trace; its op follows the ops before it
             self.flush()
+        if getattr(when.edit, "splice", None) is not None and isinstance(record, ModuleCall):
+            return self._splice(when, value, record)
         leaves, spec = flatten(value)
         ctx = EditContext(when.site.describe(), label, module, module_pass, record, weakref.proxy(self.trace))
         applier = EditApplier(when, spec, ctx)
@@ -405,6 +408,19 @@ class Recorder(TorchFunctionMode, CopyOnWrite, ModuleCalls):
             self._index_storage(op)
         when.fired.append(label)
         return edited
+
+    def _splice(self, when: Step, value: Any, call: ModuleCall) -> Any:
+        """Run a splice (``when.edit.splice``) inside ``call`` with its ops recorded as the model's own."""
+        stack, top = self.stack, self.top
+        stack.append(call)  # the splice's ops run in the site's module call
+        self.top = call
+        try:
+            out = when.edit.splice(value, SpliceTools(self, call))
+        finally:
+            stack.pop()
+            self.top = top
+        when.fired.append(call.key)
+        return out
 
     def _apply_op_steps(self, op: Op, out: Any) -> Any:
         for when in self.op_steps:

@@ -158,6 +158,15 @@ class Graph:
         self._labels[op.label] = op.index
         self.ops.append(op)
 
+    def relabel(self, index: int, label: str) -> None:
+        """Give op ``index`` the name ``label`` instead of its numbered one (a sub-site a capture adds,
+        such as a feature dictionary's ``<site>.features``); the label must be new."""
+        op = self.ops[index]
+        if self._labels.get(op.label) == index:
+            del self._labels[op.label]
+        op.label = label
+        self._labels[label] = index
+
     def add_recorded_op(self, op: Op, multi: bool) -> None:
         """The recorder's hot path: append ``op`` and register the tensors it produced."""
         index = op.index

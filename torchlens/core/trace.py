@@ -336,6 +336,8 @@ class Trace(Graph, TraceActions):
         if calls:
             return self._pick_pass(key, address, pass_index, calls)
         bound = self.bind(Label(key)) if self.model is not None else None
+        if isinstance(bound, Label) and bound.label in self._labels:  # a sub-site named by a canonical site
+            return self.ops[self._labels[bound.label]]
         if bound is not None and not isinstance(bound, Label):
             found = bound.match(self)
             if len(found) == 1:
