@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_model_clean, hook_state
+from conftest import ToySAE, assert_model_clean, hook_state
 from torch import nn
 
 import torchlens as tl
@@ -26,26 +26,6 @@ from torchlens.errors import (
 ROWS = [[(7 * i + j) % 60 + 1 for j in range(1 + (i * 3) % 9)] for i in range(40)]
 SITE = "transformer.h.0"
 OPTIONS = {"batch_size": 4, "shard_size": 4000, "progress": False}
-
-
-class ToySAE(nn.Module):
-    """A ReLU SAE with seeded random weights, scaled so that a fraction of the features fire (the last three never)."""
-
-    def __init__(self, d_in: int = 32, d_sae: int = 100, seed: int = 0, bias: float = -0.1) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.W_enc = nn.Parameter(torch.randn(d_in, d_sae, generator=g) * 3)
-        self.b_enc = nn.Parameter(torch.full((d_sae,), bias))
-        with torch.no_grad():
-            self.b_enc[-3:] = -100.0  # dead features: never fire
-        self.W_dec = nn.Parameter(torch.randn(d_sae, d_in, generator=g) / d_sae**0.5)
-        self.b_dec = nn.Parameter(torch.zeros(d_in))
-
-    def encode(self, x):
-        return torch.relu(x @ self.W_enc + self.b_enc)
-
-    def decode(self, f):
-        return f @ self.W_dec + self.b_dec
 
 
 def hooked_codes(model, sae, rows, address=SITE):

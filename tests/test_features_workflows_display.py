@@ -8,7 +8,8 @@ from html import unescape
 
 import pytest
 import torch
-from test_features_workflows import ROWS, SITE, ToySAE
+from conftest import ToySAE
+from test_features_workflows import ROWS, SITE
 from test_features_workflows_dla import IDS, site_read
 
 import torchlens as tl

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_model_clean, hook_reads, hook_state
-from test_features_workflows import ToySAE
+from conftest import ToySAE, assert_model_clean, hook_reads, hook_state, saelens_sae
 from tl_oracle import hooked_gpt2, randomized_norms
 from torch import nn
 
@@ -101,8 +100,6 @@ def test_matches_transformerlens_final_norm_on_the_same_weights(model, trace, sa
 
 def test_a_saelens_sae_as_it_is(model, trace):
     pytest.importorskip("sae_lens", reason="sae-lens (the test extra) is not installed")
-    from test_features_dictionary import saelens_sae
-
     sae = saelens_sae(d_in=32, d_sae=48)
     got = tl.features.feature_logit_attrs(trace, SITE, sae, 5)
     torch.testing.assert_close(got, hand_dla(model, sae, 5), atol=1e-5, rtol=1e-5)

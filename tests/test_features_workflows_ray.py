@@ -7,7 +7,8 @@ import pathlib
 
 import pytest
 import torch
-from test_features_workflows import ROWS, SITE, ToySAE, hand_stats, hooked_codes
+from conftest import ToySAE
+from test_features_workflows import ROWS, SITE, hand_stats, hooked_codes
 
 import torchlens as tl
 
