@@ -225,26 +225,31 @@ class FeatureRecorder:
             used = top.values > 0
             out[f"{name}.index"] = torch.where(used, top.indices, torch.full_like(top.indices, NO_TOKEN)).int()
             out[f"{name}.value"] = torch.where(used, top.values, torch.zeros_like(top.values))
-            out[f"{name}.active"] = (codes > 0).sum(-1).int()
-            out.update(self._summary(name, codes[mask], rows, positions, windows))
+            fired = (codes > 0).to(codes.dtype)  # float sums of 0/1: exact, and far faster than bool sums
+            out[f"{name}.active"] = fired.sum(-1).int()
+            full = bool(mask.all())  # rows of one length: a view, not a copy of every activation
+            flat = codes.reshape(-1, codes.shape[-1]) if full else codes[mask]
+            out.update(self._summary(name, flat, fired.reshape(flat.shape) if full else fired[mask], rows, positions,
+                                     windows))
         return out
 
-    def _summary(self, name: str, flat: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
-                 windows: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _summary(self, name: str, flat: torch.Tensor, fired: torch.Tensor, rows: torch.Tensor,
+                 positions: torch.Tensor, windows: torch.Tensor) -> dict[str, torch.Tensor]:
         n, d_sae = flat.shape
         k = min(self.top_k, n)
         found = {
-            "count": (flat > 0).sum(0),
-            "total": flat.double().sum(0),
+            "count": fired.sum(0).long(),
+            # a batch's sum in the activations' dtype (contiguous, fast), batches added in float64
+            "total": flat.sum(0).double(),
             "max": flat.amax(0) if n else torch.full((d_sae,), float("-inf"), dtype=flat.dtype),
         }
-        top = flat.topk(k, dim=0)  # [k, d_sae]
-        fired = top.values > 0
-        value = torch.where(fired, top.values, torch.full_like(top.values, float("-inf"))).T
-        row = torch.where(fired, rows[top.indices], torch.full_like(top.indices, NO_TOKEN)).T
-        pos = torch.where(fired, positions[top.indices], torch.full_like(top.indices, NO_TOKEN)).T
-        toks = torch.where(fired[:, :, None], windows[top.indices], torch.full_like(windows[top.indices], NO_TOKEN))
-        toks = toks.transpose(0, 1)
+        top = flat.T.topk(k, dim=1)  # [d_sae, k]: along rows of the transpose, ~3x faster than along dim 0
+        hit = top.values > 0
+        value = torch.where(hit, top.values, torch.full_like(top.values, float("-inf")))
+        row = torch.where(hit, rows[top.indices], torch.full_like(top.indices, NO_TOKEN))
+        pos = torch.where(hit, positions[top.indices], torch.full_like(top.indices, NO_TOKEN))
+        near = windows[top.indices]
+        toks = torch.where(hit[:, :, None], near, torch.full_like(near, NO_TOKEN))
         pad = self.top_k - k  # fewer real tokens than top_k in this batch: empty slots
         if pad:
             value = nn.functional.pad(value, (0, pad), value=float("-inf"))
