@@ -131,9 +131,10 @@ def top_features(trace: Any, site: Any, sae: Any, *, k: int = 5, row: int = 0, t
                  tokenizer: Any = None) -> TopFeatures:
     """The ``k`` most active features at each position of a traced prompt, as a notebook table.
 
+    ``trace``, ``site``, ``sae``, ``row``, ``tokens`` and ``tokenizer`` are as in :func:`feature_text`.
+
     Args:
         k: features per position (inactive ones are left blank in the table).
-        trace, site, sae, row, tokens, tokenizer: as :func:`feature_text`.
 
     Raises:
         InvalidArgumentError: ``k`` is not a positive int, ``row`` out of range, or ``tokens`` of another length.

@@ -151,9 +151,8 @@ def feature_attribution_patching(clean: Any, corrupted: Any, metric: Callable[[A
     metric is linear in the site and the decoder is linear; a first-order estimate otherwise:
     compare with :func:`feature_patching` on a sample before trusting it.
 
-    Args:
-        clean, corrupted, metric, site, sae, model, features, positions: as :func:`feature_patching`
-            (``metric`` must return a differentiable scalar tensor).
+    The arguments are those of :func:`feature_patching` (without ``progress`` and ``batch_size``);
+    ``metric`` must return a differentiable scalar tensor.
 
     Returns:
         A :class:`~torchlens.analysis.patching.PatchingResult`: ``estimate`` the first-order change per cell,

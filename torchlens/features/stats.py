@@ -338,6 +338,10 @@ def feature_stats(
     indices + values in safetensors shards. Same job machinery as ``tl.cache_activations``: bounded
     memory, resumable (rerun the call), ``backend="ray"`` gives the same files.
 
+    The other arguments (``batch_size``, ``tokenizer``, ``shard_size``, ``max_length``, ``text_column``,
+    ``add_special_tokens``, ``backend``, ``num_workers``, ``threads_per_worker``, ``ray_address``,
+    ``progress``, ``overwrite``, ``stop_early``) are those of :func:`tl.cache_activations`.
+
     Args:
         model: as :func:`tl.cache_activations` (a module, a picklable factory, or a path).
         data: rows of token ids or text, as :func:`tl.cache_activations`.
@@ -347,9 +351,6 @@ def feature_stats(
         top_k: max-activating contexts kept per feature.
         context: token ids kept around each context: ``n`` on each side, or ``(left, right)``.
         store: active features stored per token (the largest); statistics always use them all.
-        batch_size, tokenizer, shard_size, max_length, text_column, add_special_tokens, backend,
-            num_workers, threads_per_worker, ray_address, progress, overwrite, stop_early:
-            as :func:`tl.cache_activations`.
 
     Returns:
         A :class:`FeatureStats`: ``result[site]`` holds the statistics, ``result.dataset`` the records.
