@@ -98,6 +98,9 @@ def main() -> None:
     emit(TOOL, "row1_trace_read_features", ms, base_ms, ok, "ratio to forward + SAE encode/decode alone", ratio)
     ms, base_ms, ratio = measure(extract_read, forward_and_sae)
     emit(TOOL, "row1_extract_read_features", ms, base_ms, ok, "ratio to forward + SAE encode/decode alone", ratio)
+    ms, base_ms, ratio = measure(lambda: tl.trace(model, ids), forward)
+    emit(TOOL, "context_trace_without_features", ms, base_ms, True, "every-op capture alone, ratio to a forward",
+         ratio)
     fwd_ms, _, _ = measure(forward, forward)
     sae_ms, _, _ = measure(sae_alone, forward)
     emit(TOOL, "sae_encode_decode_alone", sae_ms, fwd_ms, True, "ratio to a plain forward")
@@ -123,8 +126,8 @@ def main() -> None:
         steps = [Step(bound, e, REPLAY) for _, e in edits]
         return replay_reads(forks, steps, read)
 
-    def peers():
-        return [hand_spliced(model, ids, sae, address, i)[0, -1, list(columns)] for i in chosen]
+    def peers():  # timed on the first ten features: one forward each
+        return [hand_spliced(model, ids, sae, address, i)[0, -1, list(columns)] for i in chosen[:10]]
 
     sample = [0, len(chosen) // 2, len(chosen) - 1]
     full, red = forks_full(), forks_read()
@@ -134,12 +137,13 @@ def main() -> None:
     log = trace.forks(edits[:1])[0].edits[-1].replay
     note = f"{len(firing)} of the forks' features fire; replay log: {log.n_sliced} ops sliced, " \
            f"{len(log.fallbacks)} fallbacks"
-    for case, fn in (("row2_forks_full_logits", forks_full), ("row2_replay_reads_two_logits", forks_read),
-                     ("row2_peer_hooked_forward_per_feature", peers)):
+    for case, fn, n in (("row2_forks_full_logits", forks_full, len(chosen)),
+                        ("row2_replay_reads_two_logits", forks_read, len(chosen)),
+                        ("row2_peer_hooked_forward_per_feature", peers, min(10, len(chosen)))):
         t0 = time.perf_counter()
         fn()
         total = (time.perf_counter() - t0) * 1000
-        emit(TOOL, case, total / len(chosen), fwd_ms, ok, f"ms per fork over {len(chosen)} forks; {note}")
+        emit(TOOL, case, total / n, fwd_ms, ok, f"ms per fork over {n} forks; {note}")
     emit_rss(TOOL)
 
 

@@ -231,7 +231,11 @@ def test_forks_sweep_feature_ablations(gpt, sae) -> None:
             g[..., -1, i] = 0.0
             return g
         assert torch.allclose(fork.output.logits, spliced_logits(model, ids, sae, edit), atol=ATOL)
-        assert fork.edits[-1].replay.fallbacks == []
+        log = fork.edits[-1].replay
+        assert log.fallbacks == []
+        # the decoder's matmul ran once on every fork's row (one read of W_dec), not once per fork
+        decode = [e for e in log.entries if e[0] == "matmul_2"] or [e for e in log.entries if e[1] == "matmul"]
+        assert decode and decode[0][2] == "rows" and decode[0][4].startswith("stacked"), decode
 
 
 def test_patch_features_from_another_trace(gpt, sae) -> None:
@@ -360,3 +364,12 @@ def test_sub_site_of_an_unattached_site(gpt) -> None:
     with pytest.raises(EditNotAppliedError):
         tl.trace(model, ids, features={SITE: saelens_sae(d_in=32)},
                  intervene=tl.when("blocks.0.features", tl.features.ablate(0)))
+
+
+def test_dictionaries_of_a_trace(gpt, sae) -> None:
+    model, ids = gpt
+    t = tl.trace(model, ids, features={SITE: sae})
+    found = tl.features.dictionaries(t)
+    assert list(found) == [REAL] and found[REAL].module is sae
+    assert tl.features.dictionaries(t.fork().do(f"{SITE}.features", tl.features.ablate(0)))[REAL].module is sae
+    assert tl.features.dictionaries(tl.trace(model, ids)) == {}

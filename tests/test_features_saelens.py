@@ -94,3 +94,21 @@ def test_logits_without_the_error_term(pair, sae) -> None:
     assert torch.allclose(t.output.logits, theirs, atol=ATOL)
     with torch.no_grad():
         assert not torch.allclose(theirs, hf(ids).logits, atol=1e-4)
+
+
+def test_gradient_at_the_features(pair, sae) -> None:
+    """A backward from one logit reaches the features as in SAELens (error term without gradients)."""
+    hf, hs, ids = pair
+    with hs.saes(saes=[sae], use_error_term=True):
+        _, cache = hs.run_with_cache(ids, names_filter=lambda n: n.endswith("hook_sae_acts_post"))
+        grads = {}
+        hs.add_hook(f"{HOOK}.hook_sae_acts_post", lambda t, hook: grads.setdefault("g", t), dir="bwd")
+        hs(ids)[0, -1, 3].backward()
+        hs.reset_hooks()
+    t = tl.trace(hf, ids, features={"blocks.1": sae}, grad=True)
+    t.output.logits[0, -1, 3].backward()
+    ours = t.ops[t.lookup("blocks.1.features").index].grad
+    assert torch.allclose(ours, grads["g"], atol=ATOL)
+    assert ours.abs().sum() > 0
+    for p in [*hf.parameters(), *hs.parameters(), *sae.parameters()]:
+        p.grad = None

@@ -75,12 +75,13 @@ class SpliceTools:
     def opaque(self, func: Any, args: tuple, value: torch.Tensor, part: str) -> torch.Tensor:
         """Record one op ``<site>.<part>`` computing ``func(*args)``, whose value is ``value`` (computed
         already by the splice, never a second time); replay re-runs ``func`` when an argument changed.
-        Returns a new tensor object over ``value``'s memory, the op's output."""
+        Returns a new tensor object over ``value``'s memory, detached from autograd (gradients do not flow
+        through an op the splice did not compute), the op's output."""
         rec = self.recorder
         rec.flush()
         rec.paused = True
         try:
-            out = value.view(value.shape)  # one object per op: producers are found by identity
+            out = value.detach()  # one object per op: producers are found by identity
         finally:
             rec.paused = False
         trace = rec.trace

@@ -19,7 +19,7 @@ __all__ = ["ATTENTION", "MEMORY_VIEWS", "SHAPED", "STACKED_OPS", "STACKED_RULES"
 
 # Ops whose row rule reads each changed argument only as its changed rows: run once on every fork's rows.
 STACKED_RULES = ELEMENTWISE | {"linear", "layer_norm", "rms_norm", "softmax", "log_softmax", "mean", "sum", "amax",
-                               "amin", "addmm"}
+                               "amin", "addmm", "matmul"}
 # Ops with several outputs, each a slice of the input along a kept axis: run once on the stacked rows.
 SPLITS = frozenset({"split", "chunk", "unbind"})
 CATS = frozenset({"cat", "concat", "concatenate", "stack"})

@@ -5,7 +5,7 @@ as they are); ``tl.features.load_sae(path)`` reads SAELens's on-disk layout with
 ``tl.trace(model, x, features={site: sae})`` splices them in for one capture (docs/features.md).
 """
 
-from .attach import FeatureAttachment, FeatureSplice, attach
+from .attach import FeatureAttachment, FeatureSplice, attach, dictionaries
 from .dictionary import FeatureDictionary, SavedSAE, as_dictionary, load_sae
 from .display import ContextText, FeatureText, TopFeatures, context_text, feature_text, top_features
 from .dla import feature_activations, feature_logit_attrs
@@ -16,7 +16,7 @@ from .stats import FeatureStats, SiteFeatureStats, feature_stats, load_feature_s
 
 __all__ = [
     "FeatureAttachment", "FeatureDictionary", "FeatureEdit", "FeatureList", "FeatureSplice", "SavedSAE", "ablate",
-    "active", "as_dictionary", "attach", "clamp", "feature_acts", "load_sae", "scale", "steer", "top",
+    "active", "as_dictionary", "attach", "clamp", "dictionaries", "feature_acts", "load_sae", "scale", "steer", "top",
 ]
 __all__ += ["ContextText", "FeatureText", "TopFeatures", "context_text", "feature_text", "top_features"]
 __all__ += ["feature_attribution_patching", "feature_patching", "restore_features"]

@@ -11,7 +11,8 @@ with the recorder on, so their ops are ordinary ops of the trace, and four of th
 * ``<site>.error``: ``x - recon_clean``, the reconstruction error (read it; to change what flows on,
   edit the site itself or the features).
 
-The site's output becomes ``x + (recon - recon_clean)``: with nothing edited ``recon - recon_clean`` is
+The site's output becomes ``x + (recon - recon_clean)`` (``x`` detached, as SAELens computes the error
+term without gradients, so a backward reaches the features): with nothing edited ``recon - recon_clean`` is
 exactly zero, so the output is ``x`` bit for bit and the model's output is its own. An edit of the
 features changes ``recon`` only; an edit upstream changes ``x``, and both reconstructions follow it.
 With ``use_error_term=False`` the site's output is ``recon`` itself (the dictionary's reconstruction
@@ -33,7 +34,7 @@ from ..core.steps import Step
 from ..errors import FeatureSiteError, InvalidArgumentError
 from .dictionary import FeatureDictionary, as_dictionary
 
-__all__ = ["FeatureAttachment", "FeatureSplice", "attach", "feature_steps", "sub_site_reads"]
+__all__ = ["FeatureAttachment", "FeatureSplice", "attach", "dictionaries", "feature_steps", "sub_site_reads"]
 
 
 class FeatureAttachment:
@@ -113,7 +114,9 @@ class FeatureSplice:
         value = raw_recon if f is raw_f else tools.unrecorded(d.decode, raw_f)
         clean = tools.opaque(self._clean, (x,), value, "recon_clean")
         tools.name(x - clean, "error")
-        return x + (recon - clean)
+        # x's own gradient path is cut, as SAELens's error term is computed without gradients: a backward
+        # reaches the features (d out / d features = the decoder) and, through the encoder, the site's input.
+        return x.detach() + (recon - clean)
 
     def __call__(self, x: Any, *, ctx: Any = None) -> torch.Tensor:
         self._check(x, self.site)
@@ -186,4 +189,21 @@ def sub_site_reads(selectors: dict[str, Selector], steps: list[Step]) -> dict[st
         match = SUB_SITE.match(sel.label) if isinstance(sel, Label) else None
         if match is not None and match["site"] in by_address:
             found[key] = (by_address[match["site"]], match["part"], int(match["pass"] or 1))
+    return found
+
+
+def dictionaries(trace: Any) -> dict[str, FeatureDictionary]:
+    """The feature dictionaries a trace (or fork) was captured with, by the real module address of their site.
+
+    Args:
+        trace: a trace captured with ``features=`` (a fork gives its parent's).
+
+    Returns:
+        ``{address: dictionary}``, e.g. ``{"transformer.h.6": FeatureDictionary(...)}`` for
+        ``features={"blocks.6": sae}``; empty when none was attached.
+    """
+    found = {}
+    for step in getattr(trace, "steps", None) or ():
+        if isinstance(step.edit, FeatureSplice):
+            found[step.edit.address] = step.edit.dictionary
     return found
