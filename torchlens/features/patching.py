@@ -170,13 +170,12 @@ def feature_attribution_patching(clean: Any, corrupted: Any, metric: Callable[[A
     handles = _graph_from_embeddings(arch(model))
     try:
         with torch.enable_grad():
-            traced = capture(model, *corrupted.args, grad=True, **corrupted.kwargs)  # the one forward
+            # the one forward, the dictionary spliced in: the error term and the clean reconstruction are
+            # detached there, so the gradient reaching the features is through the decoder alone
+            traced = capture(model, *corrupted.args, grad=True, features={site: dictionary}, **corrupted.kwargs)
             value = _differentiable(metric(traced.output))
-            x, _ = _site_value(traced, site)
-            (g_out,) = torch.autograd.grad(value, [x])  # the one backward
-            # d metric / d f through the decoder alone: the error term x - decode(f) is held fixed
-            f = dictionary.encode(x.detach()).detach().requires_grad_(True)
-            (grad,) = torch.autograd.grad(dictionary.decode(f), [f], grad_outputs=g_out)
+            f = traced[f"{name}.features"].out
+            (grad,) = torch.autograd.grad(value, [f])  # the one backward
     finally:
         for h in handles:
             h.remove()
