@@ -98,6 +98,26 @@ def test_matches_transformerlens_final_norm_on_the_same_weights(model, trace, sa
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_an_attached_trace_and_its_forks_give_their_own_features(model, trace, sae):
+    attached = tl.trace(model, IDS, features={SITE: sae})
+    plain = tl.features.feature_logit_attrs(trace, SITE, sae, 5, 9)
+    torch.testing.assert_close(tl.features.feature_logit_attrs(attached, SITE, sae, 5, 9), plain)
+    k = int(plain[:, 0].abs().argmax())
+    fork = attached.fork().do(f"{SITE}.features", tl.features.ablate(k, positions=-1))
+    edited = tl.features.feature_logit_attrs(fork, SITE, sae, 5, 9)
+    assert torch.equal(edited[k], torch.zeros(2)) and bool(plain[k, 0] != 0)
+    torch.testing.assert_close(tl.features.feature_activations(fork, SITE, sae), fork[f"{SITE}.features"].out)
+    # the other features keep their activations; their attribution follows the fork's own final-norm scale
+    f = fork[f"{SITE}.features"].out[:, -1].detach()
+    last = fork[LAST].out
+    r = (last[0] if isinstance(last, tuple) else last)[:, -1]
+    scale = ((r - r.mean(-1, keepdim=True)).pow(2).mean(-1) + model.transformer.ln_f.eps).sqrt()
+    direction = (model.lm_head.weight[5] - model.lm_head.weight[9]) * model.transformer.ln_f.weight
+    w_dec = sae.W_dec.detach()
+    want = f.T * ((w_dec - w_dec.mean(-1, keepdim=True)) @ direction)[:, None] / scale
+    torch.testing.assert_close(edited, want.detach(), atol=1e-5, rtol=1e-5)
+
+
 def test_a_saelens_sae_as_it_is(model, trace):
     pytest.importorskip("sae_lens", reason="sae-lens (the test extra) is not installed")
     sae = saelens_sae(d_in=32, d_sae=48)

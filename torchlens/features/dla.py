@@ -19,6 +19,7 @@ from ..analysis.residual_decompose import logit_attrs
 from ..core.indices import python_indices
 from ..core.tree import first_tensor
 from ..errors import FeatureWidthError, InvalidArgumentError
+from .attach import dictionaries
 from .dictionary import FeatureDictionary, as_dictionary
 
 __all__ = ["feature_activations", "feature_logit_attrs"]
@@ -37,9 +38,11 @@ def _site_value(trace: Any, site: Any) -> tuple[Any, str]:
 
 
 def feature_activations(trace: Any, site: Any, sae: Any) -> torch.Tensor:
-    """The dictionary's feature activations of a site's recorded value: ``sae.encode(value)``, ``[..., d_sae]``.
+    """The dictionary's feature activations at a site of a trace, ``[..., d_sae]``.
 
-    A module whose output is a tuple contributes its first tensor (the hidden states of a block).
+    On a trace (or fork) captured with this dictionary attached at the site (``features={site: sae}``),
+    its ``<site>.features`` value, edits included; otherwise ``sae.encode`` of the site's recorded
+    value (a module whose output is a tuple contributes its first tensor).
 
     Raises:
         SiteNotFoundError: the trace has no such site.
@@ -48,6 +51,10 @@ def feature_activations(trace: Any, site: Any, sae: Any) -> torch.Tensor:
     dictionary = as_dictionary(sae)
     value, name = _site_value(trace, site)
     dictionary.check_input(value, site=name)
+    if any(d.module is dictionary.module for d in dictionaries(trace).values()):
+        attached = trace[f"{name}.features"].out
+        if isinstance(attached, torch.Tensor):
+            return attached.detach()
     with torch.no_grad():
         return dictionary.encode(value)
 

@@ -38,7 +38,7 @@ from ..api import trace as capture
 from ..arch.resolve import arch
 from ..capture._random import refuse_random
 from .dictionary import FeatureDictionary, as_dictionary
-from .dla import _site_value
+from .dla import _site_value, feature_activations
 
 __all__ = ["feature_attribution_patching", "feature_patching", "restore_features"]
 
@@ -70,10 +70,7 @@ def _pair(clean: Any, corrupted: Any, model: Any, site: Any, sae: Any) -> tuple[
 
 
 def _codes(trace: Any, site: Any, dictionary: FeatureDictionary) -> tuple[torch.Tensor, str]:
-    value, name = _site_value(trace, site)
-    dictionary.check_input(value, site=name)
-    with torch.no_grad():
-        return dictionary.encode(value), name
+    return feature_activations(trace, site, dictionary), _site_value(trace, site)[1]
 
 
 def _wanted(dictionary: FeatureDictionary, features: Any, d_sae: int) -> list[int]:
