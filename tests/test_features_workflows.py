@@ -15,6 +15,7 @@ from torch import nn
 import torchlens as tl
 from torchlens.errors import (
     DatasetFormatError,
+    FeatureDtypeError,
     FeatureIndexError,
     FeatureWidthError,
     InvalidArgumentError,
@@ -165,6 +166,12 @@ def test_an_sae_of_another_width_is_refused_naming_both(tiny_gpt2, tmp_path):
                                                              out=tmp_path / "j", **OPTIONS), FeatureWidthError)
     assert err.d_in == 16 and err.site_width == 32
     assert not list((tmp_path / "j").glob("shard-*"))
+
+
+def test_an_sae_of_another_dtype_is_refused_saying_which(tiny_gpt2, tmp_path):
+    err = _refused(tiny_gpt2.model, lambda: tl.feature_stats(tiny_gpt2.model, ROWS, {SITE: ToySAE().double()},
+                                                             out=tmp_path / "j", **OPTIONS), FeatureDtypeError)
+    assert err.which == "dtype"
 
 
 def test_a_module_without_encode_is_refused(tiny_gpt2, tmp_path):

@@ -154,3 +154,10 @@ def test_bad_inputs_are_refused_and_change_nothing(model, trace, sae):
     _refused(model, lambda: tl.features.feature_logit_attrs(trace, SITE, nn.Linear(32, 4), 5),
              NotAFeatureDictionaryError)
     _refused(model, lambda: tl.features.feature_logit_attrs(trace, SITE, sae, 5, position=6), InvalidArgumentError)
+
+
+def test_a_dictionary_off_the_residual_stream_is_refused(model, trace):
+    """The MLP's hidden layer (width 128) does not write the residual stream: no direct path to the logits."""
+    err = _refused(model, lambda: tl.features.feature_logit_attrs(trace, "transformer.h.0.mlp.c_fc",
+                                                                  ToySAE(d_in=128), 5), FeatureWidthError)
+    assert "residual" in str(err)
