@@ -373,3 +373,59 @@ def test_dictionaries_of_a_trace(gpt, sae) -> None:
     assert list(found) == [REAL] and found[REAL].module is sae
     assert tl.features.dictionaries(t.fork().do(f"{SITE}.features", tl.features.ablate(0)))[REAL].module is sae
     assert tl.features.dictionaries(tl.trace(model, ids)) == {}
+
+
+def test_module_called_twice_has_a_sub_site_per_pass(shared_twice) -> None:
+    model, (x,) = shared_twice.model, shared_twice.args
+    sae = saelens_sae(d_in=8, d_sae=16, seed=2)
+    with torch.no_grad():
+        plain = model(x)
+    t = tl.trace(model, x, features={"block": sae})
+    assert torch.equal(t.output, plain)
+    seen = []
+    handle = model.block.register_forward_hook(lambda m, a, o: seen.append(o.detach()))
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        handle.remove()
+    assert torch.equal(t["block.features"].out, sae.encode(seen[0]).detach())
+    assert torch.equal(t["block.features:2"].out, sae.encode(seen[1]).detach())
+    fork = t.fork().do("block.features:2", tl.features.clamp(1, 3.0))
+
+    calls = []
+
+    def hook(m, a, out):
+        calls.append(1)
+        if len(calls) < 2:
+            return None
+        f = sae.encode(out)
+        g = f.clone()
+        g[..., 1] = 3.0
+        return out + (sae.decode(g) - sae.decode(f))
+
+    handle = model.block.register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            want = model(x)
+    finally:
+        handle.remove()
+    assert torch.allclose(fork.output, want, atol=ATOL)
+
+
+def test_capture_time_edit_of_the_reconstruction(gpt, sae) -> None:
+    model, ids = gpt
+    t = tl.trace(model, ids, features={SITE: sae}, intervene=tl.when(f"{SITE}.recon", tl.scale(0.5)))
+    x = block_out(model, ids)
+
+    def hook(module, args, out):
+        recon = sae.decode(sae.encode(out))
+        return out + (recon * 0.5 - recon)
+
+    handle = model.transformer.h[1].register_forward_hook(hook)
+    try:
+        want = plain_logits(model, ids)
+    finally:
+        handle.remove()
+    assert torch.allclose(t.output.logits, want, atol=ATOL)
+    assert torch.equal(t[f"{SITE}.recon_clean"].out, sae.decode(sae.encode(x)).detach())  # stays clean
