@@ -904,3 +904,23 @@ def saelens_sae(arch: str = "standard", d_in: int = 8, d_sae: int = 32, seed: in
             if name == "threshold":
                 p.abs_().add_(0.05)
     return sae.eval()
+
+
+class ToySAE(nn.Module):
+    """A ReLU SAE with seeded random weights, scaled so that a fraction of the features fire (the last three never)."""
+
+    def __init__(self, d_in: int = 32, d_sae: int = 100, seed: int = 0, bias: float = -0.1) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.W_enc = nn.Parameter(torch.randn(d_in, d_sae, generator=g) * 3)
+        self.b_enc = nn.Parameter(torch.full((d_sae,), bias))
+        with torch.no_grad():
+            self.b_enc[-3:] = -100.0  # dead features: never fire
+        self.W_dec = nn.Parameter(torch.randn(d_sae, d_in, generator=g) / d_sae**0.5)
+        self.b_dec = nn.Parameter(torch.zeros(d_in))
+
+    def encode(self, x):
+        return torch.relu(x @ self.W_enc + self.b_enc)
+
+    def decode(self, f):
+        return f @ self.W_dec + self.b_dec

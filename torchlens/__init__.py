@@ -41,6 +41,7 @@ from .errors import (
     TorchLensError,
     UnsupportedModelError,
 )
+from .features.stats import FeatureStats, feature_stats, load_feature_stats
 from .generation import GenerationFork, GenerationStep, GenerationTrace, at_step, generate
 from .plugins import plugins
 from .store.datasets import ActivationDataset, cache_activations, load_activations, map_dataset
@@ -65,6 +66,7 @@ __all__ = [
     "Drawing",
     "EditShapeError",
     "EmptySelectionError",
+    "FeatureStats",
     "Fork",
     "FusedKernelError",
     "GenerationFork",
@@ -102,11 +104,13 @@ __all__ = [
     "draw",
     "errors",
     "extract",
+    "feature_stats",
     "features",
     "func",
     "generate",
     "in_module",
     "load_activations",
+    "load_feature_stats",
     "load_intervention",
     "load_trace",
     "logit_attrs",

@@ -7,10 +7,18 @@ as they are); ``tl.features.load_sae(path)`` reads SAELens's on-disk layout with
 
 from .attach import FeatureAttachment, FeatureSplice, attach, dictionaries
 from .dictionary import FeatureDictionary, SavedSAE, as_dictionary, load_sae
+from .display import ContextText, FeatureText, TopFeatures, context_text, feature_text, top_features
+from .dla import feature_activations, feature_logit_attrs
 from .edits import FeatureEdit, ablate, clamp, scale, steer
+from .patching import feature_attribution_patching, feature_patching, restore_features
 from .reads import FeatureList, active, feature_acts, top
+from .stats import FeatureStats, SiteFeatureStats, feature_stats, load_feature_stats
 
 __all__ = [
     "FeatureAttachment", "FeatureDictionary", "FeatureEdit", "FeatureList", "FeatureSplice", "SavedSAE", "ablate",
     "active", "as_dictionary", "attach", "clamp", "dictionaries", "feature_acts", "load_sae", "scale", "steer", "top",
 ]
+__all__ += ["ContextText", "FeatureText", "TopFeatures", "context_text", "feature_text", "top_features"]
+__all__ += ["feature_attribution_patching", "feature_patching", "restore_features"]
+__all__ += ["FeatureStats", "SiteFeatureStats", "feature_activations", "feature_logit_attrs", "feature_stats",
+            "load_feature_stats"]

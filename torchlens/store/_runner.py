@@ -24,9 +24,14 @@ from ._fingerprints import fingerprint
 from ._safetensors import ST_NAMES
 from ._shards import write_shard
 
-__all__ = ["RESERVED", "Job", "SiteReader", "build_model", "model_identity", "probe", "run_batch", "run_shard"]
+__all__ = ["RESERVED", "SUMMARY_PREFIX", "Job", "SiteReader", "build_model", "model_identity", "probe", "run_batch",
+           "run_shard"]
 
 RESERVED = ("row", "position", "token")  # columns every per-token shard holds beside the sites
+# A per-batch function may also return per-shard summaries under this prefix (any shape, not per
+# record): they are folded batch by batch with the function's ``merge_summary(a, b)`` and stored in
+# the shard file beside the records, committed with it (tl.feature_stats keeps its statistics so).
+SUMMARY_PREFIX = "__summary__."
 SAMPLES_PER_PARAM = 1024  # values hashed per parameter: different weights, different job
 
 
@@ -140,6 +145,11 @@ def run_batch(job: Job, model: nn.Module, raw: RawBatch) -> dict[str, torch.Tens
                            remedy="Return {name: tensor} from the function.")
     rows, width = batch.input_ids.shape
     mask = batch.attention_mask.bool()
+    summary = {k: values[k] for k in values if k.startswith(SUMMARY_PREFIX)}
+    if summary and not callable(getattr(job.fn, "merge_summary", None)):
+        raise DatasetError(f"the per-batch function returned summaries {sorted(summary)[:3]} but has no "
+                           f"merge_summary(a, b) method to fold them", remedy="Give it one, or drop the summaries.")
+    values = {k: v for k, v in values.items() if k not in summary}
     out: dict[str, torch.Tensor] = {}
     if job.per_token:
         out["row"] = batch.rows[:, None].expand(rows, width)[mask]
@@ -168,12 +178,14 @@ def run_batch(job: Job, model: nn.Module, raw: RawBatch) -> dict[str, torch.Tens
             raise DatasetError(f"value {name!r} has dtype {value.dtype}, which safetensors cannot store", site=name,
                                remedy="Pass dtype=torch.float32 (or float16/bfloat16).")
         out[name] = (value[mask] if job.per_token else value).cpu().contiguous()
+    out.update((k, v.detach().cpu().contiguous()) for k, v in summary.items())
     return out
 
 
 def columns_of(records: dict[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
     """The manifest's column table: dtype code and per-record shape of each column."""
-    return {name: {"dtype": ST_NAMES[t.dtype], "shape": list(t.shape[1:])} for name, t in records.items()}
+    return {name: {"dtype": ST_NAMES[t.dtype], "shape": list(t.shape[1:])} for name, t in records.items()
+            if not name.startswith(SUMMARY_PREFIX)}
 
 
 def probe(job: Job, model: nn.Module, raw: RawBatch) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -194,6 +206,7 @@ def run_shard(job: Job, model: nn.Module, plan: ShardPlan, out: pathlib.Path, co
         ShardWriteError: the shard could not be written (no partial file is left).
     """
     chunks: dict[str, list[torch.Tensor]] = {name: [] for name in columns}
+    summary: dict[str, torch.Tensor] = {}
     records = 0
     for i, raw in enumerate(plan.batches):
         got = first if (i == 0 and first is not None) else run_batch(job, model, raw)
@@ -203,9 +216,14 @@ def run_shard(job: Job, model: nn.Module, plan: ShardPlan, out: pathlib.Path, co
             raise DatasetError(f"rows {raw.first_row}+ give columns {[(k, table.get(k)) for k in bad]}, but the job's "
                                f"columns are {[(k, columns.get(k)) for k in bad]}", columns=bad,
                                remedy="Return the same names, dtypes and per-record shapes for every batch.")
+        part = {k: t for k, t in got.items() if k.startswith(SUMMARY_PREFIX)}
         for name, t in got.items():
-            chunks[name].append(t)
+            if name not in part:
+                chunks[name].append(t)
         records += int(got["row"].shape[0])
+        if part:
+            summary = job.fn.merge_summary(summary, part) if summary else part
+    chunks.update((k, [t.reshape(1) if t.dim() == 0 else t]) for k, t in summary.items())
     entry = write_shard(out, plan.index, chunks)
     first_row, end_row = plan.rows
     entry.update(index=plan.index, rows=[first_row, end_row], records=records, tokens=plan.tokens,
