@@ -429,3 +429,60 @@ def test_capture_time_edit_of_the_reconstruction(gpt, sae) -> None:
         handle.remove()
     assert torch.allclose(t.output.logits, want, atol=ATOL)
     assert torch.equal(t[f"{SITE}.recon_clean"].out, sae.decode(sae.encode(x)).detach())  # stays clean
+
+
+# -- fixes: replay bookkeeping, messages --------------------------------------------------------------------
+
+
+class _Comparisons(torch.overrides.TorchFunctionMode):
+    """Records the shapes of every elementwise ``!=`` made while on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.__ne__, torch.Tensor.ne, torch.ne) and isinstance(args[0], torch.Tensor):
+            self.shapes.append(tuple(args[0].shape))
+        return func(*args, **(kwargs or {}))
+
+
+def test_feature_edit_at_a_position_compares_only_that_row(gpt, sae) -> None:
+    """Finding what a positioned feature edit changed reads its rows, not the whole [.., seq, d_sae] tensor."""
+    model, ids = gpt
+    t = tl.trace(model, ids, features={SITE: sae})
+    feats = t[f"{SITE}.features"].out
+    firing = torch.nonzero(feats[0, -1]).flatten().tolist()
+    assert firing, "the test needs a feature firing at the last position"
+    seen = _Comparisons()
+    with seen:
+        fork = t.fork().do(f"{SITE}.features", tl.features.ablate(firing[:2], positions=-1))
+    full = tuple(feats.shape)
+    assert full not in seen.shapes, seen.shapes  # no comparison of the whole feature tensor
+    assert (1, 1, feats.shape[-1]) in seen.shapes  # the edited row itself was compared
+    applied = fork.edits[-1]
+    assert applied.n_changed == len(firing[:2])  # the count is still exact
+    want = spliced_logits(model, ids, sae, lambda f: _zero_last(f, firing[:2]))
+    assert torch.allclose(fork.output.logits, want, atol=ATOL)
+    for label, _, how, rows, _ in applied.replay.entries:  # the region found is still the last row
+        assert rows is None or rows[1] == ids.shape[1] - 1, (label, how, rows)
+
+
+def _zero_last(f, features):
+    f[..., -1, features] = 0.0
+    return f
+
+
+def test_touched_rows_give_the_full_comparisons_answer() -> None:
+    from torchlens.edit._regions import diff_region, edit_touches
+    from torchlens.edit.edits import count_changed
+
+    torch.manual_seed(0)
+    old = torch.randn(2, 5, 7)
+    edit = tl.features.clamp([1, 4], 3.0, positions=[1, -1])
+    new = edit(old, ctx=None)
+    rows = edit_touches(edit, old)
+    assert rows == (1, [1, 4])
+    assert diff_region(old, new, rows) == diff_region(old, new)
+    assert count_changed(old, new, rows) == count_changed(old, new) == 2 * 2 * 2
+    assert edit_touches(tl.features.ablate(3), old) is None  # every position: nothing declared
