@@ -486,3 +486,23 @@ def test_touched_rows_give_the_full_comparisons_answer() -> None:
     assert diff_region(old, new, rows) == diff_region(old, new)
     assert count_changed(old, new, rows) == count_changed(old, new) == 2 * 2 * 2
     assert edit_touches(tl.features.ablate(3), old) is None  # every position: nothing declared
+
+
+def test_portable_recipe_refuses_the_attached_dictionary_by_name(gpt, tmp_path) -> None:
+    model, ids = gpt
+    sae = saelens_sae("standard", d_in=32, d_sae=64, seed=4)
+    before = hook_state(model)
+    fork = tl.trace(model, ids, features={SITE: sae}).fork().do(f"{SITE}.features",
+                                                                 tl.features.ablate(3, positions=-1))
+    with pytest.raises(tl.errors.NotPortableError) as info:
+        fork.save_intervention(tmp_path / "r", overwrite=True)
+    err = info.value
+    assert "plain Python function" not in str(err)
+    assert "feature dictionary" in err.message and repr(SITE) in err.message and "weights" in err.message
+    assert "load_sae" in err.remedy and "features=" in err.remedy and "level='pickle'" in err.remedy
+    assert not (tmp_path / "r").exists()
+    lin = LinearSAE(32, 40)  # a dictionary that pickles: the pickle level takes it
+    fork = tl.trace(model, ids, features={SITE: lin}).fork().do(f"{SITE}.features", tl.features.ablate(3))
+    fork.save_intervention(tmp_path / "p", level="pickle")
+    assert (tmp_path / "p").exists()
+    assert hook_state(model) == before

@@ -127,6 +127,18 @@ class FeatureSplice:
                           (n, "error"): x - recon})
         return recon if not self.use_error_term else x + (recon - recon)
 
+    def portable_refusal(self) -> tuple[str, str]:
+        """Why a portable recipe cannot hold this splice, and what to do instead (``NotPortableError``)."""
+        return (
+            f"the feature dictionary attached at {self.site!r} ({self.dictionary!r}) is part of this trace's "
+            "capture, and a portable recipe stores no dictionary weights (nor the code that encodes and decodes)",
+            "Keep the SAE's weights apart (a SAELens folder: sae.save_model(folder), read back by "
+            "tl.features.load_sae(folder)) and attach it again to redo the edits: tl.trace(model, x, "
+            "features={site: sae}).fork().do(...), the feature edits being named helpers. level='pickle' "
+            "stores the dictionary too when it pickles (a module-level nn.Module class; a SAELens SAE does "
+            "not: it holds local functions); loading it then needs allow_pickle=True.",
+        )
+
     def sub_site_value(self, part: str, pass_index: int = 1) -> torch.Tensor:
         """A sub-site's value from the last plain application (``__call__``) of this splice.
 
