@@ -275,7 +275,10 @@ def test_upstream_edit_recomputes_both_reconstructions(gpt, sae) -> None:
     if sae.cfg.architecture() == "topk":  # which features fire is a data read: replay re-executes, exactly
         with pytest.warns(tl.errors.ReplayFellBack):
             fork = t.fork().do("transformer.h.0", tl.scale(1.5))
-        assert fork.edits[-1].how.startswith("re-executed")
+        how = fork.edits[-1].how
+        assert how.startswith("re-executed")
+        # the reason named is the dictionary's TopK selection, never a generated token (d_sae = vocab here)
+        assert "TopK feature dictionary at 'blocks.1' selects" in how and "generated token" not in how, how
     else:
         fork = t.fork().do("transformer.h.0", tl.scale(1.5))
         assert fork.edits[-1].how == "replayed"
