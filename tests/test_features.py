@@ -509,3 +509,18 @@ def test_portable_recipe_refuses_the_attached_dictionary_by_name(gpt, tmp_path) 
     fork.save_intervention(tmp_path / "p", level="pickle")
     assert (tmp_path / "p").exists()
     assert hook_state(model) == before
+
+
+def test_loaded_trace_names_sub_sites_by_real_address(gpt, tmp_path) -> None:
+    """A loaded trace has no model to map ``blocks.1`` to: the canonical spelling is refused, naming the real one."""
+    model, ids = gpt
+    sae = saelens_sae("standard", d_in=32, d_sae=64, seed=4)
+    t = tl.trace(model, ids, features={SITE: sae})
+    t.save(tmp_path / "t")
+    loaded = tl.load_trace(tmp_path / "t")
+    assert torch.equal(loaded[f"{REAL}.features"].out, t[f"{SITE}.features"].out)
+    for part in ("features", "error"):
+        with pytest.raises(tl.errors.SiteNotFoundError) as info:
+            loaded[f"{SITE}.{part}"]
+        assert info.value.candidates == [f"{REAL}.{part}"]
+        assert "no model" in info.value.message and f"trace['{REAL}.{part}']" in info.value.remedy
