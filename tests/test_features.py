@@ -275,7 +275,10 @@ def test_upstream_edit_recomputes_both_reconstructions(gpt, sae) -> None:
     if sae.cfg.architecture() == "topk":  # which features fire is a data read: replay re-executes, exactly
         with pytest.warns(tl.errors.ReplayFellBack):
             fork = t.fork().do("transformer.h.0", tl.scale(1.5))
-        assert fork.edits[-1].how.startswith("re-executed")
+        how = fork.edits[-1].how
+        assert how.startswith("re-executed")
+        # the reason named is the dictionary's TopK selection, never a generated token (d_sae = vocab here)
+        assert "TopK feature dictionary at 'blocks.1' selects" in how and "generated token" not in how, how
     else:
         fork = t.fork().do("transformer.h.0", tl.scale(1.5))
         assert fork.edits[-1].how == "replayed"
@@ -429,3 +432,95 @@ def test_capture_time_edit_of_the_reconstruction(gpt, sae) -> None:
         handle.remove()
     assert torch.allclose(t.output.logits, want, atol=ATOL)
     assert torch.equal(t[f"{SITE}.recon_clean"].out, sae.decode(sae.encode(x)).detach())  # stays clean
+
+
+# -- fixes: replay bookkeeping, messages --------------------------------------------------------------------
+
+
+class _Comparisons(torch.overrides.TorchFunctionMode):
+    """Records the shapes of every elementwise ``!=`` made while on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.__ne__, torch.Tensor.ne, torch.ne) and isinstance(args[0], torch.Tensor):
+            self.shapes.append(tuple(args[0].shape))
+        return func(*args, **(kwargs or {}))
+
+
+def test_feature_edit_at_a_position_compares_only_that_row(gpt, sae) -> None:
+    """Finding what a positioned feature edit changed reads its rows, not the whole [.., seq, d_sae] tensor."""
+    model, ids = gpt
+    t = tl.trace(model, ids, features={SITE: sae})
+    feats = t[f"{SITE}.features"].out
+    firing = torch.nonzero(feats[0, -1]).flatten().tolist()
+    assert firing, "the test needs a feature firing at the last position"
+    seen = _Comparisons()
+    with seen:
+        fork = t.fork().do(f"{SITE}.features", tl.features.ablate(firing[:2], positions=-1))
+    full = tuple(feats.shape)
+    assert full not in seen.shapes, seen.shapes  # no comparison of the whole feature tensor
+    assert (1, 1, feats.shape[-1]) in seen.shapes  # the edited row itself was compared
+    applied = fork.edits[-1]
+    assert applied.n_changed == len(firing[:2])  # the count is still exact
+    want = spliced_logits(model, ids, sae, lambda f: _zero_last(f, firing[:2]))
+    assert torch.allclose(fork.output.logits, want, atol=ATOL)
+    for label, _, how, rows, _ in applied.replay.entries:  # the region found is still the last row
+        assert rows is None or rows[1] == ids.shape[1] - 1, (label, how, rows)
+
+
+def _zero_last(f, features):
+    f[..., -1, features] = 0.0
+    return f
+
+
+def test_touched_rows_give_the_full_comparisons_answer() -> None:
+    from torchlens.edit._regions import diff_region, edit_touches
+    from torchlens.edit.edits import count_changed
+
+    torch.manual_seed(0)
+    old = torch.randn(2, 5, 7)
+    edit = tl.features.clamp([1, 4], 3.0, positions=[1, -1])
+    new = edit(old, ctx=None)
+    rows = edit_touches(edit, old)
+    assert rows == (1, [1, 4])
+    assert diff_region(old, new, rows) == diff_region(old, new)
+    assert count_changed(old, new, rows) == count_changed(old, new) == 2 * 2 * 2
+    assert edit_touches(tl.features.ablate(3), old) is None  # every position: nothing declared
+
+
+def test_portable_recipe_refuses_the_attached_dictionary_by_name(gpt, tmp_path) -> None:
+    model, ids = gpt
+    sae = saelens_sae("standard", d_in=32, d_sae=64, seed=4)
+    before = hook_state(model)
+    fork = tl.trace(model, ids, features={SITE: sae}).fork().do(f"{SITE}.features",
+                                                                 tl.features.ablate(3, positions=-1))
+    with pytest.raises(tl.errors.NotPortableError) as info:
+        fork.save_intervention(tmp_path / "r", overwrite=True)
+    err = info.value
+    assert "plain Python function" not in str(err)
+    assert "feature dictionary" in err.message and repr(SITE) in err.message and "weights" in err.message
+    assert "load_sae" in err.remedy and "features=" in err.remedy and "level='pickle'" in err.remedy
+    assert not (tmp_path / "r").exists()
+    lin = LinearSAE(32, 40)  # a dictionary that pickles: the pickle level takes it
+    fork = tl.trace(model, ids, features={SITE: lin}).fork().do(f"{SITE}.features", tl.features.ablate(3))
+    fork.save_intervention(tmp_path / "p", level="pickle")
+    assert (tmp_path / "p").exists()
+    assert hook_state(model) == before
+
+
+def test_loaded_trace_names_sub_sites_by_real_address(gpt, tmp_path) -> None:
+    """A loaded trace has no model to map ``blocks.1`` to: the canonical spelling is refused, naming the real one."""
+    model, ids = gpt
+    sae = saelens_sae("standard", d_in=32, d_sae=64, seed=4)
+    t = tl.trace(model, ids, features={SITE: sae})
+    t.save(tmp_path / "t")
+    loaded = tl.load_trace(tmp_path / "t")
+    assert torch.equal(loaded[f"{REAL}.features"].out, t[f"{SITE}.features"].out)
+    for part in ("features", "error"):
+        with pytest.raises(tl.errors.SiteNotFoundError) as info:
+            loaded[f"{SITE}.{part}"]
+        assert info.value.candidates == [f"{REAL}.{part}"]
+        assert "no model" in info.value.message and f"trace['{REAL}.{part}']" in info.value.remedy

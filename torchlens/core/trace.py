@@ -400,12 +400,38 @@ class Trace(Graph, TraceActions):
                 remedy=f"Name one of them, e.g. trace[{names[0]!r}], or get them all with "
                        f"trace.find_sites({key!r}).",
             )
+        if self.model is None:
+            self._refuse_unresolved_sub_site(key, address)
         near = nearest(key, [*self._calls_by_address, *self._labels])
         raise SiteNotFoundError(
             f"{key!r} is neither an op label nor a module address of this trace; nearest: {near}",
             site=key,
             candidates=near,
         )
+
+    def _refuse_unresolved_sub_site(self, key: str, address: str) -> None:
+        """On a trace without its model (loaded from disk), a name ``<site>.<part>`` whose site is no
+        module of the trace (a canonical name, ``blocks.1.features``) cannot be resolved; when the trace
+        has ``<part>`` sub-sites of real modules (``transformer.h.1.features``), name them.
+
+        Raises:
+            SiteNotFoundError: always, when such sub-sites exist (nothing otherwise).
+        """
+        head, _, part = address.rpartition(".")
+        if not head or head in self._calls_by_address:
+            return
+        real = sorted(label for label in self._labels
+                      if split_pass(label)[0].rpartition(".")[2] == part
+                      and split_pass(label)[0].rpartition(".")[0] in self._calls_by_address)
+        if real:
+            raise SiteNotFoundError(
+                f"{key!r} names its site {head!r} by a name this trace cannot resolve: it has no model (loaded "
+                f"from disk), so a canonical name is not mapped to a module; its {part!r} sub-sites are named by "
+                f"real address: {real}",
+                site=key, candidates=real,
+                remedy=f"Name the real address, e.g. trace[{real[0]!r}] (canonical names such as {key!r} work on "
+                       "a trace captured with the model).",
+            )
 
     def _pick_pass(self, key: str, address: str, pass_index: int | None, calls: list[ModuleCall]) -> ModuleCall:
         if pass_index is None:

@@ -90,11 +90,18 @@ _ROUTING_WORDS = ("router", "gate", "moe", "expert")
 
 
 def changed_choice(trace: Any, op: Op, old: list[torch.Tensor], new: list[torch.Tensor]) -> str:
-    """What a guard op's changed indices chose, in the terms of the model at hand: a generated token
-    (the op picks along the vocabulary of the model's token embedding: greedy decoding, top-k), the
-    experts a router picks (the op runs inside a routing module), or else what runs next."""
+    """What a guard op's changed indices chose, in the terms of the model at hand: what a capture-time
+    edit that recorded the op says (``edit.describe_choice(trace, op, seen)``: a TopK feature dictionary's
+    selection), a generated token (the op picks along the vocabulary of the model's token embedding:
+    greedy decoding, top-k), the experts a router picks (the op runs inside a routing module), or else
+    what runs next."""
     where = f"{op.func_name} at {op.source}, op {op.label}"
     seen = f"recorded {short(old[0] if old else None)}, now {short(new[0] if new else None)}"
+    for step in getattr(trace, "steps", None) or ():
+        describe = getattr(step.edit, "describe_choice", None)
+        said = describe(trace, op, f"{where}: {seen}") if callable(describe) else None
+        if said:
+            return said
     if _picks_along(trace, op) in _token_vocabularies(trace):
         return (f"the edit changes the generated token ({where} picks along the vocabulary: {seen}); the tokens "
                 "after it, and every step that reads them, would differ")

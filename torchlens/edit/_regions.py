@@ -19,8 +19,9 @@ from ..core.tree import Pending
 from ._shared_pages import page_copy
 
 __all__ = [
-    "WHOLE", "Corner", "Plan", "Region", "ReplayLog", "RowPatch", "Rows", "as_built", "corner_restored", "diff_region",
-    "normal", "refine_corner", "region_lookup", "rows_from_zero", "union",
+    "WHOLE", "Corner", "Plan", "Region", "ReplayLog", "RowPatch", "Rows", "Touched", "as_built", "changed_mask",
+    "corner_restored", "diff_region", "edit_touches", "join_touched", "normal",
+    "refine_corner", "region_lookup", "rows_from_zero", "union",
 ]
 
 
@@ -233,25 +234,69 @@ def rows_from_zero(on: bool = True) -> Iterator[None]:
         _FROM_ZERO.on = before
 
 
-def diff_region(old: Any, new: Any) -> Region:
-    """The region where ``new`` differs from ``old`` (the axis leaving the largest unchanged share)."""
+Touched = tuple[int, list[int]]
+"""Where an edit may change a tensor: ``(axis, rows)``, every element off those rows of ``axis`` kept."""
+
+
+def edit_touches(edit: Any, value: Any) -> Touched | None:
+    """The rows ``edit`` declares it may change in ``value`` (``edit.touches(value)``), normalised
+    (non-negative axis, sorted distinct rows); None when the edit declares nothing or ``value`` is no tensor."""
+    declare = getattr(edit, "touches", None)
+    if declare is None or not isinstance(value, torch.Tensor) or value.ndim == 0:
+        return None
+    found = declare(value)
+    if found is None:
+        return None
+    axis, rows = found
+    axis %= value.ndim
+    size = value.shape[axis]
+    return axis, sorted({int(r) % size for r in rows}) if size else []
+
+
+def join_touched(a: Touched | None, b: Touched | None) -> Touched | None:
+    """Rows either declaration may change (None, unknown, when either is unknown or their axes differ)."""
+    if a is None or b is None or a[0] != b[0]:
+        return None
+    return a[0], sorted(set(a[1]) | set(b[1]))
+
+
+def changed_mask(old: torch.Tensor, new: torch.Tensor, touched: Touched | None = None) -> torch.Tensor:
+    """Where same-shaped ``new`` differs from ``old`` (NaN equal to NaN); with ``touched``, over the
+    touched rows only (``index_select`` of them along their axis): elsewhere the edit kept every element."""
+    if touched is not None:
+        index = torch.tensor(touched[1], dtype=torch.long, device=old.device)
+        old, new = old.index_select(touched[0], index), new.index_select(touched[0], index)
+    changed = old != new
+    if old.is_floating_point() or old.is_complex():
+        changed &= ~(old.isnan() & new.isnan())
+    return changed
+
+
+def diff_region(old: Any, new: Any, touched: Touched | None = None) -> Region:
+    """The region where ``new`` differs from ``old`` (the axis leaving the largest unchanged share).
+
+    ``touched`` (from :func:`edit_touches`) limits the comparison to the rows the edits declared; the
+    region found is the same as comparing everything, since off those rows nothing changed.
+    """
     if not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor)) or old.shape != new.shape \
             or old.dtype != new.dtype:
         return WHOLE
     if old is new:
         return None
-    changed = old != new
-    if old.is_floating_point() or old.is_complex():
-        changed &= ~(old.isnan() & new.isnan())
+    changed = changed_mask(old, new, touched)
     if not bool(changed.any()):
         return None
     best: Region = WHOLE
     best_share = 0.0
-    for axis, size in enumerate(changed.shape):
+    for axis, size in enumerate(old.shape):
         if size <= 1:
             continue
-        rows = changed.movedim(axis, 0).reshape(size, -1).any(1)
-        start = int(rows.nonzero()[0, 0])
+        if touched is not None and axis == touched[0]:
+            hit = changed.movedim(axis, 0).reshape(len(touched[1]), -1).any(1)
+            start = touched[1][int(hit.nonzero()[0, 0])]
+        else:
+            rows = changed.movedim(axis, 0).reshape(size, -1).any(1)
+            start = int(rows.nonzero()[0, 0])
         if start / size > best_share:
             best, best_share = Rows(axis, start), start / size
     return best

@@ -21,6 +21,7 @@ import torch
 from ..core.steps import CAPTURE, Step, check_edit
 from ..core.tree import flatten, unflatten
 from ..errors import EditDtypeError, EditHadNoEffect, EditHadNoEffectError, EditShapeError, InvalidArgumentError
+from ._regions import Touched
 
 
 @dataclass
@@ -163,8 +164,18 @@ def _accepts_ctx(fn: Callable) -> bool:
     return "ctx" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
-def count_changed(old: Any, new: Any) -> int:
-    """Elements that differ between two values (all of them when shapes differ)."""
+def count_changed(old: Any, new: Any, touched: Touched | None = None) -> int:
+    """Elements that differ between two values (all of them when shapes differ).
+
+    ``touched`` (a tensor value's rows the edit declared, :func:`~torchlens.edit._regions.edit_touches`)
+    limits the comparison to those rows: the count is the same, as off them nothing changed.
+    """
+    if touched is not None and isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) \
+            and old.shape == new.shape:
+        if old is new or not touched[1]:
+            return 0
+        index = torch.tensor(touched[1], dtype=torch.long, device=old.device)
+        return int((old.index_select(touched[0], index) != new.index_select(touched[0], index)).sum())
     a_leaves, _ = flatten(old)
     b_leaves, _ = flatten(new)
     total = 0

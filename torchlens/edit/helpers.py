@@ -44,6 +44,12 @@ class Helper:
     def to_dict(self) -> dict[str, Any]:
         return {"helper": self.name, "params": self.params()}
 
+    def touches(self, activation: Any) -> tuple[int, list[int]] | None:
+        """``(axis, rows)`` such that this edit keeps every element of ``activation`` off those rows
+        of ``axis`` (None: it may change anything). Replay then compares only those rows to find what
+        changed, instead of the whole tensor."""
+        return None
+
     def no_effect_hint(self, activation: Any) -> str:
         """Why this edit left ``activation`` unchanged, when the helper can tell ("" otherwise)."""
         return ""

@@ -29,7 +29,21 @@ from ..errors import (
 )
 from ._execute import EVAL_REMEDY, REEXECUTE, ROW_VIEWS, UNINITIALISED, execute, refuse_reason
 from ._guards import changed_choice, index_leaves, recompute_read, same_value, short
-from ._regions import WHOLE, Corner, Plan, ReplayLog, RowPatch, Rows, diff_region, refine_corner, region_lookup, union
+from ._regions import (
+    WHOLE,
+    Corner,
+    Plan,
+    ReplayLog,
+    RowPatch,
+    Rows,
+    Touched,
+    diff_region,
+    edit_touches,
+    join_touched,
+    refine_corner,
+    region_lookup,
+    union,
+)
 from ._slicing import plan_op
 from .edits import AppliedEdit, EditContext, apply_edit, count_changed, land_edit
 
@@ -479,18 +493,25 @@ class Replayer:
         return EditContext(step.site.describe(), record.label, record.module, record.module_pass, record,
                            self.fork)
 
-    def _run_edits(self, value: Any, group, record, recompute: bool) -> Any:
+    def _run_edits(self, value: Any, group, record, recompute: bool) -> tuple[Any, Touched | None]:
+        """``value`` with the group's edits applied, and the rows they declared they may change
+        (:func:`edit_touches`; None: unknown, or nothing applied)."""
+        touched: Touched | None = None
+        first = True
         for step, _target, is_new in group:
             if not (recompute or is_new):
                 continue
             before = value
             value = apply_edit(clone_value(value), step.edit, self._ctx(step, record))
+            rows = edit_touches(step.edit, before)
+            touched, first = (rows if first else join_touched(touched, rows)), False
             if is_new:
                 land_edit(self.fork, step.edit,
                           AppliedEdit(step.site.describe(), record.label, getattr(record, "pass_index", None)
                                       if isinstance(record, ModuleCall) else record.module_pass,
-                                      count_changed(before, value), "replayed", before=before, replay=self.log))
-        return value
+                                      count_changed(before, value, rows), "replayed", before=before,
+                                      replay=self.log))
+        return value, touched
 
     def _apply_module(self, call: ModuleCall, group) -> None:
         fork = self.fork
@@ -503,7 +524,7 @@ class Replayer:
             old_leaves = flatten(fork.module_override(call.key))[0]
         else:
             old_leaves = [None if r is None else _elem(self._before(r.index), r.elem) for r in call.out_refs]
-        edited = self._run_edits(current, group, call, recompute)
+        edited, _ = self._run_edits(current, group, call, recompute)
         fork.set_module_output(call.key, edited)
         leaves, _ = flatten(edited)
         for ref, leaf, old in zip(call.out_refs, leaves, old_leaves):
@@ -523,9 +544,13 @@ class Replayer:
     def _apply_op(self, op: Op, group) -> None:
         recompute = op.index in self.changed
         old = self._before(op.index)
-        edited = self._run_edits(self.fork.value(op.index), group, op, recompute)
+        current = self.fork.value(op.index)
+        edited, touched = self._run_edits(current, group, op, recompute)
         self.fork.set_value(op.index, edited)
-        self.regions[op.index] = union(self.regions.get(op.index) if recompute else None, diff_region(old, edited))
+        # the edits' declared rows bound the comparison only when they edited ``old`` itself
+        touched = touched if current is old else None
+        self.regions[op.index] = union(self.regions.get(op.index) if recompute else None,
+                                       diff_region(old, edited, touched))
         self.changed.add(op.index)
 
 

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ..arch.resolve import bind
-from ..capture._splice import SUB_SITE
+from ..capture._splice import SUB_SITE, sub_site_label
 from ..core.selectors import Label, ModuleOutput, Selector, as_selector
 from ..core.steps import Step
 from ..errors import FeatureSiteError, InvalidArgumentError
@@ -126,6 +126,39 @@ class FeatureSplice:
         self.seen.update({(n, "features"): f, (n, "recon"): recon, (n, "recon_clean"): recon,
                           (n, "error"): x - recon})
         return recon if not self.use_error_term else x + (recon - recon)
+
+    def portable_refusal(self) -> tuple[str, str]:
+        """Why a portable recipe cannot hold this splice, and what to do instead (``NotPortableError``)."""
+        return (
+            f"the feature dictionary attached at {self.site!r} ({self.dictionary!r}) is part of this trace's "
+            "capture, and a portable recipe stores no dictionary weights (nor the code that encodes and decodes)",
+            "Keep the SAE's weights apart (a SAELens folder: sae.save_model(folder), read back by "
+            "tl.features.load_sae(folder)) and attach it again to redo the edits: tl.trace(model, x, "
+            "features={site: sae}).fork().do(...), the feature edits being named helpers. level='pickle' "
+            "stores the dictionary too when it pickles (a module-level nn.Module class; a SAELens SAE does "
+            "not: it holds local functions); loading it then needs allow_pickle=True.",
+        )
+
+    def describe_choice(self, trace: Any, op: Any, seen: str) -> str | None:
+        """Why replay stops at guard op ``op`` when it is this dictionary's own selection (a TopK encoder's
+        ``topk``: an ancestor of ``<site>.features`` in the same module call), else None."""
+        if op.module != self.address:
+            return None
+        label = sub_site_label(self.address, op.module_pass, "features")
+        ops = trace.ops
+        target = next((o for o in ops[op.index + 1:] if o.label == label), None)
+        todo, seen_ops = ([] if target is None else [target.index]), set()
+        while todo:  # the encoder's ops: from the features op back, down to op's index
+            i = todo.pop()
+            if i == op.index:
+                return (f"the edit changes which features the TopK feature dictionary at {self.site!r} selects "
+                        f"({seen}); a TopK selection depends on every feature of a position and is not "
+                        "replayable row by row from the recorded one")
+            if i in seen_ops or i < op.index:
+                continue
+            seen_ops.add(i)
+            todo.extend(r.index for r in ops[i].parent_refs or ())
+        return None
 
     def sub_site_value(self, part: str, pass_index: int = 1) -> torch.Tensor:
         """A sub-site's value from the last plain application (``__call__``) of this splice.

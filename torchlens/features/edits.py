@@ -64,6 +64,12 @@ class FeatureEdit(Helper):
     def params(self) -> dict[str, Any]:
         return {"features": self.features, "how": self.how, "value": self.value, "positions": self.positions}
 
+    def touches(self, activation: Any) -> tuple[int, list[int]] | None:
+        """With ``positions``, only those rows along dim -2 change (replay compares only them)."""
+        if self.positions is None or not isinstance(activation, torch.Tensor) or activation.ndim < 2:
+            return None
+        return activation.ndim - 2, self.positions
+
     def __call__(self, activation: Any, *, ctx: Any) -> Any:
         if not isinstance(activation, torch.Tensor):
             raise InvalidArgumentError(f"a feature edit takes the feature activations (a tensor) at "

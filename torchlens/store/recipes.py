@@ -110,6 +110,10 @@ def encode_edit(edit: Any, records: list[tuple[Any, Any]] | None, site: str, tab
             value = int(edit) if isinstance(edit, numbers.Integral) else (
                 float(edit) if isinstance(edit, numbers.Real) else complex(edit))
         return {"kind": "number", "value": encode(value, put)}
+    refusal = getattr(edit, "portable_refusal", None)
+    if pickles is None and callable(refusal):  # an edit that says why it cannot go in a portable recipe
+        message, remedy = refusal()
+        raise NotPortableError(message, remedy=remedy)
     if pickles is None:
         raise NotPortableError(
             f"the edit {getattr(edit, '__qualname__', type(edit).__name__)} is a plain Python function; the "
