@@ -338,10 +338,20 @@ def test_a_loop_that_never_calls_the_model_is_refused(tiny_gpt2):
 def test_beam_search_and_other_strategies_are_refused_by_name(tiny_gpt2, kwargs):
     model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
     before = hook_state(model)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    config = model.generation_config.to_dict()
     with pytest.raises(GenerationStrategyError, match="greedy decoding and sampling") as err:
         tl.generate(model, ids, max_new_tokens=3, **kwargs)
-    assert "loop=" in err.value.remedy
+    # the error names the strategy it refused and the remedy what is supported
+    mode = "beam" if "num_beams" in kwargs else "contrastive"
+    assert mode in err.value.mode and mode in str(err.value)
+    assert "loop=" in err.value.remedy and "greedy" in err.value.remedy and "sampling" in err.value.remedy
     assert_model_clean(model, before)
+    assert model.generation_config.to_dict() == config
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+    # and the model still generates as before, with a supported strategy
+    assert torch.equal(tl.generate(model, ids, max_new_tokens=3, do_sample=False).sequences,
+                       model.generate(ids, max_new_tokens=3, do_sample=False))
 
 
 def test_an_edit_that_fits_the_prompt_pass_only_names_the_step_and_shapes(tiny_gpt2):
@@ -668,11 +678,48 @@ def test_a_generation_shows_its_tokens_and_steps_in_a_notebook(tiny_llama, word_
     model = tiny_llama.model
     gen = tl.generate(model, "w3 w17 w42 w9", tokenizer=word_tokenizer, max_new_tokens=3, do_sample=False)
     html = gen._repr_html_()
-    for k in range(3):
-        assert f'title="step {k}: position {4 + k}"' in html
-        assert f"<b>{word_tokenizer.decode(gen.tokens[:, k])}</b>" in html
-    assert html.count("<tr><td>") == 3 and "4 tokens" in html
+    anchor = f"tl-gen-{id(gen):x}-step"
+    for k in range(3):  # each token links to the row of the step that chose it
+        assert (f'<a href="#{anchor}-{k}" title="step {k}: position {4 + k}">'
+                f"<b>{word_tokenizer.decode(gen.tokens[:, k])}</b></a>") in html
+        assert f'<tr id="{anchor}-{k}"><td>{k}</td><td>{gen.steps[k].positions.start}..' in html
+    assert html.count("<tr id=") == 3 and "4 tokens" in html
     assert "<table" in gen.steps[1]._repr_html_()
+
+
+def test_drawing_a_step_names_its_ops_and_module_calls(tiny_gpt2):
+    model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    gen = tl.generate(model, ids, max_new_tokens=3, do_sample=False,
+                      intervene=[(tl.at_step("transformer.h.0", 2), tl.zero_ablate())])
+    for k in (0, 2):
+        step = gen.steps[k]
+        dot = step.draw(depth=None).dot
+        assert dot == gen.draw(k, depth=None).dot == step.to_dot(depth=None)
+        assert f'label="step {k} (GPT2LMHeadModel): {len(step.trace.ops)} ops, {len(step.trace.calls)} module calls"' \
+            in dot
+        for op in step.trace.ops:  # every op the step recorded is a node, with the step's own shapes
+            if not op.is_input:
+                assert f'"{op.label}" [label="{op.label}\\n' in dot
+        for call in step.trace.calls:
+            if call.address:
+                assert f'label="{call.address} ({type(model.get_submodule(call.address)).__name__})"' in dot
+    # the prompt pass computes every prompt position, step 2 one: the shapes drawn say so
+    p = ids.shape[1]
+    assert f"1×{p}×" in gen.steps[0].to_dot(depth=None) and f"1×{p}×" not in gen.steps[2].to_dot(depth=None)
+    # the edit at step 2 is marked (red) in step 2's picture only
+    assert "#e53935" in gen.steps[2].to_dot(depth=None) and "#e53935" not in gen.steps[1].to_dot(depth=None)
+
+
+def test_drawing_a_step_beyond_the_generation_is_refused_with_the_number_of_steps(tiny_gpt2, tmp_path):
+    model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    gen = tl.generate(model, ids, max_new_tokens=3, do_sample=False)
+    for k in (3, -4):
+        with pytest.raises(StepNotFoundError, match="3 step") as err:
+            gen.draw(k, tmp_path / "step.dot")
+        assert err.value.n_steps == 3 and err.value.remedy
+    assert not (tmp_path / "step.dot").exists()
+    drawn = gen.draw(-1, tmp_path / "step.dot")
+    assert drawn.path.read_text() == gen.steps[2].to_dot()
 
 
 def test_a_left_padded_batch_and_a_dict_output_equal_plain_generate(tiny_llama):

@@ -154,10 +154,11 @@ def _check_generate(model: nn.Module, kwargs: dict) -> None:
         config = copy.deepcopy(given if given is not None else config)
         config.update(**{k: v for k, v in kwargs.items() if k != "generation_config"})
         mode = config.get_generation_mode(kwargs.get("assistant_model"))
-        if str(getattr(mode, "value", mode)) not in _SUPPORTED:
+        name = str(getattr(mode, "value", mode))
+        if name not in _SUPPORTED:
             raise GenerationStrategyError(
                 f"tl.generate runs greedy decoding and sampling, one beam, one model call per step; this "
-                f"generation is {getattr(mode, 'value', mode)} (num_beams={config.num_beams})", mode=str(mode))
+                f"generation is {name} (num_beams={config.num_beams})", mode=name)
 
 
 def _check_reach(edits: list[tuple[Selector, StepSet, Any]], max_new_tokens: Any) -> None:

@@ -63,8 +63,12 @@ class GenerationStep:
 
     @property
     def trace(self) -> Trace:
-        """The step's trace (a step a fork replayed is captured again the first time it is asked for)."""
-        return self._record.trace
+        """The step's trace, named ``"step k"`` (a step a fork replayed is captured again the first time
+        it is asked for)."""
+        trace = self._record.trace
+        if trace.name == "trace":  # the default name: say which step it is (in reprs and drawings)
+            trace.name = f"step {self.index}"
+        return trace
 
     @property
     def replayed(self) -> bool:
@@ -115,6 +119,26 @@ class GenerationStep:
 
     def _repr_html_(self) -> str:
         return self.trace._repr_html_()
+
+    def to_dot(self, **options: Any) -> str:
+        """The DOT source of this step's graph (the options of ``Trace.to_dot``: depth, focus, rolled, highlight)."""
+        return self.trace.to_dot(**options)
+
+    def draw(self, path: Any = None, **options: Any) -> Any:
+        """Draw this step's executed graph: ``Trace.draw`` of ``step.trace`` (its ops, module calls and edits).
+
+        Args:
+            path: where to write the picture (.svg/.png/.pdf/.dot); None: only return the Drawing.
+            **options: ``fmt``, ``depth``, ``focus``, ``rolled``, ``highlight``, as ``Trace.draw`` takes them.
+
+        Returns:
+            a ``tl.Drawing`` (``.dot``, ``.path``, ``.svg()``; shown inline by Jupyter).
+
+        Raises:
+            InvalidArgumentError: the step was captured without an op graph (``backend="hooks"``).
+            GraphvizNotFoundError: a picture file was asked for and Graphviz's ``dot`` is missing.
+        """
+        return self.trace.draw(path, **options)
 
     def read(self, site: Any, *, position: int | None = None) -> Any:
         """The value at ``site`` in this step (what a forward hook sees), optionally at one absolute position.
@@ -246,6 +270,14 @@ class GenerationTrace:
         """
         return self.steps[k].trace
 
+    def draw(self, step: int, path: Any = None, **options: Any) -> Any:
+        """Draw step ``step``'s graph: ``gen.steps[step].draw(path, **options)``.
+
+        Raises:
+            StepNotFoundError: ``step`` is beyond this generation's steps (the error says how many ran).
+        """
+        return self.steps[step].draw(path, **options)
+
     def steps_computing(self, position: int) -> list[int]:
         """The steps that computed absolute ``position`` (one with a KV cache; every later one without)."""
         return [s.index for s in self.steps if s._length is not None and position in s.positions]
@@ -299,14 +331,15 @@ class GenerationTrace:
     __getitem__ = read
 
     def _repr_html_(self) -> str:
-        """The generated tokens (each titled with the step that chose it), then a row per step."""
+        """The generated tokens, each a link to the row of the step that chose it, then a row per step."""
         def word(ids: torch.Tensor) -> str:
             shown = str(ids.tolist()) if self.tokenizer is None else self.tokenizer.decode(ids)
             return escape(shown)
 
+        anchor = f"tl-gen-{id(self):x}-step"
         tokens = "" if self.tokens is None else " ".join(
-            f'<span title="step {k}: position {self.prompt_length + k}"><b>{word(self.tokens[:, k])}</b></span>'
-            for k in range(self.tokens.shape[1]))
+            f'<a href="#{anchor}-{k}" title="step {k}: position {self.prompt_length + k}">'
+            f"<b>{word(self.tokens[:, k])}</b></a>" for k in range(self.tokens.shape[1]))
         rows = []
         for step in self.steps:
             token = step.token
@@ -316,12 +349,13 @@ class GenerationTrace:
                           f"<td>{len(step.trace.edits)}</td>")
             else:  # a fork's step not captured yet: showing it does not capture it
                 counts = f"<td colspan=3>{step._record.kind}, captured when read</td>"
-            rows.append(f"<tr><td>{step.index}</td><td>{where}</td><td>{'-' if token is None else word(token)}</td>"
-                        f"{counts}</tr>")
+            rows.append(f'<tr id="{anchor}-{step.index}"><td>{step.index}</td><td>{where}</td>'
+                        f"<td>{'-' if token is None else word(token)}</td>{counts}</tr>")
         head = "".join(f"<th>{h}</th>" for h in ("step", "positions", "token", "ops", "module calls", "edits"))
         return (f'<div class="tl-box"><b>GenerationTrace</b>: {len(self.steps)} steps, prompt '
-                f"{self.prompt_length} tokens<p>{tokens}</p><details><summary>steps</summary><table><thead><tr>"
-                f"{head}</tr></thead><tbody>{''.join(rows)}</tbody></table></details></div>")
+                f"{self.prompt_length} tokens<p>{tokens}</p><details open><summary>steps (gen.steps[k]; "
+                f"gen.steps[k].draw() pictures one)</summary><table><thead><tr>{head}</tr></thead>"
+                f"<tbody>{''.join(rows)}</tbody></table></details></div>")
 
     def __repr__(self) -> str:
         new = None if self.tokens is None else self.tokens.shape[1]
