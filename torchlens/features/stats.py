@@ -27,7 +27,7 @@ from torch import nn
 from ..errors import DatasetFormatError, FeatureIndexError, InvalidArgumentError
 from ..store._reader import ActivationDataset
 from ..store._runner import SUMMARY_PREFIX, SiteReader, model_identity
-from ..store.datasets import DEFAULT_SHARD_SIZE, _describe_sites, _run
+from ..store.datasets import DEFAULT_SHARD_SIZE, RunOptions, _describe_sites, _run
 from .dictionary import FeatureDictionary, as_dictionary
 
 __all__ = ["FeatureRecorder", "FeatureStats", "SiteFeatureStats", "feature_stats", "load_feature_stats"]
@@ -368,11 +368,12 @@ def feature_stats(
     args = {"kind": "feature_stats", "sites": _describe_sites({n: s for n, (s, _) in found.items()}),
             "dictionaries": {n: _identity(d) for n, (_, d) in found.items()}, "top_k": top_k,
             "context": list(left_right), "store": store}
-    dataset = _run(model, data, recorder, True, args, out=out, batch_size=batch_size, tokenizer=tokenizer,
-                   dtype=None, shard_size=shard_size, max_length=max_length, text_column=text_column,
-                   add_special_tokens=add_special_tokens, backend=backend, num_workers=num_workers,
-                   threads_per_worker=threads_per_worker, ray_address=ray_address, progress=progress,
-                   overwrite=overwrite)
+    options = RunOptions.of(dict(out=out, batch_size=batch_size, tokenizer=tokenizer, dtype=None,
+                                 shard_size=shard_size, max_length=max_length, text_column=text_column,
+                                 add_special_tokens=add_special_tokens, backend=backend, num_workers=num_workers,
+                                 threads_per_worker=threads_per_worker, ray_address=ray_address,
+                                 progress=progress, overwrite=overwrite))
+    dataset = _run(model, data, recorder, True, args, options)
     return FeatureStats(dataset)
 
 
