@@ -1,12 +1,22 @@
-"""Sweep: on how many causal-LM model types do the canonical sites resolve?
+"""Sweep: capture, validate, replay and canonical names over the model classes transformers ships.
 
-For each model type of transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (in order, the
-first ``--limit``), a child process builds a tiny config in code (2 layers, width 64, 4 heads,
-128 tokens; random weights, no hub), traces one forward with ``tl.trace`` and reads
-``blocks.L.resid_pre`` / ``attn`` / ``mlp`` / ``resid_post`` (and ``resid_mid``) for every
-block. One JSON line per model type; a summary line at the end.
+For each model type of the chosen auto mappings (causal LM, masked LM, sequence-to-sequence;
+a type already swept under an earlier mapping is skipped), a child process builds a tiny config
+in code (2 layers, width 64, 4 heads, 128 tokens; random weights, no hub), and measures:
 
-    bash .run python scripts/arch_sweep.py --limit 40 > /tmp/arch_sweep.log 2>&1
+* ``capture``: ``tl.trace``'s output is bit-equal to a plain forward's;
+* ``validate``: ``tl.validate(trace).ok``;
+* ``replay``: a fork that zero-ablates ``blocks.0.mlp`` (else the last ``nn.Linear`` of the first
+  block) equals a forward with a hook doing the same (``torch.equal``); a typed refusal is listed;
+* ``canonical``: ``blocks.L.resid_pre`` / ``attn`` / ``mlp`` / ``resid_post`` read on every block,
+  and every structural check of ``torchlens.arch.check_layout`` holds (``resid_mid`` counted apart).
+
+One JSON line per model type; a summary line at the end. Children run one at a time, each with
+``--timeout`` seconds. ``--markdown BEFORE AFTER`` renders two sweeps' lines as the coverage table
+of docs/architectures.md.
+
+    nice -n 10 bash .run python scripts/arch_sweep.py --out /tmp/after.jsonl
+    bash .run python scripts/arch_sweep.py --markdown /tmp/before.jsonl /tmp/after.jsonl
 """
 
 from __future__ import annotations
@@ -15,8 +25,9 @@ import argparse
 import json
 import subprocess
 import sys
+from collections import Counter
 
-__all__ = ["TINY", "main", "probe"]
+__all__ = ["MAPPINGS", "TINY", "main", "markdown", "model_types", "probe"]
 
 TINY = {
     "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2, "n_layers": 2,
@@ -25,75 +36,231 @@ TINY = {
     "vocab_size": 128, "max_position_embeddings": 64, "n_positions": 64, "word_embed_proj_dim": 64,
     "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4, "decoder_attention_heads": 4,
     "encoder_ffn_dim": 128, "decoder_ffn_dim": 128, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+    "d_ff": 128, "d_kv": 16, "num_decoder_layers": 2,
 }
 SITES = ("resid_pre", "attn", "mlp", "resid_post")
+# mapping name -> transformers constant; sequence-to-sequence models also get decoder_input_ids
+MAPPINGS = {"causal_lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "masked_lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+            "seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"}
 
 
-def probe(model_type: str, class_name: str) -> dict:
-    """Build, trace and read the canonical sites of one model type (run in a child process)."""
+def _tensors(value) -> list:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return _tensors(value.to_tuple()) if hasattr(value, "to_tuple") else []
+
+
+def _same(a, b) -> bool:
+    import torch
+
+    ta, tb = _tensors(a), _tensors(b)
+    return len(ta) == len(tb) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(ta, tb, strict=True))
+
+
+def _ablation_target(model, view) -> str | None:
+    """The module the replay probe ablates: the canonical MLP of block 0, else the first block's last Linear."""
+    from torch import nn
+
+    if view is not None:
+        try:
+            return view.resolve("blocks.0.mlp")
+        except Exception:  # noqa: BLE001 - refused: fall back to a real module path
+            pass
+        block = model.get_submodule(view.blocks[0]) if view.blocks else model
+        prefix = view.blocks[0] + "." if view.blocks else ""
+    else:
+        block, prefix = model, ""
+    linears = [n for n, m in block.named_modules() if isinstance(m, nn.Linear)]
+    return prefix + linears[-1] if linears else None
+
+
+def _err(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+
+
+def probe(model_type: str, class_name: str, mapping: str, names_only: bool = False) -> dict:
+    """Build one model type and measure capture / validate / replay / canonical names (in a child process)."""
     import torch
     import transformers
 
     import torchlens as tl
+    from torchlens.arch import check_layout
 
-    row: dict = {"model_type": model_type, "class": class_name}
+    torch.set_num_threads(1)
+    row: dict = {"model_type": model_type, "class": class_name, "mapping": mapping}
     config = transformers.AutoConfig.for_model(model_type, **TINY)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = getattr(transformers, class_name)(config).eval()
+    ids = torch.tensor([[3, 5, 7, 9, 11]])
+    kwargs = {"decoder_input_ids": torch.tensor([[1, 4, 6]])} if mapping == "seq2seq" else {}
+    with torch.no_grad():
+        want = model(ids, **kwargs)
     try:
         view = tl.arch(model)
+        row["adapter"] = view.adapter
     except Exception as exc:  # noqa: BLE001 - the sweep records every failure by name
-        row.update(adapter=None, error=f"{type(exc).__name__}: {str(exc)[:200]}")
+        view = None
+        row.update(adapter=None, arch_error=_err(exc))
+    try:
+        trace = tl.trace(model, ids, **kwargs)
+    except Exception as exc:  # noqa: BLE001
+        row.update(capture=False, capture_why=_err(exc))
         return row
-    row["adapter"] = view.adapter
-    trace = tl.trace(model, torch.tensor([[3, 5, 7, 9, 11]]))
+    row["capture"] = _same(trace.output, want)
+    if not names_only:
+        try:
+            report = tl.validate(trace)
+            row["validate"] = bool(report.ok)
+            if not report.ok:
+                first = report.first_divergence
+                row["validate_why"] = report.status + (f": {first}" if first else "")
+        except Exception as exc:  # noqa: BLE001
+            row.update(validate=False, validate_why=_err(exc))
+        target = _ablation_target(model, view)
+        row["replay_site"] = target
+        if target is not None:
+            handle = model.get_submodule(target).register_forward_hook(
+                lambda m, a, o: (torch.zeros_like(o[0]), *o[1:]) if isinstance(o, tuple) else torch.zeros_like(o))
+            try:
+                with torch.no_grad():
+                    hooked = model(ids, **kwargs)
+            finally:
+                handle.remove()
+            try:
+                forked = trace.fork("ablate").do(tl.module(target), tl.zero_ablate())
+                row["replay"] = _same(forked.output, hooked)
+                if not row["replay"]:
+                    row["replay_why"] = "differs from the hooked forward"
+            except Exception as exc:  # noqa: BLE001 - a typed refusal is listed, not counted
+                row.update(replay=False, replay_why=_err(exc))
+    if view is None:
+        return row
     for kind in (*SITES, "resid_mid"):
         ok, why = True, ""
         for i in range(view.n_layers):
             try:
                 trace.find_sites(tl.module(f"blocks.{i}.{kind}")).first().out  # noqa: B018 - the read is the probe
             except Exception as exc:  # noqa: BLE001
-                ok, why = False, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+                ok, why = False, _err(exc)
                 break
         row[kind] = ok
         if why:
             row[f"{kind}_why"] = why
-    row["canonical"] = all(row[k] for k in ("resid_pre", "attn", "mlp"))
+    try:
+        failed = [what for what, holds, _ in check_layout(trace, view) if not holds and "resid_mid" not in what]
+    except Exception as exc:  # noqa: BLE001
+        failed = [_err(exc)]
+    if failed:
+        row["checks_failed"] = failed[:3]
+    row["roles"] = sorted({n.split(".")[2] for n in view.names() if n.count(".") == 2} - {*SITES, "resid_mid"})
+    row["canonical"] = all(row[k] for k in SITES) and not failed
     return row
+
+
+def model_types(mappings: list[str]) -> list[tuple[str, str, str]]:
+    """(model type, class name, mapping) for each mapping in order, a type swept once."""
+    from transformers.models.auto import modeling_auto
+
+    seen: set[str] = set()
+    out = []
+    for mapping in mappings:
+        for model_type, class_name in getattr(modeling_auto, MAPPINGS[mapping]).items():
+            if model_type in seen:
+                continue
+            seen.add(model_type)
+            out.append((model_type, class_name if isinstance(class_name, str) else class_name[0], mapping))
+    return out
+
+
+def _summary(rows: list[dict]) -> dict:
+    built = [r for r in rows if "build_error" not in r]
+    count = Counter()
+    for r in built:
+        for key in ("capture", "validate", "replay", "canonical", "resid_mid"):
+            count[key] += bool(r.get(key))
+    return {"summary": True, "model_types": len(rows), "built": len(built), **count}
+
+
+def _load(path: str) -> dict[str, dict]:
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.startswith("{")]
+    return {r["model_type"]: r for r in rows if "summary" not in r}
+
+
+def _mark(row: dict | None, key: str) -> str:
+    if row is None or "build_error" in row:
+        return "-"
+    if key not in row:
+        return "n/a"
+    return "yes" if row[key] else "no"
+
+
+def markdown(before_path: str, after_path: str) -> str:
+    """The coverage table (architecture x capture / validate / replay / names, names before and after)."""
+    before, after = _load(before_path), _load(after_path)
+    lines = ["| model type | mapping | adapter | capture | validate | replay | names before | names after | "
+             "resid_mid | why not (after) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for model_type, row in after.items():
+        if "build_error" in row:
+            continue
+        why = (row.get("arch_error") or next((row[f"{k}_why"] for k in SITES if f"{k}_why" in row), "")
+               or "; ".join(row.get("checks_failed", [])))
+        lines.append(f"| {model_type} | {row['mapping']} | {row.get('adapter') or '-'} | {_mark(row, 'capture')} | "
+                     f"{_mark(row, 'validate')} | {_mark(row, 'replay')} | {_mark(before.get(model_type), 'canonical')}"
+                     f" | {_mark(row, 'canonical')} | {_mark(row, 'resid_mid')} | {why.replace('|', '/')[:140]} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--limit", type=int, default=40)
-    parser.add_argument("--timeout", type=float, default=120)
-    parser.add_argument("--child", nargs=2)
+    parser.add_argument("--mappings", default="causal_lm,masked_lm,seq2seq")
+    parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--only", default=None, help="comma-separated model types")
+    parser.add_argument("--timeout", type=float, default=90)
+    parser.add_argument("--names-only", action="store_true", help="skip validate and replay")
+    parser.add_argument("--out", default=None, help="also append the JSON lines to this file")
+    parser.add_argument("--child", nargs=3)
+    parser.add_argument("--markdown", nargs=2)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(probe(*args.child)))
+        print(json.dumps(probe(*args.child, names_only=args.names_only)))
         return
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
+    if args.markdown:
+        print(markdown(*args.markdown))
+        return
+    todo = model_types(args.mappings.split(","))
+    if args.only:
+        keep = set(args.only.split(","))
+        todo = [t for t in todo if t[0] in keep]
     rows = []
-    for model_type, class_name in list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items())[: args.limit]:
-        if not isinstance(class_name, str):
-            class_name = class_name[0]
+    out = open(args.out, "a") if args.out else None  # noqa: SIM115 - appended line by line as children finish
+    for model_type, class_name, mapping in todo[: args.limit]:
+        cmd = [sys.executable, __file__, "--child", model_type, class_name, mapping]
+        if args.names_only:
+            cmd.append("--names-only")
         try:
-            done = subprocess.run([sys.executable, __file__, "--child", model_type, class_name],
-                                  capture_output=True, text=True, timeout=args.timeout)
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
             lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
-            row = json.loads(lines[-1]) if lines else {"model_type": model_type, "build_error":
-                                                        (done.stderr.strip().splitlines() or ["?"])[-1][:200]}
+            row = json.loads(lines[-1]) if lines else {
+                "model_type": model_type, "mapping": mapping,
+                "build_error": (done.stderr.strip().splitlines() or ["?"])[-1][:200]}
         except subprocess.TimeoutExpired:
-            row = {"model_type": model_type, "build_error": "timeout"}
+            row = {"model_type": model_type, "mapping": mapping, "build_error": "timeout"}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    built = [r for r in rows if "build_error" not in r]
-    generic = [r for r in built if r.get("adapter") == "generic"]
-    print(json.dumps({"summary": True, "model_types": len(rows), "built": len(built),
-                      "canonical": sum(bool(r.get("canonical")) for r in built),
-                      "generic": len(generic), "generic_canonical": sum(bool(r.get("canonical")) for r in generic),
-                      "resid_mid": sum(bool(r.get("resid_mid")) for r in built)}), flush=True)
+        if out:
+            print(json.dumps(row), file=out, flush=True)
+    print(json.dumps(_summary(rows)), flush=True)
+    if out:
+        print(json.dumps(_summary(rows)), file=out, flush=True)
+        out.close()
 
 
 if __name__ == "__main__":
