@@ -11,9 +11,10 @@ in code (2 layers, width 64, 4 heads, 128 tokens; random weights, no hub), and m
 * ``canonical``: ``blocks.L.resid_pre`` / ``attn`` / ``mlp`` / ``resid_post`` read on every block,
   and every structural check of ``torchlens.arch.check_layout`` holds (``resid_mid`` counted apart).
 
-One JSON line per model type; a summary line at the end. Children run one at a time, each with
-``--timeout`` seconds. ``--markdown BEFORE AFTER`` renders two sweeps' lines as the coverage table
-of docs/architectures.md.
+One JSON line per model type; a summary line at the end. One child process at a time probes the
+models in turn (imports paid once); one that takes over ``--timeout`` seconds on a model is killed, the
+model recorded as a timeout, and a new child goes on after it. ``--markdown BEFORE AFTER`` renders two
+sweeps' lines as the coverage table of docs/architectures.md.
 
     nice -n 10 bash .run python scripts/arch_sweep.py --out /tmp/after.jsonl
     bash .run python scripts/arch_sweep.py --markdown /tmp/before.jsonl /tmp/after.jsonl
@@ -26,8 +27,10 @@ import json
 import subprocess
 import sys
 from collections import Counter
+from queue import Empty, Queue
+from threading import Thread
 
-__all__ = ["MAPPINGS", "TINY", "main", "markdown", "model_types", "probe"]
+__all__ = ["MAPPINGS", "OVERRIDES", "TINY", "main", "markdown", "model_types", "probe"]
 
 TINY = {
     "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2, "n_layers": 2,
@@ -37,6 +40,17 @@ TINY = {
     "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4, "decoder_attention_heads": 4,
     "encoder_ffn_dim": 128, "decoder_ffn_dim": 128, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
     "d_ff": 128, "d_kv": 16, "num_decoder_layers": 2,
+}
+# per model type: what the tiny config needs to build, or to show its structure in two layers (a hybrid's
+# attention layer, an MoE layer past the dense ones)
+OVERRIDES = {
+    "mamba2": {"num_heads": 8, "head_dim": 16, "n_groups": 1},
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
+    "zamba2": {"layers_block_type": ["linear_attention", "hybrid"]},
+    "qwen3_next": {"layer_types": ["linear_attention", "full_attention"]},
+    "olmo_hybrid": {"layer_types": ["linear_attention", "full_attention"]},
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
+    "nemotron_h": {"layers_block_type": ["linear_attention", "full_attention"]},
 }
 SITES = ("resid_pre", "attn", "mlp", "resid_post")
 # mapping name -> transformers constant; sequence-to-sequence models also get decoder_input_ids
@@ -94,7 +108,7 @@ def probe(model_type: str, class_name: str, mapping: str, names_only: bool = Fal
 
     torch.set_num_threads(1)
     row: dict = {"model_type": model_type, "class": class_name, "mapping": mapping}
-    config = transformers.AutoConfig.for_model(model_type, **TINY)
+    config = transformers.AutoConfig.for_model(model_type, **{**TINY, **OVERRIDES.get(model_type, {})})
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = getattr(transformers, class_name)(config).eval()
@@ -218,6 +232,51 @@ def markdown(before_path: str, after_path: str) -> str:
     return "\n".join(lines)
 
 
+def _pump(child: subprocess.Popen, queue: Queue) -> None:
+    for line in child.stdout:
+        queue.put(line)
+    queue.put(None)
+
+
+def _run(todo: list[tuple[str, str, str]], timeout: float, names_only: bool):
+    """Probe each model type in turn, one at a time, in a child process that serves several (the imports are
+    paid once); a child that hangs past ``timeout`` on one model is killed and the next child goes on after it."""
+    queue: Queue = Queue()
+    while todo:
+        cmd = [sys.executable, __file__, "--batch"] + (["--names-only"] if names_only else [])
+        child = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True)
+        child.stdin.write(json.dumps(todo) + "\n")
+        child.stdin.flush()
+        Thread(target=_pump, args=(child, queue), daemon=True).start()
+        current, done = None, 0
+        while True:
+            try:
+                line = queue.get(timeout=timeout + 60 if current is None else timeout)
+            except Empty:
+                line = "TIMEOUT"
+            if line is None or line == "TIMEOUT":
+                child.kill()
+                child.wait()
+                while not queue.empty():  # the reader thread's leftovers
+                    queue.get()
+                if current is not None:
+                    why = "timeout" if line == "TIMEOUT" else "child died: " + child.stderr.read()[-200:].strip()
+                    yield {"model_type": current[0], "mapping": current[2], "build_error": why}
+                    done += 1
+                todo = todo[done:]
+                break
+            if line.startswith("START "):
+                current = next(t for t in todo if t[0] == line[6:].strip())
+            elif line.startswith("{"):
+                yield json.loads(line)
+                done, current = done + 1, None
+                if done == len(todo):
+                    child.kill()
+                    child.wait()
+                    return
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mappings", default="causal_lm,masked_lm,seq2seq")
@@ -227,10 +286,20 @@ def main() -> None:
     parser.add_argument("--names-only", action="store_true", help="skip validate and replay")
     parser.add_argument("--out", default=None, help="also append the JSON lines to this file")
     parser.add_argument("--child", nargs=3)
+    parser.add_argument("--batch", action="store_true", help="(internal) probe the JSON list on stdin in turn")
     parser.add_argument("--markdown", nargs=2)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(probe(*args.child, names_only=args.names_only)))
+        return
+    if args.batch:
+        for model_type, class_name, mapping in json.loads(sys.stdin.readline()):
+            print("START " + model_type, flush=True)
+            try:
+                row = probe(model_type, class_name, mapping, names_only=args.names_only)
+            except Exception as exc:  # noqa: BLE001 - the plain forward (or the tiny config) failed: not built
+                row = {"model_type": model_type, "mapping": mapping, "build_error": _err(exc)}
+            print(json.dumps(row), flush=True)
         return
     if args.markdown:
         print(markdown(*args.markdown))
@@ -241,18 +310,7 @@ def main() -> None:
         todo = [t for t in todo if t[0] in keep]
     rows = []
     out = open(args.out, "a") if args.out else None  # noqa: SIM115 - appended line by line as children finish
-    for model_type, class_name, mapping in todo[: args.limit]:
-        cmd = [sys.executable, __file__, "--child", model_type, class_name, mapping]
-        if args.names_only:
-            cmd.append("--names-only")
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-            lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
-            row = json.loads(lines[-1]) if lines else {
-                "model_type": model_type, "mapping": mapping,
-                "build_error": (done.stderr.strip().splitlines() or ["?"])[-1][:200]}
-        except subprocess.TimeoutExpired:
-            row = {"model_type": model_type, "mapping": mapping, "build_error": "timeout"}
+    for row in _run(todo[: args.limit], args.timeout, args.names_only):
         rows.append(row)
         print(json.dumps(row), flush=True)
         if out:
