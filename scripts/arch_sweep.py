@@ -104,7 +104,7 @@ def probe(model_type: str, class_name: str, mapping: str, names_only: bool = Fal
     import transformers
 
     import torchlens as tl
-    from torchlens.arch import check_layout
+    from torchlens.arch import KINDS, check_layout
 
     torch.set_num_threads(1)
     row: dict = {"model_type": model_type, "class": class_name, "mapping": mapping}
@@ -156,24 +156,34 @@ def probe(model_type: str, class_name: str, mapping: str, names_only: bool = Fal
                 row.update(replay=False, replay_why=_err(exc))
     if view is None:
         return row
-    for kind in (*SITES, "resid_mid"):
-        ok, why = True, ""
+    status: dict[str, list[str]] = {}
+    for kind in KINDS:
+        status[kind] = []
         for i in range(view.n_layers):
+            if isinstance(view.targets.get(f"blocks.{i}.{kind}"), str):  # absent by the block's structure
+                status[kind].append("absent")
+                continue
             try:
                 trace.find_sites(tl.module(f"blocks.{i}.{kind}")).first().out  # noqa: B018 - the read is the probe
+                status[kind].append("ok")
             except Exception as exc:  # noqa: BLE001
-                ok, why = False, _err(exc)
-                break
-        row[kind] = ok
-        if why:
-            row[f"{kind}_why"] = why
+                status[kind].append("error")
+                row.setdefault(f"{kind}_why", _err(exc))
+    # a block mixes tokens through attention or a mixer; an MLP is read, or absent by structure (Mamba)
+    mixes = [a == "ok" or m == "ok" for a, m in zip(status["attn"], status["mixer"], strict=True)]
+    row.update(resid_pre=all(s == "ok" for s in status["resid_pre"]), attn=all(mixes),
+               mlp=all(s != "error" for s in status["mlp"]) and "ok" in status["mlp"] + status["mixer"],
+               resid_post=all(s == "ok" for s in status["resid_post"]),
+               resid_mid=all(s == "ok" for s in status["resid_mid"]))
+    if all(mixes):
+        row.pop("attn_why", None)
     try:
         failed = [what for what, holds, _ in check_layout(trace, view) if not holds and "resid_mid" not in what]
     except Exception as exc:  # noqa: BLE001
         failed = [_err(exc)]
     if failed:
         row["checks_failed"] = failed[:3]
-    row["roles"] = sorted({n.split(".")[2] for n in view.names() if n.count(".") == 2} - {*SITES, "resid_mid"})
+    row["roles"] = [k for k in KINDS[5:] if "ok" in status[k]]
     row["canonical"] = all(row[k] for k in SITES) and not failed
     return row
 

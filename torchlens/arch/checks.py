@@ -151,12 +151,52 @@ def _read(trace: Trace, view: ArchView, name: str) -> torch.Tensor | str:
         return exc.message
 
 
+def _n_experts(view: ArchView, name: str) -> int | None:
+    """How many experts a block's ``experts`` module holds: its list's length, or a fused weight's first dim."""
+    try:
+        module = view.module(name)
+    except TorchLensError:
+        return None
+    if isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+        return len(module)
+    sizes = {p.shape[0] for p in module.parameters(recurse=False) if p.dim() == 3}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def _role_checks(trace: Trace, view: ArchView) -> list[tuple[str, bool, str]]:
+    """Sublayers write one d_model vector per token into the stream; a router scores one logit per expert."""
+    rows = []
+    for i in range(view.n_layers):
+        pre = _read(trace, view, f"blocks.{i}.resid_pre")
+        if isinstance(pre, str) or pre is None:
+            continue
+        for kind in ("attn", "mixer", "mlp", "experts"):
+            name = f"blocks.{i}.{kind}"
+            if name not in view.names():
+                continue
+            out = _read(trace, view, name)
+            if isinstance(out, str) or out is None:
+                continue  # a sublayer that did not run here (cross-attention without encoder states)
+            rows.append((f"{name} has resid_pre's size ({pre.numel()})", out.numel() == pre.numel(),
+                         "" if out.numel() == pre.numel() else f"{tuple(out.shape)} vs {tuple(pre.shape)}"))
+        name = f"blocks.{i}.router"
+        if name in view.names():
+            logits, n = _read(trace, view, name), _n_experts(view, f"blocks.{i}.experts")
+            if not isinstance(logits, str) and logits is not None and n:
+                holds = logits.shape[-1] == n and logits.numel() == n * pre.numel() // pre.shape[-1]
+                rows.append((f"{name} scores each token over the {n} experts", holds,
+                             "" if holds else f"router output {tuple(logits.shape)}"))
+    return rows
+
+
 def check_layout(trace: Trace, view: ArchView) -> list[tuple[str, bool, str]]:
     """Structural checks of ``view``'s block sites on a recorded forward.
 
     Returns:
         rows ``(identity, holds, detail)``: ``blocks.L.resid_post == blocks.{L+1}.resid_pre`` for
-        each adjacent pair, and ``blocks.L.resid_mid == resid_pre + attn`` where resid_mid is offered.
+        each adjacent pair; each offered attn / mixer / mlp / experts output has resid_pre's size; each
+        router scores every token over the block's experts; ``blocks.L.resid_mid == resid_pre + attn``
+        where resid_mid is offered.
     """
     rows: list[tuple[str, bool, str]] = []
     for i in range(view.n_layers - 1):
@@ -166,6 +206,7 @@ def check_layout(trace: Trace, view: ArchView) -> list[tuple[str, bool, str]]:
             rows.append((what, False, post if isinstance(post, str) else pre))
         else:
             rows.append((what, bool(torch.equal(post, pre)), ""))
+    rows += _role_checks(trace, view)
     for name in view.names("resid_mid"):
         i = name.split(".")[1]
         mid, pre, attn = (_read(trace, view, f"blocks.{i}.{k}") for k in ("resid_mid", "resid_pre", "attn"))

@@ -11,6 +11,11 @@ per family, to one of three kinds of site:
 * a module's input — ``blocks.{i}.resid_pre``: after capture, the op that produced the
   block's hidden-state input (so a fork's edit reaches every reader of it); during capture,
   the output of the module that produced it (the previous block, or the embedding stage);
+* where a block has them: ``blocks.{i}.mixer`` (a state-space or linear-attention sequence mixer:
+  Mamba, RWKV-style and hybrid layers; ``attn`` is refused on such a block, naming ``mixer``),
+  ``blocks.{i}.cross_attn`` (an encoder-decoder decoder's attention over the encoder),
+  ``blocks.{i}.router`` (an MoE MLP's gate: its first output is the router logits) and
+  ``blocks.{i}.experts`` (the routed experts' combined output, before any shared expert);
 * an op directly inside a block — ``blocks.{i}.resid_mid``: the residual add between the
   attention and the MLP sublayers. It is an op, not a module output, so it needs the
   function-mode engine (``tl.trace``), which records ops; it works after capture and during it.
@@ -44,8 +49,10 @@ __all__ = [
     "ResidualAdd", "base_prefix", "config_dims", "is_canonical",
 ]
 
-KINDS = ("attn", "mlp", "resid_pre", "resid_mid", "resid_post")
-CANONICAL = re.compile(r"^(embed|pos_embed|unembed|blocks\.\d+(\.(attn|mlp|resid_pre|resid_mid|resid_post))?)$")
+# the last four are where a block has them: a state-space / linear-attention mixer (Mamba, the linear layers
+# of hybrids), cross-attention (encoder-decoder decoders), an MoE MLP's router logits and its experts' output
+KINDS = ("attn", "mlp", "resid_pre", "resid_mid", "resid_post", "mixer", "cross_attn", "router", "experts")
+CANONICAL = re.compile(r"^(embed|pos_embed|unembed|blocks\.\d+(\.(" + "|".join(KINDS) + r"))?)$")
 ADAPTER_REMEDY = (
     "Write an adapter: an object with name, model_types and view(model) -> ArchView (build it with "
     "torchlens.arch.Layout), returned from a torchlens_adapters() hookimpl and registered with "
@@ -487,18 +494,31 @@ class ArchView:
         """A table of the parts this view found: where each is (block 0) and whether the adapter declared
         it or the generic adapter inferred it (and how), or why it is refused."""
         rows = [("blocks", f"{self.blocks[0].rpartition('.')[0]} ({self.n_layers})" if self.blocks else "-")]
-        for kind in ("attn", "mlp", "resid_pre", "resid_mid", "resid_post"):
-            rows.append((kind, _where(self.targets.get(f"blocks.0.{kind}"))))
+        for kind in KINDS:
+            if kind in KINDS[:5] or any(not _absent(self.targets.get(f"blocks.{i}.{kind}", ""))
+                                        for i in range(self.n_layers)):
+                rows.append((kind, _where(self._first_with(kind))))
         rows += [("embed", _where(self.targets.get("embed"))), ("unembed", _where(self.targets.get("unembed")))]
         if "norms" in self.sources:
             rows.insert(3, ("norms", "(in each block)"))
         heads = f"{self.n_heads} heads ({self.n_kv_heads} kv) x {self.head_dim}, d_model {self.d_model}"
+        width = max(46, *(len(where) + 2 for _, where in rows))
         lines = [f"{self.adapter} adapter, model_type {self.model_type!r}: {heads}",
-                 f"{'part':<11}{'block 0':<46}source"]
+                 f"{'part':<11}{'block 0':<{width}}source"]
         for part, where in rows:
             source = self.sources.get(part) or f"declared by adapter {self.adapter!r}"
-            lines.append(f"{part:<11}{where:<46}{source}")
+            if where.startswith("refused: ") and source.startswith(("absent: ", "refused")):
+                source = "-"  # the cell already says why
+            lines.append(f"{part:<11}{where:<{width}}{source}")
         return "\n".join(lines)
+
+    def _first_with(self, kind: str) -> Any:
+        """Block 0's target of ``kind``, or the first block that has it (a hybrid's attention layer)."""
+        first = self.targets.get(f"blocks.0.{kind}")
+        if not _absent(first):
+            return first
+        return next((t for i in range(self.n_layers) if not _absent(t := self.targets.get(f"blocks.{i}.{kind}"))),
+                    first)
 
     def __repr__(self) -> str:
         return (f"ArchView(adapter={self.adapter!r}, model_type={self.model_type!r}, n_layers={self.n_layers}, "
