@@ -39,7 +39,8 @@ from ..core.indices import python_indices
 from ..core.names import nearest
 from ..core.records import ModuleCall, Op
 from ..core.selectors import ModuleOutput, Selector, split_pass
-from ..errors import SiteNotFoundError, TorchLensError, UnsupportedModelError
+from ..errors import LayoutInferenceError, SiteNotFoundError, TorchLensError
+from .infer import block_candidates, infer_block
 
 if TYPE_CHECKING:
     from ..core.trace import Trace
@@ -266,24 +267,52 @@ class Layout:
     unembed: str | None = None
     pos_embed: str | None = None  # a learned position embedding added to the residual (GPT-2's wpe)
 
+    def _contradictions(self, model: nn.Module, adapter: str, blocks: list[str]) -> None:
+        """Refuse a declared attn/mlp that no block has, or that the structure shows in the other role."""
+        if not blocks:
+            return
+        inferred = infer_block(model.get_submodule(blocks[0]), blocks[0])
+        seen = {"attn": inferred.path("attn"), "mlp": inferred.path("mlp")}
+        for role, declared, other in (("attn", self.attn, "mlp"), ("mlp", self.mlp, "attn")):
+            if declared is None:
+                continue
+            why = None
+            if not any(_exists(model, f"{b}.{declared}") for b in blocks):
+                why = f"no block has a module {declared!r}"
+            elif seen[other] is not None and seen[other] == declared and seen[role] != declared:
+                why = f"{declared!r} is the block's {other} by its structure ({role}: {seen[role]!r})"
+            if why is not None:
+                found = [v for v in (seen["attn"], seen["mlp"]) if v]
+                fix = {k: v for k, v in seen.items() if v}
+                raise LayoutInferenceError(
+                    f"adapter {adapter!r} declares {role}={declared!r} for the blocks of {type(model).__name__}, "
+                    f"which contradicts the structure: {why}; the structure shows attn={seen['attn']!r}, "
+                    f"mlp={seen['mlp']!r}", site=role, candidates=found,
+                    remedy=_declare(adapter, self.blocks, **fix))
+
     def view(self, model: nn.Module, adapter: str, *, n_heads: int | None = None,
              n_kv_heads: int | None = None, head_dim: int | None = None, d_model: int | None = None,
              root: str | None = None) -> ArchView:
         """Build the view of ``model``.
 
         Raises:
-            UnsupportedModelError: the block list is not where this layout says.
+            LayoutInferenceError: the block list, or a declared attn/mlp, is not where the structure shows it
+                (the error names what the module tree shows and how to declare it).
         """
         prefix = base_prefix(model) if root is None else root
         container = f"{prefix}{self.blocks}"
         try:
             blocks_module = model.get_submodule(container)
         except AttributeError:
-            raise UnsupportedModelError(
-                f"adapter {adapter!r}: {type(model).__name__} has no block list at {container!r}",
-                remedy="This model's layout differs from its family's; " + ADAPTER_REMEDY,
+            found = [name for _, name in block_candidates(model)]
+            raise LayoutInferenceError(
+                f"adapter {adapter!r} declares blocks={self.blocks!r}, but {type(model).__name__} has no module "
+                f"{container!r}; the block lists its module tree shows: {found or 'none'}",
+                site="blocks", candidates=found,
+                remedy=_declare(adapter, found[0].removeprefix(prefix) if found else "...") + " " + ADAPTER_REMEDY,
             ) from None
         blocks = [f"{container}.{name}" for name, _ in blocks_module.named_children()]
+        self._contradictions(model, adapter, blocks)
         targets: dict[str, Selector | str] = {}
 
         def module_or_absent(address: str | None, what: str) -> Selector | str:
@@ -328,6 +357,12 @@ class Layout:
             targets=targets,
             model_ref=weakref.ref(model),
         )
+
+
+def _declare(adapter: str, blocks: str, **roles: str) -> str:
+    """How to declare the layout the structure shows, in the adapter's ``view()``."""
+    parts = ", ".join([f"blocks={blocks!r}", *(f"{k}={v!r}" for k, v in roles.items())])
+    return f"Fix adapter {adapter!r}: return torchlens.arch.Layout({parts}, ...).view(model, {adapter!r})."
 
 
 def config_dims(config: Any) -> dict[str, int | None]:
