@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import tempfile
 from collections import Counter
 from queue import Empty, Queue
 from threading import Thread
@@ -83,7 +85,7 @@ def _ablation_target(model, view) -> str | None:
 
     if view is not None:
         try:
-            return view.resolve("blocks.0.mlp")
+            return view.resolve("blocks.0.mlp").partition(":")[0]  # a shared block's pass: every pass
         except Exception:  # noqa: BLE001 - refused: fall back to a real module path
             pass
         block = model.get_submodule(view.blocks[0]) if view.blocks else model
@@ -98,14 +100,17 @@ def _err(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
 
 
-def probe(model_type: str, class_name: str, mapping: str, names_only: bool = False) -> dict:
-    """Build one model type and measure capture / validate / replay / canonical names (in a child process)."""
+def probe(model_type: str, class_name: str, mapping: str, names_only: bool = False,
+          before_generic: str | None = None) -> dict:
+    """Build one model type and measure capture / validate / replay / canonical names (in a child process).
+
+    With ``before_generic`` (a path to an earlier ``adapters/generic.py``), also whether that adapter's view
+    reads and checks out on the same trace (``before``), for models the generic adapter serves.
+    """
     import torch
     import transformers
 
     import torchlens as tl
-    from torchlens.arch import KINDS, check_layout
-
     torch.set_num_threads(1)
     row: dict = {"model_type": model_type, "class": class_name, "mapping": mapping}
     config = transformers.AutoConfig.for_model(model_type, **{**TINY, **OVERRIDES.get(model_type, {})})
@@ -154,17 +159,42 @@ def probe(model_type: str, class_name: str, mapping: str, names_only: bool = Fal
                     row["replay_why"] = "differs from the hooked forward"
             except Exception as exc:  # noqa: BLE001 - a typed refusal is listed, not counted
                 row.update(replay=False, replay_why=_err(exc))
-    if view is None:
-        return row
+    if view is not None:
+        row.update(_names(trace, view, lambda name: trace.find_sites(tl.module(name)).first().out))
+    if before_generic and row.get("adapter") == "generic":  # family adapters did not change
+        try:
+            old = _load_generic(before_generic).view(model)
+            row["before"] = _names(trace, old, lambda name: trace.find_sites(old.selector(name)).first().out)[
+                "canonical"]
+        except Exception as exc:  # noqa: BLE001 - the old rules refused the model
+            row.update(before=False, before_why=_err(exc))
+    return row
+
+
+def _load_generic(path: str):
+    """The generic adapter as it was at ``--before`` (its file, imported beside today's torchlens.arch)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("generic_before", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.GenericAdapter()
+
+
+def _names(trace, view, read) -> dict:
+    """Read every canonical site of ``view`` on every block and run ``check_layout``: the row's name columns."""
+    from torchlens.arch import KINDS, check_layout
+
+    row: dict = {}
     status: dict[str, list[str]] = {}
     for kind in KINDS:
         status[kind] = []
         for i in range(view.n_layers):
-            if isinstance(view.targets.get(f"blocks.{i}.{kind}"), str):  # absent by the block's structure
+            if isinstance(view.targets.get(f"blocks.{i}.{kind}", ""), str):  # absent by the block's structure
                 status[kind].append("absent")
                 continue
             try:
-                trace.find_sites(tl.module(f"blocks.{i}.{kind}")).first().out  # noqa: B018 - the read is the probe
+                read(f"blocks.{i}.{kind}")
                 status[kind].append("ok")
             except Exception as exc:  # noqa: BLE001
                 status[kind].append("error")
@@ -209,6 +239,7 @@ def _summary(rows: list[dict]) -> dict:
     for r in built:
         for key in ("capture", "validate", "replay", "canonical", "resid_mid"):
             count[key] += bool(r.get(key))
+        count["before"] += bool(r.get("before", r.get("canonical") if r.get("adapter") != "generic" else False))
     return {"summary": True, "model_types": len(rows), "built": len(built), **count}
 
 
@@ -226,6 +257,13 @@ def _mark(row: dict | None, key: str) -> str:
     return "yes" if row[key] else "no"
 
 
+def _before(row: dict) -> str:
+    """The names-before cell: measured with the earlier generic adapter, or (a family adapter) as after."""
+    if "before" in row:
+        return "yes" if row["before"] else "no"
+    return _mark(row, "canonical") if row.get("adapter") != "generic" else "n/a"
+
+
 def markdown(before_path: str, after_path: str) -> str:
     """The coverage table (architecture x capture / validate / replay / names, names before and after)."""
     before, after = _load(before_path), _load(after_path)
@@ -237,7 +275,7 @@ def markdown(before_path: str, after_path: str) -> str:
         why = (row.get("arch_error") or next((row[f"{k}_why"] for k in SITES if f"{k}_why" in row), "")
                or "; ".join(row.get("checks_failed", [])))
         lines.append(f"| {model_type} | {row['mapping']} | {row.get('adapter') or '-'} | {_mark(row, 'capture')} | "
-                     f"{_mark(row, 'validate')} | {_mark(row, 'replay')} | {_mark(before.get(model_type), 'canonical')}"
+                     f"{_mark(row, 'validate')} | {_mark(row, 'replay')} | {_before(before.get(model_type) or row)}"
                      f" | {_mark(row, 'canonical')} | {_mark(row, 'resid_mid')} | {why.replace('|', '/')[:140]} |")
     return "\n".join(lines)
 
@@ -248,12 +286,12 @@ def _pump(child: subprocess.Popen, queue: Queue) -> None:
     queue.put(None)
 
 
-def _run(todo: list[tuple[str, str, str]], timeout: float, names_only: bool):
+def _run(todo: list[tuple[str, str, str]], timeout: float, flags: list[str]):
     """Probe each model type in turn, one at a time, in a child process that serves several (the imports are
     paid once); a child that hangs past ``timeout`` on one model is killed and the next child goes on after it."""
     queue: Queue = Queue()
     while todo:
-        cmd = [sys.executable, __file__, "--batch"] + (["--names-only"] if names_only else [])
+        cmd = [sys.executable, __file__, "--batch", *flags]
         child = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  text=True)
         child.stdin.write(json.dumps(todo) + "\n")
@@ -298,15 +336,18 @@ def main() -> None:
     parser.add_argument("--child", nargs=3)
     parser.add_argument("--batch", action="store_true", help="(internal) probe the JSON list on stdin in turn")
     parser.add_argument("--markdown", nargs=2)
+    parser.add_argument("--before", default=None, help="git revision whose adapters/generic.py is measured too")
+    parser.add_argument("--before-file", default=None, help="(internal) that file, extracted")
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(probe(*args.child, names_only=args.names_only)))
+        print(json.dumps(probe(*args.child, names_only=args.names_only, before_generic=args.before_file)))
         return
     if args.batch:
         for model_type, class_name, mapping in json.loads(sys.stdin.readline()):
             print("START " + model_type, flush=True)
             try:
-                row = probe(model_type, class_name, mapping, names_only=args.names_only)
+                row = probe(model_type, class_name, mapping, names_only=args.names_only,
+                            before_generic=args.before_file)
             except Exception as exc:  # noqa: BLE001 - the plain forward (or the tiny config) failed: not built
                 row = {"model_type": model_type, "mapping": mapping, "build_error": _err(exc)}
             print(json.dumps(row), flush=True)
@@ -320,7 +361,14 @@ def main() -> None:
         todo = [t for t in todo if t[0] in keep]
     rows = []
     out = open(args.out, "a") if args.out else None  # noqa: SIM115 - appended line by line as children finish
-    for row in _run(todo[: args.limit], args.timeout, args.names_only):
+    flags = ["--names-only"] if args.names_only else []
+    if args.before:  # the generic adapter at that revision, measured in the same children on the same traces
+        path = os.path.join(tempfile.mkdtemp(prefix="arch_sweep_"), "generic_before.py")
+        with open(path, "w") as f:
+            f.write(subprocess.run(["git", "show", f"{args.before}:adapters/generic.py"], check=True,
+                                   capture_output=True, text=True, cwd=os.path.dirname(__file__)).stdout)
+        flags += ["--before-file", path]
+    for row in _run(todo[: args.limit], args.timeout, flags):
         rows.append(row)
         print(json.dumps(row), flush=True)
         if out:
