@@ -28,7 +28,7 @@ from torch import nn
 
 from torchlens.arch import ADAPTER_REMEDY, ArchView, InputOf, config_dims
 from torchlens.arch.checks import CheckedResidualAdd
-from torchlens.arch.infer import ROLES, BlockRoles, find_blocks, infer_block, is_norm, shared_block
+from torchlens.arch.infer import ROLES, TOWER, BlockRoles, find_blocks, infer_block, is_norm, shared_block
 from torchlens.core.selectors import ModuleOutput, Selector
 from torchlens.errors import LayoutInferenceError, UnsupportedModelError
 
@@ -36,8 +36,12 @@ UNEMBED = ("lm_head", "unembed", "embed_out", "output", "head", "proj_out")
 
 
 def _embed_unembed(model: nn.Module, container: str) -> tuple[str | None, str | None]:
-    embed = next((n for n, m in model.named_modules()
-                  if isinstance(m, nn.Embedding) and not n.startswith(container + ".")), None)
+    def shared(name: str) -> int:  # how deep the embedding sits beside the blocks (the text model's own)
+        return sum(1 for a, b in zip(name.split("."), container.split("."), strict=False) if a == b)
+
+    found = [n for n, m in model.named_modules() if isinstance(m, nn.Embedding) and container
+             and not n.startswith(container + ".") and not TOWER.search(n)]
+    embed = max(found, key=shared) if found else None  # max keeps the first of equals (module order)
     vocab = model.get_submodule(embed).num_embeddings if embed else None
     unembed = None
     for name in UNEMBED:
@@ -101,7 +105,8 @@ def _sources(container: str, all_roles: list[BlockRoles], block0: nn.Module, emb
            "resid_post": "inferred: the block's output (check_layout: equals the next resid_pre)",
            "norms": "inferred: " + (", ".join(n for n, m in block0.named_children() if is_norm(m))
                                     or "none among the block's children"),
-           "embed": "inferred: the first nn.Embedding outside the blocks" if embed else "none found",
+           "embed": ("inferred: the nn.Embedding beside the blocks (outside them, not in a vision/audio tower)"
+                     if embed else "none found"),
            "unembed": f"inferred: {unembed}, a Linear to the vocabulary" if unembed else "none found"}
     for role in ROLES:  # from the first block that has the role (a hybrid's first attention layer)
         how = next((r.how[role] for r in all_roles if role in r.how), None)
@@ -129,7 +134,8 @@ class GenericAdapter:
             container, n = shared
             blocks = [f"{container}:{p}" for p in range(1, n + 1)]
         else:
-            blocks = [f"{container}.{name}" for name, _ in model.get_submodule(container).named_children()]
+            blocks = [f"{container}.{name}" if container else name
+                      for name, _ in model.get_submodule(container).named_children()]
 
         def at(block: str, rel: str | None = None) -> tuple[str, int | None]:
             """A block's part as (address, pass): a shared block's pass moves to the end of the address."""

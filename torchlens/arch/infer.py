@@ -31,7 +31,7 @@ from torch import nn
 
 from ..errors import LayoutInferenceError
 
-__all__ = ["ROLES", "BlockRoles", "block_candidates", "find_blocks", "infer_block", "is_norm", "refusal",
+__all__ = ["ROLES", "TOWER", "BlockRoles", "block_candidates", "find_blocks", "infer_block", "is_norm", "refusal",
            "shared_block"]
 
 ROLES = ("attn", "cross_attn", "mixer", "mlp", "router", "experts")
