@@ -13,11 +13,12 @@ in code (2 layers, width 64, 4 heads, 128 tokens; random weights, no hub), and m
 
 One JSON line per model type; a summary line at the end. One child process at a time probes the
 models in turn (imports paid once); one that takes over ``--timeout`` seconds on a model is killed, the
-model recorded as a timeout, and a new child goes on after it. ``--markdown BEFORE AFTER`` renders two
-sweeps' lines as the coverage table of docs/architectures.md.
+model recorded as a timeout, and a new child goes on after it. ``--markdown FILE`` renders a sweep's lines
+as the coverage tables of docs/architectures.md; ``--before REV`` also measures the generic adapter at
+that git revision, in the same children on the same traces (the "names before" column).
 
-    nice -n 10 bash .run python scripts/arch_sweep.py --out /tmp/after.jsonl
-    bash .run python scripts/arch_sweep.py --markdown /tmp/before.jsonl /tmp/after.jsonl
+    nice -n 10 ./.run python scripts/arch_sweep.py --before 2bef8c8 --out /tmp/sweep.jsonl
+    ./.run python scripts/arch_sweep.py --markdown /tmp/sweep.jsonl
 """
 
 from __future__ import annotations
@@ -261,23 +262,41 @@ def _before(row: dict) -> str:
     """The names-before cell: measured with the earlier generic adapter, or (a family adapter) as after."""
     if "before" in row:
         return "yes" if row["before"] else "no"
-    return _mark(row, "canonical") if row.get("adapter") != "generic" else "n/a"
+    return _mark(row, "canonical") if row.get("adapter") != "generic" else "no"
 
 
-def markdown(before_path: str, after_path: str) -> str:
-    """The coverage table (architecture x capture / validate / replay / names, names before and after)."""
-    before, after = _load(before_path), _load(after_path)
-    lines = ["| model type | mapping | adapter | capture | validate | replay | names before | names after | "
-             "resid_mid | why not (after) |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for model_type, row in after.items():
+def _why(row: dict) -> str:
+    why = (row.get("arch_error") or next((row[f"{k}_why"] for k in SITES if f"{k}_why" in row), "")
+           or "; ".join(row.get("checks_failed", [])))
+    return why.replace("|", "/")[:150]
+
+
+def markdown(path: str) -> str:
+    """The coverage tables of one sweep: counts per mapping (names before and after), then one row per model."""
+    rows = _load(path)
+    out = ["| mapping | model types | built | capture | validate | replay | names before | names after |",
+           "|---|---|---|---|---|---|---|---|"]
+    for mapping in [*MAPPINGS, "all"]:
+        group = [r for r in rows.values() if mapping in ("all", r.get("mapping"))]
+        built = [r for r in group if "build_error" not in r]
+        counts = [sum(bool(r.get(k)) for r in built) for k in ("capture", "validate", "replay")]
+        before = sum(_before(r) == "yes" for r in built)
+        after = sum(bool(r.get("canonical")) for r in built)
+        out.append(f"| {mapping} | {len(group)} | {len(built)} | " + " | ".join(map(str, counts))
+                   + f" | {before} | {after} |")
+    out += ["", "| model type | mapping | adapter | capture | validate | replay | names before | names after | "
+            "resid_mid | roles | why not (names) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for model_type, row in sorted(rows.items()):
         if "build_error" in row:
             continue
-        why = (row.get("arch_error") or next((row[f"{k}_why"] for k in SITES if f"{k}_why" in row), "")
-               or "; ".join(row.get("checks_failed", [])))
-        lines.append(f"| {model_type} | {row['mapping']} | {row.get('adapter') or '-'} | {_mark(row, 'capture')} | "
-                     f"{_mark(row, 'validate')} | {_mark(row, 'replay')} | {_before(before.get(model_type) or row)}"
-                     f" | {_mark(row, 'canonical')} | {_mark(row, 'resid_mid')} | {why.replace('|', '/')[:140]} |")
-    return "\n".join(lines)
+        why = "" if row.get("canonical") else _why(row)
+        out.append(f"| {model_type} | {row['mapping']} | {row.get('adapter') or '-'} | {_mark(row, 'capture')} | "
+                   f"{_mark(row, 'validate')} | {_mark(row, 'replay')} | {_before(row)} | {_mark(row, 'canonical')} "
+                   f"| {_mark(row, 'resid_mid')} | {', '.join(row.get('roles', []))} | {why} |")
+    skipped = sorted((t, r["build_error"]) for t, r in rows.items() if "build_error" in r)
+    out += ["", f"Not built from the tiny config ({len(skipped)}): "
+            + "; ".join(f"`{t}` ({why.replace('|', '/')[:80]})" for t, why in skipped) + "."]
+    return "\n".join(out)
 
 
 def _pump(child: subprocess.Popen, queue: Queue) -> None:
@@ -335,7 +354,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="also append the JSON lines to this file")
     parser.add_argument("--child", nargs=3)
     parser.add_argument("--batch", action="store_true", help="(internal) probe the JSON list on stdin in turn")
-    parser.add_argument("--markdown", nargs=2)
+    parser.add_argument("--markdown", default=None, help="render this sweep's JSON lines as the coverage tables")
     parser.add_argument("--before", default=None, help="git revision whose adapters/generic.py is measured too")
     parser.add_argument("--before-file", default=None, help="(internal) that file, extracted")
     args = parser.parse_args()
@@ -353,7 +372,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
         return
     if args.markdown:
-        print(markdown(*args.markdown))
+        print(markdown(args.markdown))
         return
     todo = model_types(args.mappings.split(","))
     if args.only:
@@ -362,6 +381,8 @@ def main() -> None:
     rows = []
     out = open(args.out, "a") if args.out else None  # noqa: SIM115 - appended line by line as children finish
     flags = ["--names-only"] if args.names_only else []
+    if args.before_file:
+        flags += ["--before-file", args.before_file]
     if args.before:  # the generic adapter at that revision, measured in the same children on the same traces
         path = os.path.join(tempfile.mkdtemp(prefix="arch_sweep_"), "generic_before.py")
         with open(path, "w") as f:
