@@ -27,7 +27,7 @@ import weakref
 from torch import nn
 
 from torchlens.arch import ADAPTER_REMEDY, ArchView, InputOf, config_dims
-from torchlens.arch.checks import CheckedResidualAdd
+from torchlens.arch.checks import CheckedOutput, CheckedResidualAdd
 from torchlens.arch.infer import ROLES, TOWER, BlockRoles, find_blocks, infer_block, is_norm, shared_block
 from torchlens.core.selectors import ModuleOutput, Selector
 from torchlens.errors import LayoutInferenceError, UnsupportedModelError
@@ -158,7 +158,10 @@ class GenericAdapter:
             targets[f"blocks.{i}.resid_pre"] = InputOf(address, via, pass_index, name=f"blocks.{i}.resid_pre")
             for role in ROLES:
                 found = roles.roles.get(role)
-                if isinstance(found, str):
+                if isinstance(found, str) and role != "router":
+                    path = output(block, found).path
+                    targets[f"blocks.{i}.{role}"] = CheckedOutput(path, address, f"blocks.{i}.{role}")
+                elif isinstance(found, str):  # router logits: one per expert, checked by check_layout
                     targets[f"blocks.{i}.{role}"] = output(block, found)
                 elif found is not None:
                     fields = found.fields

@@ -338,3 +338,27 @@ def test_an_adapter_contradicting_the_structure_is_refused(layout, words, fix):
     finally:
         unregister(name="contradicting")
     assert tl.arch(model).adapter == "generic"
+
+
+class _WideMlp(nn.Module):
+    """The child named ``mlp`` is only the up-projection: its output is twice the stream's width."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.self_attn, self.mlp, self.down = nn.Linear(d, d), nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        x = x + self.self_attn(x)
+        return x + self.down(torch.relu(self.mlp(x)))
+
+
+def test_a_role_whose_output_is_not_stream_sized_is_refused_by_name():
+    model = _seeded(lambda: nn.Sequential(_WideMlp(), _WideMlp()).eval())
+    x = torch.randn(1, 3, 8)
+    trace = tl.trace(model, x)
+    assert tl.arch(model).resolve("blocks.0.mlp") == "0.mlp"  # named like the MLP, so inferred ...
+    with pytest.raises(LayoutInferenceError, match=r"blocks.1.mlp: not offered.* returned \(1, 3, 16\)"):
+        trace.find_sites(tl.module("blocks.1.mlp"))  # ... but the structure refutes it on the recorded forward
+    rows = {what: holds for what, holds, _ in check_layout(trace, tl.arch(model))}
+    assert rows["blocks.0.attn has resid_pre's size (24)"] and not rows["blocks.0.mlp has resid_pre's size (24)"]
+    assert torch.equal(_first(trace.find_sites(tl.module("blocks.1.attn")).first().out), trace["1.self_attn"].out)

@@ -18,13 +18,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..core.records import ModuleCall, Op
+from ..core.selectors import ModuleOutput
 from ..errors import LayoutInferenceError, TorchLensError
 from .views import ArchView, BlockOp, _hidden_input
 
 if TYPE_CHECKING:
     from ..core.trace import Trace
 
-__all__ = ["CheckedResidualAdd", "check_layout"]
+__all__ = ["CheckedOutput", "CheckedResidualAdd", "check_layout"]
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:
@@ -132,6 +133,33 @@ class CheckedResidualAdd(BlockOp):
         return f"checked_add({self.block!r})"
 
     __repr__ = describe
+
+
+class CheckedOutput(ModuleOutput):
+    """An inferred sublayer's output (``attn``, ``mixer``, ``mlp``, ``experts``, ``cross_attn``), offered only
+    where it writes one stream-sized vector per token: its first tensor has as many elements as its block's
+    output (the same pass). A module that is not the sublayer (a gate, a projection to another width) fails."""
+
+    def __init__(self, path: str, block: str, name: str) -> None:
+        super().__init__(path)
+        self.block = block
+        self.name = name
+
+    def match(self, trace: Trace) -> list[Op | ModuleCall]:
+        calls = super().match(trace)
+        blocks = trace.calls_of(self.block)
+        for call in calls:
+            if not isinstance(call, ModuleCall) or len(blocks) < call.pass_index:
+                continue  # the sublayer runs more often than its block (a shared module): no pairing to check
+            out = _first_tensor(trace.module_output(call))
+            ref = _first_tensor(trace.module_output(blocks[call.pass_index - 1]))
+            if out is not None and ref is not None and out.numel() != ref.numel():
+                raise LayoutInferenceError(
+                    f"{self.name}: not offered, its structural check failed: {call.key} returned "
+                    f"{tuple(out.shape)}, not one vector per token of the stream {tuple(ref.shape)} (the module "
+                    "named like this role is not the sublayer whose output joins the residual stream)",
+                    site=self.name)
+        return calls
 
 
 def _sums(total: torch.Tensor, base: torch.Tensor, addends: list[torch.Tensor]) -> bool:
