@@ -202,11 +202,17 @@ def _role_checks(trace: Trace, view: ArchView) -> list[tuple[str, bool, str]]:
             name = f"blocks.{i}.{kind}"
             if name not in view.names():
                 continue
-            out = _read(trace, view, name)
-            if isinstance(out, str) or out is None:
+            what = f"{name} has resid_pre's size ({pre.numel()})"
+            try:
+                out = _first_tensor(trace.find_sites(view.selector(name)).first().out)
+            except LayoutInferenceError as exc:  # its own check refused it on read
+                rows.append((what, False, exc.message))
+                continue
+            except TorchLensError:
                 continue  # a sublayer that did not run here (cross-attention without encoder states)
-            rows.append((f"{name} has resid_pre's size ({pre.numel()})", out.numel() == pre.numel(),
-                         "" if out.numel() == pre.numel() else f"{tuple(out.shape)} vs {tuple(pre.shape)}"))
+            if out is not None:
+                rows.append((what, out.numel() == pre.numel(),
+                             "" if out.numel() == pre.numel() else f"{tuple(out.shape)} vs {tuple(pre.shape)}"))
         name = f"blocks.{i}.router"
         if name in view.names():
             logits, n = _read(trace, view, name), _n_experts(view, f"blocks.{i}.experts")
