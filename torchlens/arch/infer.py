@@ -43,6 +43,7 @@ MLP = re.compile(r"mlp|ffn|feed_?forward|moe|dense_?relu_?dense|^ff$", re.I)
 MLP_CLASS = re.compile(r"mlp|ffn|feed_?forward|moe|layerff$|ff$", re.I)
 FOLD_NORM = re.compile(r"^(layer_?norm|ln|norm)$", re.I)  # an output norm, not q_norm / kv_a_layernorm
 FOLD_PROJ = re.compile(r"^(dense|o_proj|out_proj|output)$")
+HYPER = re.compile(r"_hc$|hyper_?connection", re.I)
 OUT_LINEAR = re.compile(r"out|down|fc2|wo$", re.I)
 ROUTER = re.compile(r"^(gate|router|switch)$", re.I)
 EXPERTS = re.compile(r"^experts$", re.I)
@@ -178,6 +179,8 @@ def infer_block(block: nn.Module, address: str) -> BlockRoles:
 def _kind(name: str, module: nn.Module) -> str | None:
     """The role a block's child is named (or, in a slot named ``mixer``, classed) for, or None."""
     cls = type(module).__name__
+    if HYPER.search(name) or HYPER.search(cls):
+        return None  # mixes residual streams around a sublayer (hyper-connections), is not one
     if CROSS.search(name):
         return "cross_attn"
     if MIXER_CLASS.search(cls):
