@@ -191,8 +191,11 @@ def _names(trace, view, read) -> dict:
     for kind in KINDS:
         status[kind] = []
         for i in range(view.n_layers):
-            if isinstance(view.targets.get(f"blocks.{i}.{kind}", ""), str):  # absent by the block's structure
+            target = view.targets.get(f"blocks.{i}.{kind}", "")
+            if isinstance(target, str):  # absent by the block's structure
                 status[kind].append("absent")
+                if target and kind in SITES:
+                    row.setdefault(f"{kind}_why", "absent: " + target[:180])
                 continue
             try:
                 read(f"blocks.{i}.{kind}")
@@ -208,6 +211,8 @@ def _names(trace, view, read) -> dict:
                resid_mid=all(s == "ok" for s in status["resid_mid"]))
     if all(mixes):
         row.pop("attn_why", None)
+    if row["mlp"]:
+        row.pop("mlp_why", None)
     try:
         failed = [what for what, holds, _ in check_layout(trace, view) if not holds and "resid_mid" not in what]
     except Exception as exc:  # noqa: BLE001
