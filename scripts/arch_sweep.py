@@ -214,12 +214,18 @@ def _names(trace, view, read) -> dict:
     if row["mlp"]:
         row.pop("mlp_why", None)
     try:
-        failed = [what for what, holds, _ in check_layout(trace, view) if not holds and "resid_mid" not in what]
+        rows = [(what, holds) for what, holds, _ in check_layout(trace, view) if "resid_mid" not in what]
+        # a router / experts / cross-attention site whose check fails is refused by name; the core names stand
+        row["roles_refused"] = sorted({w.split()[0] for w, h in rows if not h and w.split()[0].split(".")[-1]
+                                       in ("router", "experts", "cross_attn")})
+        failed = [w for w, h in rows if not h and w.split()[0] not in row["roles_refused"]]
     except Exception as exc:  # noqa: BLE001
         failed = [_err(exc)]
     if failed:
         row["checks_failed"] = failed[:3]
     row["roles"] = [k for k in KINDS[5:] if "ok" in status[k]]
+    if not row.get("roles_refused"):
+        row.pop("roles_refused", None)
     row["canonical"] = all(row[k] for k in SITES) and not failed
     return row
 

@@ -78,6 +78,7 @@ FAMILIES = [
     Fam("olmoe", "OlmoeForCausalLM", "model.layers", _moe()),
     Fam("phimoe", "PhimoeForCausalLM", "model.layers", _moe(router="router")),
     Fam("granitemoe", "GraniteMoeForCausalLM", "model.layers", _moe("block_sparse_moe", "router")),
+    Fam("gpt_oss", "GptOssForCausalLM", "model.layers", _moe(router="router")),  # GptOssMLP: no "SSM" in it
     # state-space and hybrid: the mixer role; attention refused on a mixer block, naming mixer
     Fam("mamba", "MambaForCausalLM", "backbone.layers", _ssm(),
         absent=(("blocks.0.attn", "read blocks.L.mixer"), ("blocks.0.mlp", "has one sublayer"))),

@@ -38,7 +38,9 @@ ROLES = ("attn", "cross_attn", "mixer", "mlp", "router", "experts")
 ATTN = re.compile(r"attn|attention", re.I)
 CROSS = re.compile(r"encoder_?attn|cross_?attn|cross_?attention|enc_?dec_?attention", re.I)
 MIXER = re.compile(r"mixer|mamba|ssm|linear_?attn|linear_?attention|conv_?mixer|short_?conv", re.I)
-MIXER_CLASS = re.compile(r"mamba|ssm|rwkv.*attention|gated_?delta|lineara?ttention", re.I)
+# class names, case-sensitive CamelCase words ("GptOssMLP" holds no SSM)
+MIXER_CLASS = re.compile(r"Mamba|SSM|Ssm(?![a-z])|Rwkv\w*Attention|GatedDelta|LinearAttention|LinearAttn")
+ATTN_CLASS = re.compile(r"attention|attn", re.I)
 MLP = re.compile(r"mlp|ffn|feed_?forward|moe|dense_?relu_?dense|^ff$", re.I)
 MLP_CLASS = re.compile(r"mlp|ffn|feed_?forward|moe|layerff$|ff$", re.I)
 FOLD_NORM = re.compile(r"^(layer_?norm|ln|norm)$", re.I)  # an output norm, not q_norm / kv_a_layernorm
@@ -137,6 +139,7 @@ def infer_block(block: nn.Module, address: str) -> BlockRoles:
     mixers = [n for n, k in kinds.items() if k == "mixer"]
     cross = [n for n, k in kinds.items() if k == "cross_attn"]
     attn = [n for n, k in kinds.items() if k == "attn"]
+    attn = _by_class_name(block, attn, ATTN_CLASS)
     rule = "children named attn/attention; norms, dropouts, cross-attention and state-space mixers set aside"
     if len(attn) == 1:
         out.roles["attn"] = attn[0]
@@ -176,6 +179,15 @@ def infer_block(block: nn.Module, address: str) -> BlockRoles:
     return out
 
 
+def _by_class_name(block: nn.Module, names: list[str], pattern: re.Pattern) -> list[str]:
+    """Tied candidates narrowed to the one whose class also names the role (Inkling's ``attn_sconv`` is a
+    ShortConvolution beside ``self_attn``), else left tied."""
+    if len(names) < 2:
+        return names
+    classed = [n for n in names if pattern.search(type(block.get_submodule(n)).__name__)]
+    return classed if len(classed) == 1 else names
+
+
 def _kind(name: str, module: nn.Module) -> str | None:
     """The role a block's child is named (or, in a slot named ``mixer``, classed) for, or None."""
     cls = type(module).__name__
@@ -186,7 +198,7 @@ def _kind(name: str, module: nn.Module) -> str | None:
     if MIXER_CLASS.search(cls):
         return "mixer"
     if MIXER.search(name):  # a slot named mixer holding attention or an MLP (Nemotron-H): its class says
-        return "attn" if ATTN.search(cls) else "mlp" if MLP_CLASS.search(cls) else "mixer"
+        return "attn" if ATTN_CLASS.search(cls) else "mlp" if MLP_CLASS.search(cls) else "mixer"
     if ATTN.search(name):
         return "attn"
     return "mlp" if MLP.search(name) else None
@@ -194,6 +206,7 @@ def _kind(name: str, module: nn.Module) -> str | None:
 
 def _mlp(block: nn.Module, address: str, kids: list[tuple[str, nn.Module]], named: list[str],
          out: BlockRoles) -> None:
+    named = _by_class_name(block, named, MLP_CLASS)
     by_name = dict(block.named_children())
     outputs = [n for n in named if isinstance(by_name[n], nn.Linear) and OUT_LINEAR.search(n)]
     if len(named) > 1 and all(isinstance(by_name[n], nn.Linear) for n in named) and len(outputs) == 1:
