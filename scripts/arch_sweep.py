@@ -13,7 +13,7 @@ in code (2 layers, width 64, 4 heads, 128 tokens; random weights, no hub), and m
 
 One JSON line per model type; a summary line at the end. One child process at a time probes the
 models in turn (imports paid once); one that takes over ``--timeout`` seconds on a model is killed, the
-model recorded as a timeout, and a new child goes on after it. ``--markdown FILE`` renders a sweep's lines
+model recorded as a timeout, and a new child goes on after it. ``--markdown FILE ...`` renders sweeps' lines
 as the coverage tables of docs/architectures.md; ``--before REV`` also measures the generic adapter at
 that git revision, in the same children on the same traces (the "names before" column).
 
@@ -255,10 +255,26 @@ def _summary(rows: list[dict]) -> dict:
     return {"summary": True, "model_types": len(rows), "built": len(built), **count}
 
 
-def _load(path: str) -> dict[str, dict]:
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.startswith("{")]
-    return {r["model_type"]: r for r in rows if "summary" not in r}
+RUN_KEYS = ("capture", "capture_why", "validate", "validate_why", "replay", "replay_why", "replay_site")
+
+
+def _load(paths: list[str]) -> dict[str, dict]:
+    """Rows of several sweeps, by model type: a later row wins (a rerun with a longer time limit, a names-only
+    pass after a rule changed), keeping an earlier row's capture / validate / replay where it has none, and
+    never replacing a built row with a failure to build."""
+    merged: dict[str, dict] = {}
+    for path in paths:
+        with open(path) as f:
+            for row in (json.loads(line) for line in f if line.startswith("{")):
+                if "summary" in row:
+                    continue
+                old = merged.get(row["model_type"])
+                if old is not None and "build_error" in row and "build_error" not in old:
+                    continue
+                if old is not None and "build_error" not in old:
+                    row = {**{k: old[k] for k in RUN_KEYS if k in old}, **row}
+                merged[row["model_type"]] = row
+    return merged
 
 
 def _mark(row: dict | None, key: str) -> str:
@@ -282,9 +298,10 @@ def _why(row: dict) -> str:
     return why.replace("|", "/")[:150]
 
 
-def markdown(path: str) -> str:
-    """The coverage tables of one sweep: counts per mapping (names before and after), then one row per model."""
-    rows = _load(path)
+def markdown(paths: list[str]) -> str:
+    """The coverage tables of sweeps (merged as ``_load`` says): counts per mapping (names before and after),
+    then one row per model, then the models the tiny configs did not build."""
+    rows = _load(paths)
     out = ["| mapping | model types | built | capture | validate | replay | names before | names after |",
            "|---|---|---|---|---|---|---|---|"]
     for mapping in [*MAPPINGS, "all"]:
@@ -365,7 +382,8 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="also append the JSON lines to this file")
     parser.add_argument("--child", nargs=3)
     parser.add_argument("--batch", action="store_true", help="(internal) probe the JSON list on stdin in turn")
-    parser.add_argument("--markdown", default=None, help="render this sweep's JSON lines as the coverage tables")
+    parser.add_argument("--markdown", nargs="+", default=None,
+                        help="render sweeps' JSON lines (later files win per model) as the coverage tables")
     parser.add_argument("--before", default=None, help="git revision whose adapters/generic.py is measured too")
     parser.add_argument("--before-file", default=None, help="(internal) that file, extracted")
     args = parser.parse_args()
