@@ -106,7 +106,7 @@ def _inner(wrapper: nn.Module, pattern: re.Pattern) -> str | None:
     return named[0] if len(named) == 1 else None
 
 
-def _by_class(block: nn.Module, address: str, out: BlockRoles) -> bool:
+def _by_class(block: nn.Module, out: BlockRoles) -> bool:
     """Roles of a block read through its list of sublayer wrappers (T5), by the wrappers' class names."""
     found = _wrappers(block)
     if found is None:
@@ -131,7 +131,7 @@ def _by_class(block: nn.Module, address: str, out: BlockRoles) -> bool:
 def infer_block(block: nn.Module, address: str) -> BlockRoles:
     """Each role of ``block`` (a path relative to it), a refusal naming tied candidates, or why it is absent."""
     out = BlockRoles()
-    if _by_class(block, address, out):
+    if _by_class(block, out):
         _moe(block, out)
         return out
     kids = [(n, m) for n, m in block.named_children() if _sublayer(m)]
