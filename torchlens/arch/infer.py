@@ -37,7 +37,7 @@ __all__ = ["ROLES", "TOWER", "BlockRoles", "block_candidates", "find_blocks", "i
 ROLES = ("attn", "cross_attn", "mixer", "mlp", "router", "experts")
 ATTN = re.compile(r"attn|attention", re.I)
 CROSS = re.compile(r"encoder_?attn|cross_?attn|cross_?attention|enc_?dec_?attention", re.I)
-MIXER = re.compile(r"mixer|mamba|ssm|linear_?attn|linear_?attention|conv_?mixer|short_?conv", re.I)
+MIXER = re.compile(r"mixer|mamba|ssm|linear_?attn|linear_?attention|conv_?mixer|short_?conv|fourier", re.I)
 # class names, case-sensitive CamelCase words ("GptOssMLP" holds no SSM)
 MIXER_CLASS = re.compile(r"Mamba|SSM|Ssm(?![a-z])|Rwkv\w*Attention|GatedDelta|LinearAttention|LinearAttn")
 ATTN_CLASS = re.compile(r"attention|attn", re.I)
@@ -45,6 +45,7 @@ MLP = re.compile(r"mlp|ffn|feed_?forward|moe|dense_?relu_?dense|^ff$", re.I)
 MLP_CLASS = re.compile(r"mlp|ffn|feed_?forward|moe|layerff$|ff$", re.I)
 FOLD_NORM = re.compile(r"^(layer_?norm|ln|norm)$", re.I)  # an output norm, not q_norm / kv_a_layernorm
 FOLD_PROJ = re.compile(r"^(dense|o_proj|out_proj|output)$")
+NORM_CLASS = re.compile(r"norm(\d*d)?(gated)?$", re.I)
 HYPER = re.compile(r"_hc$|hyper_?connection", re.I)
 OUT_LINEAR = re.compile(r"out|down|fc2|wo$", re.I)
 ROUTER = re.compile(r"^(gate|router|switch)$", re.I)
@@ -55,8 +56,9 @@ TOWER = re.compile(r"(^|\.)[a-z_]*(vision|visual|image|img|vit|audio|speech|vide
 
 
 def is_norm(module: nn.Module) -> bool:
-    """LayerNorm/RMSNorm-like: ``Norm`` in the class name, or a leaf whose parameters are all 1-D."""
-    if "norm" in type(module).__name__.lower():
+    """LayerNorm/RMSNorm-like: a class name ending in ``Norm`` (not RobertaPreLayerNormAttention), or a leaf whose
+    parameters are all 1-D."""
+    if NORM_CLASS.search(type(module).__name__):
         return True
     params = [p for _, p in module.named_parameters(recurse=False)]
     return bool(params) and not any(True for _ in module.children()) and all(p.dim() == 1 for p in params)
@@ -168,11 +170,15 @@ def infer_block(block: nn.Module, address: str) -> BlockRoles:
     if len(mixers) == 1:
         out.roles["mixer"] = mixers[0]
         out.how["mixer"] = "inferred: the state-space / linear-attention mixer (named or classed so)"
+        grand = dict(block.get_submodule(mixers[0]).named_children())
+        if "self" in grand and "output" in grand:  # BERT style (FNet's fourier): output folds in the residual
+            out.roles["mixer"], out.post_norm = f"{mixers[0]}.self", f"{mixers[0]}.output"
+            out.how["mixer"] = "inferred: a BERT-style mixer (FNet's Fourier transform), its 'self' part"
     elif mixers:
         out.roles["mixer"] = refusal(address, "mixer", mixers, "children named mixer/mamba/ssm/linear_attn")
     if "attn" not in out.roles:
-        out.absent["attn"] = (f"{address} mixes tokens with a state-space / linear-attention mixer, not attention: "
-                              "read blocks.L.mixer" if "mixer" in out.roles else
+        out.absent["attn"] = (f"{address} mixes tokens with a non-attention mixer (state-space, linear attention, "
+                              "Fourier): read blocks.L.mixer" if "mixer" in out.roles else
                               refusal(address, "attention", [], rule).message)
     _mlp(block, address, kids, [n for n, k in kinds.items() if k == "mlp"], out)
     _moe(block, out)
@@ -217,7 +223,7 @@ def _mlp(block: nn.Module, address: str, kids: list[tuple[str, nn.Module]], name
         out.roles["mlp"] = refusal(address, "MLP", named, "named mlp/ffn/feed_forward/moe, norms and dropouts excluded")
     elif isinstance(by_name.get("fc1"), nn.Linear) and isinstance(by_name.get("fc2"), nn.Linear):
         out.roles["mlp"], out.how["mlp"] = "fc2", "inferred: fc1/fc2 linears in the block, the MLP's output is fc2's"
-    elif "intermediate" in by_name and isinstance(getattr(by_name.get("output"), "dense", None), nn.Linear):
+    elif "intermediate" in by_name and _sublayer(getattr(by_name.get("output"), "dense", None) or nn.Identity()):
         out.roles["mlp"] = "output.dense"
         out.how["mlp"] = "inferred: intermediate/output (BERT style), the down-projection output.dense"
     elif len(kids) == 1 and (out.path("mixer") or out.path("attn")):
