@@ -162,7 +162,7 @@ def probe(model_type: str, class_name: str, mapping: str, names_only: bool = Fal
                 row.update(replay=False, replay_why=_err(exc))
     if view is not None:
         row.update(_names(trace, view, lambda name: trace.find_sites(tl.module(name)).first().out))
-    if before_generic and row.get("adapter") == "generic":  # family adapters did not change
+    if before_generic and row.get("adapter") in ("generic", None):  # family adapters did not change
         try:
             old = _load_generic(before_generic).view(model)
             row["before"] = _names(trace, old, lambda name: trace.find_sites(old.selector(name)).first().out)[
@@ -280,6 +280,8 @@ def _load(paths: list[str]) -> dict[str, dict]:
 def _mark(row: dict | None, key: str) -> str:
     if row is None or "build_error" in row:
         return "-"
+    if key == "canonical" and "arch_error" in row:
+        return "no"
     if key not in row:
         return "n/a"
     return "yes" if row[key] else "no"
@@ -289,7 +291,7 @@ def _before(row: dict) -> str:
     """The names-before cell: measured with the earlier generic adapter, or (a family adapter) as after."""
     if "before" in row:
         return "yes" if row["before"] else "no"
-    return _mark(row, "canonical") if row.get("adapter") != "generic" else "no"
+    return _mark(row, "canonical") if row.get("adapter") not in ("generic", None) else "n/a"
 
 
 def _why(row: dict) -> str:

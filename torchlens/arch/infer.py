@@ -46,7 +46,9 @@ MLP_CLASS = re.compile(r"mlp|ffn|feed_?forward|moe|layerff$|ff$", re.I)
 FOLD_NORM = re.compile(r"^(layer_?norm|ln|norm)$", re.I)  # an output norm, not q_norm / kv_a_layernorm
 FOLD_PROJ = re.compile(r"^(dense|o_proj|out_proj|output)$")
 NORM_CLASS = re.compile(r"norm(\d*d)?(gated)?$", re.I)
-HYPER = re.compile(r"_hc$|hyper_?connection", re.I)
+# modules on the residual path around sublayers (hyper-connections, Inkling 2's BlockAttentionResidual)
+HYPER = re.compile(r"_hc$|hyper_?connection|residual", re.I)
+DECODER = re.compile(r"(^|[._])decoder(\.|$)")  # model.decoder.layers, text_decoder.layers
 OUT_LINEAR = re.compile(r"out|down|fc2|wo$", re.I)
 ROUTER = re.compile(r"^(gate|router|switch)$", re.I)
 EXPERTS = re.compile(r"^experts$", re.I)
@@ -276,10 +278,10 @@ def block_candidates(model: nn.Module) -> list[tuple[tuple, str]]:
         found.append((name, composite))
     names = [n for n, _ in found]
     outer = [(n, c) for n, c in found if not any(n.startswith(f"{o}.") for o in names if o != n)]
-    decoder = any(re.search(r"(^|\.)decoder(\.|$)", n) for n, _ in outer)
+    decoder = any(DECODER.search(n) for n, _ in outer)
     ranked = []
     for name, composite in outer:
-        side = 1 if re.search(r"(^|\.)decoder(\.|$)", name) else (0 if decoder else 1)
+        side = 1 if DECODER.search(name) else (0 if decoder else 1)
         key = (not TOWER.search(name), side, composite, len(model.get_submodule(name)._modules), -name.count("."))
         ranked.append((key, name))
     ranked.sort(key=lambda kn: kn[0], reverse=True)
