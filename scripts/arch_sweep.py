@@ -300,6 +300,12 @@ def _why(row: dict) -> str:
     return why.replace("|", "/")[:150]
 
 
+def _roles(row: dict) -> str:
+    refused = [r.split(".")[-1] for r in row.get("roles_refused", [])]
+    roles = [r for r in row.get("roles", []) if r not in refused]
+    return ", ".join(roles + [f"{r} refused" for r in dict.fromkeys(refused)])
+
+
 def markdown(paths: list[str]) -> str:
     """The coverage tables of sweeps (merged as ``_load`` says): counts per mapping (names before and after),
     then one row per model, then the models the tiny configs did not build."""
@@ -322,7 +328,7 @@ def markdown(paths: list[str]) -> str:
         why = "" if row.get("canonical") else _why(row)
         out.append(f"| {model_type} | {row['mapping']} | {row.get('adapter') or '-'} | {_mark(row, 'capture')} | "
                    f"{_mark(row, 'validate')} | {_mark(row, 'replay')} | {_before(row)} | {_mark(row, 'canonical')} "
-                   f"| {_mark(row, 'resid_mid')} | {', '.join(row.get('roles', []))} | {why} |")
+                   f"| {_mark(row, 'resid_mid')} | {_roles(row)} | {why} |")
     skipped = sorted((t, r["build_error"]) for t, r in rows.items() if "build_error" in r)
     out += ["", f"Not built from the tiny config ({len(skipped)}): "
             + "; ".join(f"`{t}` ({why.replace('|', '/')[:80]})" for t, why in skipped) + "."]
