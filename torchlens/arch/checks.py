@@ -18,13 +18,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..core.records import ModuleCall, Op
+from ..core.selectors import ModuleOutput
 from ..errors import LayoutInferenceError, TorchLensError
 from .views import ArchView, BlockOp, _hidden_input
 
 if TYPE_CHECKING:
     from ..core.trace import Trace
 
-__all__ = ["CheckedResidualAdd", "check_layout"]
+__all__ = ["CheckedOutput", "CheckedResidualAdd", "check_layout"]
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:
@@ -134,6 +135,33 @@ class CheckedResidualAdd(BlockOp):
     __repr__ = describe
 
 
+class CheckedOutput(ModuleOutput):
+    """An inferred sublayer's output (``attn``, ``mixer``, ``mlp``, ``experts``, ``cross_attn``), offered only
+    where it writes one stream-sized vector per token: its first tensor has as many elements as its block's
+    output (the same pass). A module that is not the sublayer (a gate, a projection to another width) fails."""
+
+    def __init__(self, path: str, block: str, name: str) -> None:
+        super().__init__(path)
+        self.block = block
+        self.name = name
+
+    def match(self, trace: Trace) -> list[Op | ModuleCall]:
+        calls = super().match(trace)
+        blocks = trace.calls_of(self.block)
+        for call in calls:
+            if not isinstance(call, ModuleCall) or len(blocks) < call.pass_index:
+                continue  # the sublayer runs more often than its block (a shared module): no pairing to check
+            out = _first_tensor(trace.module_output(call))
+            ref = _first_tensor(trace.module_output(blocks[call.pass_index - 1]))
+            if out is not None and ref is not None and out.numel() != ref.numel():
+                raise LayoutInferenceError(
+                    f"{self.name}: not offered, its structural check failed: {call.key} returned "
+                    f"{tuple(out.shape)}, not one vector per token of the stream {tuple(ref.shape)} (the module "
+                    "named like this role is not the sublayer whose output joins the residual stream)",
+                    site=self.name)
+        return calls
+
+
 def _sums(total: torch.Tensor, base: torch.Tensor, addends: list[torch.Tensor]) -> bool:
     """Whether ``total == base + a`` exactly for one of ``addends`` (reshaped when only the layout differs)."""
     if total.numel() != base.numel():
@@ -151,12 +179,58 @@ def _read(trace: Trace, view: ArchView, name: str) -> torch.Tensor | str:
         return exc.message
 
 
+def _n_experts(view: ArchView, name: str) -> int | None:
+    """How many experts a block's ``experts`` module holds: its list's length, or a fused weight's first dim."""
+    try:
+        module = view.module(name)
+    except TorchLensError:
+        return None
+    if isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+        return len(module)
+    sizes = {p.shape[0] for p in module.parameters(recurse=False) if p.dim() == 3}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def _role_checks(trace: Trace, view: ArchView) -> list[tuple[str, bool, str]]:
+    """Sublayers write one d_model vector per token into the stream; a router scores one logit per expert."""
+    rows = []
+    for i in range(view.n_layers):
+        pre = _read(trace, view, f"blocks.{i}.resid_pre")
+        if isinstance(pre, str) or pre is None:
+            continue
+        for kind in ("attn", "mixer", "mlp", "experts"):
+            name = f"blocks.{i}.{kind}"
+            if name not in view.names():
+                continue
+            what = f"{name} has resid_pre's size ({pre.numel()})"
+            try:
+                out = _first_tensor(trace.find_sites(view.selector(name)).first().out)
+            except LayoutInferenceError as exc:  # its own check refused it on read
+                rows.append((what, False, exc.message))
+                continue
+            except TorchLensError:
+                continue  # a sublayer that did not run here (cross-attention without encoder states)
+            if out is not None:
+                rows.append((what, out.numel() == pre.numel(),
+                             "" if out.numel() == pre.numel() else f"{tuple(out.shape)} vs {tuple(pre.shape)}"))
+        name = f"blocks.{i}.router"
+        if name in view.names():
+            logits, n = _read(trace, view, name), _n_experts(view, f"blocks.{i}.experts")
+            if not isinstance(logits, str) and logits is not None and n:
+                holds = logits.shape[-1] == n
+                rows.append((f"{name} scores each token over the {n} experts", holds,
+                             "" if holds else f"router output {tuple(logits.shape)}"))
+    return rows
+
+
 def check_layout(trace: Trace, view: ArchView) -> list[tuple[str, bool, str]]:
     """Structural checks of ``view``'s block sites on a recorded forward.
 
     Returns:
         rows ``(identity, holds, detail)``: ``blocks.L.resid_post == blocks.{L+1}.resid_pre`` for
-        each adjacent pair, and ``blocks.L.resid_mid == resid_pre + attn`` where resid_mid is offered.
+        each adjacent pair; each offered attn / mixer / mlp / experts output has resid_pre's size; each
+        router scores every token over the block's experts; ``blocks.L.resid_mid == resid_pre + attn``
+        where resid_mid is offered.
     """
     rows: list[tuple[str, bool, str]] = []
     for i in range(view.n_layers - 1):
@@ -166,6 +240,7 @@ def check_layout(trace: Trace, view: ArchView) -> list[tuple[str, bool, str]]:
             rows.append((what, False, post if isinstance(post, str) else pre))
         else:
             rows.append((what, bool(torch.equal(post, pre)), ""))
+    rows += _role_checks(trace, view)
     for name in view.names("resid_mid"):
         i = name.split(".")[1]
         mid, pre, attn = (_read(trace, view, f"blocks.{i}.{k}") for k in ("resid_mid", "resid_pre", "attn"))

@@ -18,7 +18,7 @@ from ..capture._splice import SUB_SITE, sub_site_label
 from ..capture.hooks import resolve_module
 from ..core.names import nearest
 from ..core.selectors import InModule, Label, ModuleOutput, Selector, _And, _Or, split_pass
-from ..errors import PluginError, SiteNotFoundError, TorchLensError, UnsupportedModelError
+from ..errors import LayoutInferenceError, PluginError, SiteNotFoundError, TorchLensError, UnsupportedModelError
 from ..plugins import adapter_with_owner, generation, report_failure
 from .views import ADAPTER_REMEDY, ArchView, is_canonical
 
@@ -78,7 +78,7 @@ def canonical_selector(model: Any, path: str) -> Selector | None:
         if _NEGATIVE_BLOCK.match(base):
             _refuse_negative_block(model, base, path)
         return None
-    view = _cached_view(model)
+    view = _cached_view(model, strict=True)
     return None if view is None else view.selector(path)
 
 
@@ -246,24 +246,33 @@ def _bind_label(model: nn.Module, selector: Label, strings_as_modules: bool) -> 
     return ModuleOutput(selector.label)
 
 
-def _cached_view(model: Any) -> ArchView | None:
-    """The model's view, rebuilt when plugins changed or its config object or block list did."""
+def _cached_view(model: Any, strict: bool = False) -> ArchView | None:
+    """The model's view, rebuilt when plugins changed or its config object or block list did.
+
+    None when no adapter serves the model; with ``strict``, a layout that could not be inferred
+    (two candidate block lists tie) raises its ``LayoutInferenceError`` instead (a canonical name was asked for).
+    """
     current = generation()
     try:
         hit = _views.get(model)
     except TypeError:  # not weak-referenceable
         hit = None
-    if hit is not None and hit[0] == current and hit[1] == _view_token(model, hit[2]):
-        return hit[2]
-    try:
-        view = arch_view(model)
-    except (UnsupportedModelError, PluginError):
-        view = None
-    try:
-        _views[model] = (current, _view_token(model, view), view)
-    except TypeError:
-        pass
-    return view
+    if hit is None or hit[0] != current or hit[1] != _view_token(model, hit[2]):
+        error = None
+        try:
+            view = arch_view(model)
+        except (UnsupportedModelError, PluginError):
+            view = None
+        except LayoutInferenceError as exc:
+            view, error = None, exc
+        hit = (current, _view_token(model, view), view, error)
+        try:
+            _views[model] = hit
+        except TypeError:
+            pass
+    if strict and hit[3] is not None:
+        raise type(hit[3])(hit[3].message, remedy=hit[3].remedy, **hit[3].fields)
+    return hit[2]
 
 
 def _view_token(model: Any, view: ArchView | None) -> tuple:

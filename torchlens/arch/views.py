@@ -11,6 +11,11 @@ per family, to one of three kinds of site:
 * a module's input — ``blocks.{i}.resid_pre``: after capture, the op that produced the
   block's hidden-state input (so a fork's edit reaches every reader of it); during capture,
   the output of the module that produced it (the previous block, or the embedding stage);
+* where a block has them: ``blocks.{i}.mixer`` (a state-space or linear-attention sequence mixer:
+  Mamba, RWKV-style and hybrid layers; ``attn`` is refused on such a block, naming ``mixer``),
+  ``blocks.{i}.cross_attn`` (an encoder-decoder decoder's attention over the encoder),
+  ``blocks.{i}.router`` (an MoE MLP's gate: its first output is the router logits) and
+  ``blocks.{i}.experts`` (the routed experts' combined output, before any shared expert);
 * an op directly inside a block — ``blocks.{i}.resid_mid``: the residual add between the
   attention and the MLP sublayers. It is an op, not a module output, so it needs the
   function-mode engine (``tl.trace``), which records ops; it works after capture and during it.
@@ -34,7 +39,8 @@ from ..core.indices import python_indices
 from ..core.names import nearest
 from ..core.records import ModuleCall, Op
 from ..core.selectors import ModuleOutput, Selector, split_pass
-from ..errors import SiteNotFoundError, TorchLensError, UnsupportedModelError
+from ..errors import LayoutInferenceError, SiteNotFoundError, TorchLensError
+from .infer import block_candidates, infer_block
 
 if TYPE_CHECKING:
     from ..core.trace import Trace
@@ -44,8 +50,10 @@ __all__ = [
     "ResidualAdd", "base_prefix", "config_dims", "is_canonical",
 ]
 
-KINDS = ("attn", "mlp", "resid_pre", "resid_mid", "resid_post")
-CANONICAL = re.compile(r"^(embed|pos_embed|unembed|blocks\.\d+(\.(attn|mlp|resid_pre|resid_mid|resid_post))?)$")
+# the last four are where a block has them: a state-space / linear-attention mixer (Mamba, the linear layers
+# of hybrids), cross-attention (encoder-decoder decoders), an MoE MLP's router logits and its experts' output
+KINDS = ("attn", "mlp", "resid_pre", "resid_mid", "resid_post", "mixer", "cross_attn", "router", "experts")
+CANONICAL = re.compile(r"^(embed|pos_embed|unembed|blocks\.\d+(\.(" + "|".join(KINDS) + r"))?)$")
 ADAPTER_REMEDY = (
     "Write an adapter: an object with name, model_types and view(model) -> ArchView (build it with "
     "torchlens.arch.Layout), returned from a torchlens_adapters() hookimpl and registered with "
@@ -259,24 +267,52 @@ class Layout:
     unembed: str | None = None
     pos_embed: str | None = None  # a learned position embedding added to the residual (GPT-2's wpe)
 
+    def _contradictions(self, model: nn.Module, adapter: str, blocks: list[str]) -> None:
+        """Refuse a declared attn/mlp that no block has, or that the structure shows in the other role."""
+        if not blocks:
+            return
+        inferred = infer_block(model.get_submodule(blocks[0]), blocks[0])
+        seen = {"attn": inferred.path("attn"), "mlp": inferred.path("mlp")}
+        for role, declared, other in (("attn", self.attn, "mlp"), ("mlp", self.mlp, "attn")):
+            if declared is None:
+                continue
+            why = None
+            if not any(_exists(model, f"{b}.{declared}") for b in blocks):
+                why = f"no block has a module {declared!r}"
+            elif seen[other] is not None and seen[other] == declared and seen[role] != declared:
+                why = f"{declared!r} is the block's {other} by its structure ({role}: {seen[role]!r})"
+            if why is not None:
+                found = [v for v in (seen["attn"], seen["mlp"]) if v]
+                fix = {k: v for k, v in seen.items() if v}
+                raise LayoutInferenceError(
+                    f"adapter {adapter!r} declares {role}={declared!r} for the blocks of {type(model).__name__}, "
+                    f"which contradicts the structure: {why}; the structure shows attn={seen['attn']!r}, "
+                    f"mlp={seen['mlp']!r}", site=role, candidates=found,
+                    remedy=_declare(adapter, self.blocks, **fix))
+
     def view(self, model: nn.Module, adapter: str, *, n_heads: int | None = None,
              n_kv_heads: int | None = None, head_dim: int | None = None, d_model: int | None = None,
              root: str | None = None) -> ArchView:
         """Build the view of ``model``.
 
         Raises:
-            UnsupportedModelError: the block list is not where this layout says.
+            LayoutInferenceError: the block list, or a declared attn/mlp, is not where the structure shows it
+                (the error names what the module tree shows and how to declare it).
         """
         prefix = base_prefix(model) if root is None else root
         container = f"{prefix}{self.blocks}"
         try:
             blocks_module = model.get_submodule(container)
         except AttributeError:
-            raise UnsupportedModelError(
-                f"adapter {adapter!r}: {type(model).__name__} has no block list at {container!r}",
-                remedy="This model's layout differs from its family's; " + ADAPTER_REMEDY,
+            found = [name for _, name in block_candidates(model)]
+            raise LayoutInferenceError(
+                f"adapter {adapter!r} declares blocks={self.blocks!r}, but {type(model).__name__} has no module "
+                f"{container!r}; the block lists its module tree shows: {found or 'none'}",
+                site="blocks", candidates=found,
+                remedy=_declare(adapter, found[0].removeprefix(prefix) if found else "...") + " " + ADAPTER_REMEDY,
             ) from None
         blocks = [f"{container}.{name}" for name, _ in blocks_module.named_children()]
+        self._contradictions(model, adapter, blocks)
         targets: dict[str, Selector | str] = {}
 
         def module_or_absent(address: str | None, what: str) -> Selector | str:
@@ -321,6 +357,12 @@ class Layout:
             targets=targets,
             model_ref=weakref.ref(model),
         )
+
+
+def _declare(adapter: str, blocks: str, **roles: str) -> str:
+    """How to declare the layout the structure shows, in the adapter's ``view()``."""
+    parts = ", ".join([f"blocks={blocks!r}", *(f"{k}={v!r}" for k, v in roles.items())])
+    return f"Fix adapter {adapter!r}: return torchlens.arch.Layout({parts}, ...).view(model, {adapter!r})."
 
 
 def config_dims(config: Any) -> dict[str, int | None]:
@@ -497,18 +539,31 @@ class ArchView:
         """A table of the parts this view found: where each is (block 0) and whether the adapter declared
         it or the generic adapter inferred it (and how), or why it is refused."""
         rows = [("blocks", f"{self.blocks[0].rpartition('.')[0]} ({self.n_layers})" if self.blocks else "-")]
-        for kind in ("attn", "mlp", "resid_pre", "resid_mid", "resid_post"):
-            rows.append((kind, _where(self.targets.get(f"blocks.0.{kind}"))))
+        for kind in KINDS:
+            if kind in KINDS[:5] or any(not _absent(self.targets.get(f"blocks.{i}.{kind}", ""))
+                                        for i in range(self.n_layers)):
+                rows.append((kind, _where(self._first_with(kind))))
         rows += [("embed", _where(self.targets.get("embed"))), ("unembed", _where(self.targets.get("unembed")))]
         if "norms" in self.sources:
             rows.insert(3, ("norms", "(in each block)"))
         heads = f"{self.n_heads} heads ({self.n_kv_heads} kv) x {self.head_dim}, d_model {self.d_model}"
+        width = max(46, *(len(where) + 2 for _, where in rows))
         lines = [f"{self.adapter} adapter, model_type {self.model_type!r}: {heads}",
-                 f"{'part':<11}{'block 0':<46}source"]
+                 f"{'part':<11}{'block 0':<{width}}source"]
         for part, where in rows:
             source = self.sources.get(part) or f"declared by adapter {self.adapter!r}"
-            lines.append(f"{part:<11}{where:<46}{source}")
+            if where.startswith("refused: ") and source.startswith(("absent: ", "refused")):
+                source = "-"  # the cell already says why
+            lines.append(f"{part:<11}{where:<{width}}{source}")
         return "\n".join(lines)
+
+    def _first_with(self, kind: str) -> Any:
+        """Block 0's target of ``kind``, or the first block that has it (a hybrid's attention layer)."""
+        first = self.targets.get(f"blocks.0.{kind}")
+        if not _absent(first):
+            return first
+        return next((t for i in range(self.n_layers) if not _absent(t := self.targets.get(f"blocks.{i}.{kind}"))),
+                    first)
 
     def __repr__(self) -> str:
         return (f"ArchView(adapter={self.adapter!r}, model_type={self.model_type!r}, n_layers={self.n_layers}, "
