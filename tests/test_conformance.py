@@ -34,6 +34,8 @@ def test_a_conforming_family_passes_every_check(tiny_gpt2):
     assert report.names() == [
         "capture equals a plain forward", "capture leaves the model unchanged", "validate", "adapter is 'gpt2'",
         "declared canonical sites are found", "site blocks.0.resid_post == blocks.1.resid_pre",
+        "site blocks.0.attn has resid_pre's size (192)", "site blocks.0.mlp has resid_pre's size (192)",
+        "site blocks.1.attn has resid_pre's size (192)", "site blocks.1.mlp has resid_pre's size (192)",
         "site blocks.0.resid_mid == blocks.0.resid_pre + blocks.0.attn",
         "site blocks.1.resid_mid == blocks.1.resid_pre + blocks.1.attn",
         "replay blocks.0.mlp", "replay blocks.1.mlp", "facets blocks.0.attn", "facets blocks.1.attn"]

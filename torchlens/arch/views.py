@@ -432,7 +432,7 @@ class ArchView:
                                     site=kind)
         suffix = "" if kind == "block" else f".{kind}"
         return [f"blocks.{i}{suffix}" for i in range(self.n_layers)
-                if not _absent(self.targets.get(f"blocks.{i}{suffix}"))]
+                if f"blocks.{i}{suffix}" in self.targets and not _absent(self.targets[f"blocks.{i}{suffix}"])]
 
     def layer_indices(self, layers: Iterable[int] | int | None = None, kind: str | None = None, *,
                       boundaries: bool = False) -> list[int]:
