@@ -160,4 +160,4 @@ def test_a_dictionary_off_the_residual_stream_is_refused(model, trace):
     """The MLP's hidden layer (width 128) does not write the residual stream: no direct path to the logits."""
     err = _refused(model, lambda: tl.features.feature_logit_attrs(trace, "transformer.h.0.mlp.c_fc",
                                                                   ToySAE(d_in=128), 5), FeatureWidthError)
-    assert "residual" in str(err)
+    assert "residual" in str(err) and (err.d_in, err.site_width) == (128, 32)  # both widths: its own, the stream's

@@ -720,6 +720,9 @@ def test_drawing_a_step_beyond_the_generation_is_refused_with_the_number_of_step
     assert not (tmp_path / "step.dot").exists()
     drawn = gen.draw(-1, tmp_path / "step.dot")
     assert drawn.path.read_text() == gen.steps[2].to_dot()
+    assert tl.draw(gen.steps[1]).dot == gen.steps[1].to_dot()  # tl.draw takes a step as it takes a trace
+    with pytest.raises(tl.errors.InvalidArgumentError, match="generation step"):
+        tl.draw(gen)  # the whole generation: which step is not said
 
 
 def test_a_left_padded_batch_and_a_dict_output_equal_plain_generate(tiny_llama):

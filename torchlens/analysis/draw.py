@@ -200,8 +200,11 @@ def _scene_for(obj: Any, depth: Any, rolled: bool, highlight: Any) -> _Scene:
         trace = _compared_trace(obj)
     elif isinstance(obj, Trace):
         trace = obj
+    elif not isinstance(obj, type) and isinstance(getattr(obj, "trace", None), Trace):
+        trace = obj.trace  # an object standing for one trace: a generation's step
     else:
-        raise InvalidArgumentError(f"draw() takes a trace, a fork or a comparison, got {type(obj).__name__}")
+        raise InvalidArgumentError(
+            f"draw() takes a trace, a fork, a generation step or a comparison, got {type(obj).__name__}")
     if not trace.has_op_graph:
         raise InvalidArgumentError(
             "this trace was captured without an op graph (module outputs only), so there is no graph to draw",
@@ -534,7 +537,7 @@ class Drawing:
 
 def draw(obj: Any, path: str | os.PathLike | None = None, *, fmt: str | None = None,
          depth: int | str | None = "auto", focus: Any = None, rolled: bool = False, highlight: Any = None) -> Drawing:
-    """Draw the executed graph of a trace, fork or comparison (see :func:`to_dot` for the options).
+    """Draw the executed graph of a trace, fork, generation step or comparison (see :func:`to_dot` for the options).
 
     Args:
         obj: a Trace, a Fork, or a comparison from ``tl.debug.compare(a, b)``.

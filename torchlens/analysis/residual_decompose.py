@@ -240,7 +240,8 @@ def _stack_tensor(stack: Any, resid_shape: torch.Size) -> torch.Tensor:
         raise InvalidArgumentError(
             f"the stack must be [..., batch, position, d_model] = [..., {', '.join(map(str, resid_shape))}] "
             f"like this trace's residual stream; got {got}",
-            remedy="Pass what tl.decompose_resid(trace, ...) returned for the same trace.")
+            remedy="Pass what tl.decompose_resid(trace, ...) returned for the same trace.",
+            expected_shape=tuple(resid_shape))
     return tensor
 
 

@@ -118,10 +118,12 @@ def feature_logit_attrs(trace: Any, site: Any, sae: Any, tokens: Any, incorrect_
         try:
             out[rows] = logit_attrs(trace, stack, tokens, incorrect_tokens, position=position).float()
         except InvalidArgumentError as exc:
-            if "stack must be" in str(exc):
+            expected = getattr(exc, "expected_shape", None)
+            if expected is not None:
+                resid = expected[-1]
                 raise FeatureWidthError(
-                    f"{name} has width {width}, not the residual stream's: direct logit attribution needs a "
-                    f"dictionary that writes the residual stream", site=name, d_in=width, site_width=width,
+                    f"{name} has width {width}, not the residual stream's ({resid}): direct logit attribution "
+                    f"needs a dictionary that writes the residual stream", site=name, d_in=width, site_width=resid,
                     remedy="Attach the dictionary to a residual-stream site (a block's output, resid_mid, an "
                            "attention or MLP output).") from None
             raise
