@@ -924,3 +924,14 @@ class ToySAE(nn.Module):
 
     def decode(self, f):
         return f @ self.W_dec + self.b_dec
+
+
+def refused(model: nn.Module, call: Any, error: type[BaseException]) -> BaseException:
+    """Run ``call``, which must raise ``error`` with a remedy and leave ``model`` as it was (hooks, weights)."""
+    before, params = hook_state(model), {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(error) as err:
+        call()
+    assert err.value.remedy
+    assert_model_clean(model, before)
+    assert all(torch.equal(v, params[k]) for k, v in model.state_dict().items())
+    return err.value

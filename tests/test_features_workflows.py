@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ToySAE, assert_model_clean, hook_state
+from conftest import ToySAE, refused
 from torch import nn
 
 import torchlens as tl
@@ -151,46 +151,36 @@ def test_several_sites_at_once(tiny_gpt2, sae, tmp_path):
 # -- bad input: a typed error with a remedy, the model unchanged -------------------------------
 
 
-def _refused(model, call, error):
-    before, params = hook_state(model), {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(error) as err:
-        call()
-    assert err.value.remedy
-    assert_model_clean(model, before)
-    assert all(torch.equal(v, params[k]) for k, v in model.state_dict().items())
-    return err.value
-
-
 def test_an_sae_of_another_width_is_refused_naming_both(tiny_gpt2, tmp_path):
-    err = _refused(tiny_gpt2.model, lambda: tl.feature_stats(tiny_gpt2.model, ROWS, {SITE: ToySAE(d_in=16)},
+    err = refused(tiny_gpt2.model, lambda: tl.feature_stats(tiny_gpt2.model, ROWS, {SITE: ToySAE(d_in=16)},
                                                              out=tmp_path / "j", **OPTIONS), FeatureWidthError)
     assert err.d_in == 16 and err.site_width == 32
     assert not list((tmp_path / "j").glob("shard-*"))
 
 
 def test_an_sae_of_another_dtype_is_refused_saying_which(tiny_gpt2, tmp_path):
-    err = _refused(tiny_gpt2.model, lambda: tl.feature_stats(tiny_gpt2.model, ROWS, {SITE: ToySAE().double()},
+    err = refused(tiny_gpt2.model, lambda: tl.feature_stats(tiny_gpt2.model, ROWS, {SITE: ToySAE().double()},
                                                              out=tmp_path / "j", **OPTIONS), FeatureDtypeError)
     assert err.which == "dtype"
 
 
-def test_a_module_without_encode_is_refused(tiny_gpt2, tmp_path):
-    _refused(tiny_gpt2.model, lambda: tl.feature_stats(tiny_gpt2.model, ROWS, {SITE: nn.Linear(32, 8)},
+def test_a_module_without_encode_isrefused(tiny_gpt2, tmp_path):
+    refused(tiny_gpt2.model, lambda: tl.feature_stats(tiny_gpt2.model, ROWS, {SITE: nn.Linear(32, 8)},
                                                        out=tmp_path / "j", **OPTIONS), NotAFeatureDictionaryError)
 
 
 @pytest.mark.parametrize("kwargs", [{"top_k": 0}, {"store": -1}, {"context": (1, -2)}, {"context": "wide"}])
-def test_bad_arguments_are_refused(tiny_gpt2, sae, tmp_path, kwargs):
-    _refused(tiny_gpt2.model, lambda: tl.feature_stats(tiny_gpt2.model, ROWS, {SITE: sae}, out=tmp_path / "j",
+def test_bad_arguments_arerefused(tiny_gpt2, sae, tmp_path, kwargs):
+    refused(tiny_gpt2.model, lambda: tl.feature_stats(tiny_gpt2.model, ROWS, {SITE: sae}, out=tmp_path / "j",
                                                        **kwargs, **OPTIONS), InvalidArgumentError)
 
 
 def test_features_must_be_a_dict_of_sites(tiny_gpt2, sae, tmp_path):
-    _refused(tiny_gpt2.model, lambda: tl.feature_stats(tiny_gpt2.model, ROWS, [sae], out=tmp_path / "j", **OPTIONS),
+    refused(tiny_gpt2.model, lambda: tl.feature_stats(tiny_gpt2.model, ROWS, [sae], out=tmp_path / "j", **OPTIONS),
              InvalidArgumentError)
 
 
-def test_a_feature_out_of_range_is_refused(job):
+def test_a_feature_out_of_range_isrefused(job):
     with pytest.raises(FeatureIndexError) as err:
         job[SITE].top_contexts(100)
     assert err.value.d_sae == 100 and err.value.remedy

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ToySAE, assert_model_clean, hook_reads, hook_state, saelens_sae
+from conftest import ToySAE, hook_reads, refused, saelens_sae
 from tl_oracle import hooked_gpt2, randomized_norms
 from torch import nn
 
@@ -133,31 +133,21 @@ def test_feature_activations_are_the_encoded_site(model, trace, sae):
 # -- bad input ---------------------------------------------------------------------------------
 
 
-def _refused(model, call, error):
-    before, params = hook_state(model), {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(error) as err:
-        call()
-    assert err.value.remedy
-    assert_model_clean(model, before)
-    assert all(torch.equal(v, params[k]) for k, v in model.state_dict().items())
-    return err.value
-
-
 def test_bad_inputs_are_refused_and_change_nothing(model, trace, sae):
-    err = _refused(model, lambda: tl.features.feature_logit_attrs(trace, SITE, ToySAE(d_in=16), 5),
+    err = refused(model, lambda: tl.features.feature_logit_attrs(trace, SITE, ToySAE(d_in=16), 5),
                    FeatureWidthError)
     assert (err.d_in, err.site_width) == (16, 32)
-    err = _refused(model, lambda: tl.features.feature_logit_attrs(trace, SITE, sae, 5, features=[100]),
+    err = refused(model, lambda: tl.features.feature_logit_attrs(trace, SITE, sae, 5, features=[100]),
                    FeatureIndexError)
     assert err.d_sae == 100
-    _refused(model, lambda: tl.features.feature_logit_attrs(trace, SITE, sae, 64), InvalidArgumentError)
-    _refused(model, lambda: tl.features.feature_logit_attrs(trace, SITE, nn.Linear(32, 4), 5),
+    refused(model, lambda: tl.features.feature_logit_attrs(trace, SITE, sae, 64), InvalidArgumentError)
+    refused(model, lambda: tl.features.feature_logit_attrs(trace, SITE, nn.Linear(32, 4), 5),
              NotAFeatureDictionaryError)
-    _refused(model, lambda: tl.features.feature_logit_attrs(trace, SITE, sae, 5, position=6), InvalidArgumentError)
+    refused(model, lambda: tl.features.feature_logit_attrs(trace, SITE, sae, 5, position=6), InvalidArgumentError)
 
 
-def test_a_dictionary_off_the_residual_stream_is_refused(model, trace):
+def test_a_dictionary_off_the_residual_stream_isrefused(model, trace):
     """The MLP's hidden layer (width 128) does not write the residual stream: no direct path to the logits."""
-    err = _refused(model, lambda: tl.features.feature_logit_attrs(trace, "transformer.h.0.mlp.c_fc",
+    err = refused(model, lambda: tl.features.feature_logit_attrs(trace, "transformer.h.0.mlp.c_fc",
                                                                   ToySAE(d_in=128), 5), FeatureWidthError)
     assert "residual" in str(err) and (err.d_in, err.site_width) == (128, 32)  # both widths: its own, the stream's
