@@ -288,7 +288,7 @@ def trace(
         raise CaptureMemoryError(f"{err.message}; no estimate could stop it before the forward, because the "
                                  f"model does not run on fake tensors ({failure})", **err.fields) from err
     if tokenizer is not None:
-        result.set_tokenizer(tokenizer)
+        result.tokenizer = tokenizer
     return result
 
 
@@ -420,7 +420,7 @@ def rerun(model: nn.Module, args: tuple, kwargs: dict, steps: list[Step], until:
         result = _trace(check_model(model), args, kwargs, intervene=steps or None, strict=strict)
     tokenizer = tokenizer_for(model, tokenizer)
     if tokenizer is not None:
-        result.set_tokenizer(tokenizer)
+        result.tokenizer = tokenizer
     return result
 
 

@@ -26,11 +26,13 @@ Tensor = torch.Tensor
 
 class ModuleCalls:
     """The recorder's module-call part (a mixin): ``enter_module`` / ``exit_module`` are the every-module
-    callbacks. It reads ``trace``, ``ops``, ``pending`` (rows of ops not yet records), ``module_steps``,
-    ``stops``, ``save``, ``sink``, ``transient``, ``stale``, ``alias_writes`` and ``trace_ref``, and writes
-    ``stack``, ``top`` and ``unsettled``; the class it is mixed into defines ``_edit_op`` and ``_keep``."""
+    callbacks. It reads ``trace``, ``build`` (the trace's builder), ``ops``, ``pending`` (rows of ops not yet
+    records), ``module_steps``, ``stops``, ``save``, ``sink``, ``transient``, ``stale``, ``alias_writes`` and
+    ``trace_ref``, and writes ``stack``, ``top`` and ``unsettled``; the class it is mixed into defines
+    ``_edit_op`` and ``_keep``."""
 
     trace: Any
+    build: Any
     ops: list[Op]
     pending: list[tuple]
     stack: list[ModuleCall]
@@ -50,7 +52,7 @@ class ModuleCalls:
         address, module, pass_index = info  # a CallInfo is a tuple: unpacked, not read field by field
         call = _new_call(address, pass_index, type(module).__name__, args, kwargs, len(self.ops) + len(self.pending),
                          self.trace_ref)
-        self.trace.add_call(call, self.trace_ref)
+        self.build.add_call(call, self.trace_ref)
         self.stack.append(call)
         self.top = call
 
@@ -144,7 +146,7 @@ class ModuleCalls:
 
     def output_refs(self, output: Any) -> list | None:
         """The ops that produced the model output's tensors, when the outermost module call noted
-        them as it returned ``output`` after the last op (None: ``Graph.finish`` looks them up)."""
+        them as it returned ``output`` after the last op (None: ``TraceBuilder.finish`` looks them up)."""
         calls = self.trace.calls
         if not calls or self.stale:  # a call's refs leave out overwritten ops; the output's do not
             return None

@@ -34,7 +34,7 @@ _REALLOCATES = frozenset({"resize_", "resize_as_"})
 
 
 class CopyOnWrite:
-    """The recorder's copy-on-write part (a mixin). It reads ``trace``, ``ops``, ``transient`` and
+    """The recorder's copy-on-write part (a mixin). It reads ``build`` (the trace's builder), ``ops``, ``transient`` and
     writes ``storage`` (storage key -> indices of the ops whose outputs use it), ``stale``,
     ``alias_writes`` (op index -> the writes through other views into its memory) and ``ghosts``
     (storage key -> records copied before such a write: index, element, geometry, span, dtype,
@@ -42,7 +42,7 @@ class CopyOnWrite:
     class it is mixed into defines ``_update_lean`` (ops stop taking the inlined record once
     there is a storage index to keep) and ``flush`` (makes records of the ops noted so far)."""
 
-    trace: Any
+    build: Any
     ops: list[Op]
     transient: bool
     storage: dict[int, list[int]] | None
@@ -63,7 +63,7 @@ class CopyOnWrite:
         capture keeps only weak references, or its own copy on disk)."""
         out = op._out
         if self.transient and (out is None or isinstance(out, Deferred)):
-            return self.trace.live_value(op.index)
+            return self.build.live_value(op.index)
         return out
 
     def _index_storage(self, op: Op) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..core.builder import TraceBuilder
 from ..core.records import (
     ALIAS_MUTATION,
     DISPATCH,
@@ -41,7 +42,6 @@ from ..core.records import (
 )
 from ..core.selectors import Selector
 from ..core.steps import Step
-from ..core.trace import Trace
 from ..core.tree import clone_value, flatten, unflatten
 from ..edit.edits import AppliedEdit, EditContext, apply_edit, count_changed, land_edit
 from ..errors import CaptureMemoryError, StopCapture
@@ -89,7 +89,7 @@ class EditApplier:
 class Recorder(TorchFunctionMode, CopyOnWrite, ModuleCalls):
     """Records every torch function / tensor method call made while it is active."""
 
-    def __init__(self, trace: Trace, op_steps: list[Step] | None = None, until: Any = None, *,
+    def __init__(self, build: TraceBuilder, op_steps: list[Step] | None = None, until: Any = None, *,
                  save: Selector | None = None, grad: bool = False, sink: Any = None,
                  max_bytes: int | None = None, module_steps: dict[str, list[tuple[int | None, Step]]] | None = None,
                  stops: dict[str, int | None] | None = None) -> None:
@@ -109,9 +109,10 @@ class Recorder(TorchFunctionMode, CopyOnWrite, ModuleCalls):
         # frees them): the peak is bounded, not only what is kept.
         self.save = save
         self.grad = grad  # hook every kept output so a backward leaves its gradient on the trace
-        self.trace = trace
+        self.build = build  # writes the graph
+        self.trace = trace = build.trace  # the trace being built (read by edits, selectors)
         self.trace_ref = weakref.ref(trace)
-        self.ops = trace.ops
+        self.ops = build.ops
         self.counters: dict[str, int] = {}
         self.stack: list[ModuleCall] = []
         self.top: Any = NO_CALL  # stack[-1], or the context of ops outside every module
@@ -126,7 +127,7 @@ class Recorder(TorchFunctionMode, CopyOnWrite, ModuleCalls):
         self.random: list[Op] = []  # ops that drew random numbers (flagged RANDOM): the capture warns
         # Ops recorded inline are noted as rows first, made records by ``flush`` (``add_rows``).
         self.pending: list[tuple] = []
-        self.add_rows = trace.add_recorded_tensor_ops
+        self.add_rows = build.add_recorded_tensor_ops
         self.lean = False
         self._update_lean()
 
@@ -273,7 +274,7 @@ class Recorder(TorchFunctionMode, CopyOnWrite, ModuleCalls):
         dispatcher's moves, ops from TorchLens's or torch's own frames, per-op features."""
         if self.pending:
             self.flush()
-        trace = self.trace
+        build = self.build
         ops = self.ops
         index = len(ops)
         caller = sys._getframe(2)  # skip _record(), __torch_function__
@@ -285,7 +286,7 @@ class Recorder(TorchFunctionMode, CopyOnWrite, ModuleCalls):
             if DISPATCHER_DIRS and is_dispatcher(caller.f_code):
                 # A dispatcher's move of an activation is kept (the model reads its output: an edit
                 # must propagate through it) under its own stem; its weight on/offloads are not ops.
-                if not any(trace.producer_ref(t, index) is not None for t in _tensor_args(args, kwargs)):
+                if not any(self.trace.producer_ref(t, index) is not None for t in _tensor_args(args, kwargs)):
                     return out
                 flags |= DISPATCH
         stack = self.stack
@@ -307,12 +308,12 @@ class Recorder(TorchFunctionMode, CopyOnWrite, ModuleCalls):
         if flags & RANDOM:
             self.random.append(op)
         if not self.transient:
-            trace.add_recorded_op(op, multi)
+            build.add_recorded_op(op, multi)
         else:
             keep = bool(flags & GUARD) or self.save is None or self.save.matches_op(op)
-            trace.add_transient_op(op, multi, keep)
+            build.add_transient_op(op, multi, keep)
             if keep and self.sink is not None and not flags & GUARD:  # guard values stay: replay compares them
-                trace.spill(index, self.sink)
+                build.spill(index, self.sink)
         if not index & CHECK_MASK and self.rss0 is not None:
             self._check_memory()
         if self.grad:
@@ -337,13 +338,13 @@ class Recorder(TorchFunctionMode, CopyOnWrite, ModuleCalls):
 
     def _keep(self, index: int) -> None:
         """Keep op ``index``'s value after all (a saved module returned it), on disk with store=."""
-        trace = self.trace
-        trace.keep_value(index)
+        build = self.build
+        build.keep_value(index)
         op = self.ops[index]
         if not op.saved:
             return
         if self.sink is not None:
-            trace.spill(index, self.sink)
+            build.spill(index, self.sink)
         elif self.storage is not None:  # copy on write protects it from now on
             self._index_storage(op)
         if self.grad:
@@ -353,7 +354,7 @@ class Recorder(TorchFunctionMode, CopyOnWrite, ModuleCalls):
         """Leave the gradient of each output tensor that requires one on the trace, when a backward runs."""
         out = self._live_out(op) if op.saved else None
         leaves = ((None, out),) if isinstance(out, Tensor) else enumerate(out) if out is not None else ()
-        store = self.trace.store_grad
+        store = self.build.store_grad
         with torch._C.DisableTorchFunction():  # our hook, not an op of the model
             for elem, t in leaves:
                 if isinstance(t, Tensor) and t.requires_grad:
@@ -376,7 +377,7 @@ class Recorder(TorchFunctionMode, CopyOnWrite, ModuleCalls):
         if DISPATCHER_DIRS and is_dispatcher(sys._getframe(2).f_code):
             return  # a dispatcher looking at a tensor (its device, its pointer), not the model branching
         code, lineno = self.source()
-        self.trace.record_data_read(position, ref, code, lineno, name, func=func, args_spec=(leaves, spec), seen=seen)
+        self.build.record_data_read(position, ref, code, lineno, name, func=func, args_spec=(leaves, spec), seen=seen)
 
     # -- capture-time edits --------------------------------------------------------------------
     def _edit_op(self, when: Step, value: Any, module: str, module_pass: int, label: str, record) -> Any:
@@ -394,22 +395,22 @@ class Recorder(TorchFunctionMode, CopyOnWrite, ModuleCalls):
             edited = result if spec is None else unflatten(list(result), spec)
             applied = AppliedEdit(when.site.describe(), label, module_pass, count_changed(value, edited), "captured",
                                   before=value)
-            land_edit(self.trace, when.edit, applied)  # reported (or refused, strict) before it enters the graph
+            land_edit(self.build, when.edit, applied)  # reported (or refused, strict) before it enters the graph
         finally:
             self.paused = False
         index = len(self.ops)
         op = Op(index, self.label("edit"), applier, "edit", result, module, module_pass, None, 0, tuple(leaves), {},
                 EDIT)
         op._code, op._lineno = getattr(record, "_code", None), getattr(record, "_lineno", 0)
-        self.trace.add_op(op)
+        self.build.add_op(op)
         if self.save is not None:
-            self.trace.link_args(op)  # the value before the edit is not held through its arguments
+            self.build.link_args(op)  # the value before the edit is not held through its arguments
         if spec is None:
-            self.trace.register_tensor(result, index, None)
+            self.build.register_tensor(result, index, None)
         else:
             for i, leaf in enumerate(result):
                 if isinstance(leaf, Tensor):
-                    self.trace.register_tensor(leaf, index, i)
+                    self.build.register_tensor(leaf, index, i)
         if self.storage is not None:
             self._index_storage(op)
         when.fired.append(label)

@@ -55,7 +55,7 @@ class SpliceTools:
         op = rec.ops[ref.index]
         steps = rec.op_steps
         before = [w.site.matches_op(op) for w in steps]  # steps matching its numbered label took it already
-        rec.trace.relabel(ref.index, self.label(part))
+        rec.build.relabel(ref.index, self.label(part))
         self._keep_if_saved(ref.index)
         for when, seen in zip(steps, before):  # capture-time edits of the sub-site (tl.when(site.features, ...))
             if not seen and when.site.matches_op(op):
@@ -84,14 +84,14 @@ class SpliceTools:
             out = value.detach()  # one object per op: producers are found by identity
         finally:
             rec.paused = False
-        trace = rec.trace
+        build = rec.build
         index = len(rec.ops)
         op = Op(index, self.label(part), func, getattr(func, "__name__", part), out, self.call.address,
                 self.call.pass_index, None, 0, tuple(args), {}, 0)
-        trace.add_op(op)
+        build.add_op(op)
         if rec.transient:
-            trace.link_args(op)
-        trace.register_tensor(out, index, None)
+            build.link_args(op)
+        build.register_tensor(out, index, None)
         self._keep_if_saved(index)
         return out
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from .._interrupts import Attached
+from ..core.builder import TraceBuilder
 from ..core.records import INPUT, OPEN, ModuleCall, Op
 from ..core.steps import Step
 from ..core.trace import Trace
@@ -59,8 +60,9 @@ class HooksEngine:
         return 1.0
 
     def capture(self, request: CaptureRequest) -> Trace:
-        trace = Trace(request.model, request.args, request.kwargs, engine=self.name, op_graph=False,
-                      strict=request.strict)
+        build = TraceBuilder(request.model, request.args, request.kwargs, engine=self.name, op_graph=False,
+                             strict=request.strict)
+        trace = build.trace
         edits, _ = _module_steps(request)
         stops = _until_addresses(request)
         wanted: dict[str, None] = {}
@@ -82,7 +84,7 @@ class HooksEngine:
                         ctx = EditContext(when.site.describe(), info.address, info.address, info.pass_index, call,
                                           trace)
                         edited = apply_edit(clone_value(output), when.edit, ctx)
-                        land_edit(trace, when.edit, AppliedEdit(when.site.describe(), info.address, info.pass_index,
+                        land_edit(build, when.edit, AppliedEdit(when.site.describe(), info.address, info.pass_index,
                                                                 count_changed(output, edited), "captured",
                                                                 before=output))
                         when.fired.append(info.address)
@@ -92,7 +94,7 @@ class HooksEngine:
                 with torch._C.DisableTorchFunction():  # our copy, not an op of the model
                     call._out = clone_value(output)
                 handed.append((call, output, _versions(output)))
-                trace.add_call(call)
+                build.add_call(call)
                 if stop_pass != -1 and (stop_pass is None or stop_pass == info.pass_index):
                     raise StopCapture(info.address)
                 if unread and unread.pop(info.address, 0) is None and not unread:
@@ -116,8 +118,7 @@ class HooksEngine:
             # graph) is kept when the model left it as it was; the copy otherwise.
             if _unchanged(handed_out, call._out, versions):
                 call._out = handed_out
-        trace.finish(output, steps=request.intervene, grad=request.grad, complete=complete)
-        return trace
+        return build.finish(output, steps=request.intervene, grad=request.grad, complete=complete)
 
 
 class _GradMode:
@@ -183,18 +184,18 @@ def _any_offload(modules: list[torch.nn.Module]) -> bool:
 _CLASS_HOOK: dict[type, bool] = {}  # module type -> whether the class itself carries ``_hf_hook``
 
 
-def _record_inputs(trace: Trace, args: tuple, kwargs: dict) -> None:
+def _record_inputs(build: TraceBuilder, args: tuple, kwargs: dict) -> None:
     named = [(str(i), a) for i, a in enumerate(args)] + list(kwargs.items())
     for key, value in named:
         leaves, _ = flatten(value)
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
         for j, t in enumerate(tensors):
             label = f"input_{key}" if len(tensors) == 1 else f"input_{key}_{j}"
-            index = len(trace.ops)
+            index = len(build.ops)
             op = Op(index, label, None, "input", t, "", 1, None, 0, (), {}, INPUT)
-            trace.add_op(op)
-            trace.register_tensor(t, index, None)
-            trace.add_input(label)
+            build.add_op(op)
+            build.register_tensor(t, index, None)
+            build.add_input(label)
 
 
 class FunctionModeEngine:
@@ -214,13 +215,14 @@ class FunctionModeEngine:
 
     def _capture(self, request: CaptureRequest) -> Trace:
         model = request.model
-        trace = Trace(model, request.args, request.kwargs, engine=self.name, strict=request.strict)
+        build = TraceBuilder(model, request.args, request.kwargs, engine=self.name, strict=request.strict)
+        trace = build.trace
         module_steps, op_steps = _module_steps(request)
         stops = _until_addresses(request)
         op_until = request.until if request.until is not None and not stops else None
-        recorder = Recorder(trace, op_steps, op_until, save=request.save, grad=request.grad, sink=request.sink,
+        recorder = Recorder(build, op_steps, op_until, save=request.save, grad=request.grad, sink=request.sink,
                             max_bytes=request.max_bytes, module_steps=module_steps, stops=stops)
-        _record_inputs(trace, request.args, request.kwargs)
+        _record_inputs(build, request.args, request.kwargs)
         hooks = ModuleHooks(model)
         hooks.on_every_module(recorder.enter_module, recorder.exit_module)
         output = None
@@ -247,7 +249,7 @@ class FunctionModeEngine:
             if abort is not None:
                 abort()
             raise
-        trace.finish(output, steps=request.intervene, save=request.save, grad=request.grad, complete=complete,
+        build.finish(output, steps=request.intervene, save=request.save, grad=request.grad, complete=complete,
                      stale=recorder.stale, alias_writes=recorder.alias_writes,
                      output_refs=recorder.output_refs(output))
         if recorder.random:

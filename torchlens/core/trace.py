@@ -1,12 +1,12 @@
-"""``Trace``: the record of one real forward, and ``Fork``: an isolated branch of it.
+"""``Trace``: the record of one real forward, read; ``Fork``: an isolated branch of it.
 
-A trace owns the records (ops, module calls). A fork owns only what it changed: a
-dictionary of replaced op values and the recipe of steps that produced them, so forks of
-forks are cheap and never disturb their parent. Both classes are the only writers of their
-state: engines build a trace through its ``add_*`` / ``record_*`` / ``finish`` methods,
-replay changes a fork through ``set_value`` / ``substitute`` / ``set_module_output``.
-Building lives in :class:`~torchlens.core.graph.Graph`, the actions carried out above the
-core (re-running, saving, pictures) in :class:`~torchlens.core.actions.TraceActions`.
+A trace reads one :class:`~torchlens.core.graph.Graph` (the records: ops, module calls, guards,
+the output), which a :class:`~torchlens.core.builder.TraceBuilder` wrote while the forward ran
+(or the loader decoded). A fork holds its parent's ``Graph`` (the same object: records are
+shared, never copied) and owns only what it changed, a
+:class:`~torchlens.core.changes.ForkValues` replay writes through (``fork.changes``), so forks
+of forks are cheap and never disturb their parent. The actions carried out above the core
+(re-running, saving, pictures) come from :class:`~torchlens.core.actions.TraceActions`.
 
 Which value a consumer sees is decided in one place, :meth:`Trace.seen_value`; reads,
 replay, validate and facets all ask it.
@@ -15,7 +15,8 @@ replay, validate and facets all ask it.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from operator import attrgetter
+from typing import Any
 
 import torch
 
@@ -29,9 +30,10 @@ from ..errors import (
     TooManySitesError,
 )
 from .actions import TraceActions
+from .changes import ForkState, ForkValues
 from .graph import MISSING, DataRead, Graph
 from .names import nearest
-from .records import EDIT, ModuleCall, Op, Ref
+from .records import ModuleCall, Op, Ref
 from .selectors import Label, Selector, as_selector, split_pass
 from .services import services
 from .sites import ModuleSites, Site, Sites
@@ -41,45 +43,116 @@ from .text import decode_tokens, input_ids_of, token_position
 from .tree import Pending, Withheld, flatten, held_tensors, replace_held, unflatten
 from .writes import fold
 
-__all__ = ["DataRead", "Fork", "ForkState", "Trace"]
+__all__ = ["DataRead", "Fork", "Trace"]
 
-class ForkState(NamedTuple):
-    """A copy of what a fork changed: op values, substitutions, module outputs, recipe, edits."""
-
-    values: dict[int, Any]
-    subst: dict[int, tuple[int, Any]]
-    overrides: dict[str, Any]
-    recipe: list[Step]
-    edits: list[Any]
+_NO_VALUES: dict[int, Any] = {}  # a trace's own op values: none (only a fork recomputes); never written
 
 
-class Trace(Graph, TraceActions):
+def _recorded(name: str, doc: str) -> property:
+    """A read-only property giving the graph's ``name`` (the records a trace and its forks share)."""
+    return property(attrgetter(f"_graph.{name}"), doc=doc)
+
+
+class Trace(TraceActions):
     """The record of one forward: every executed op, every module call, inputs and output.
 
     Read it with ``trace[label_or_address]``, ``trace.layers``, ``trace.modules`` and
     ``trace.find_sites(selector)``; edit it after the fact with ``trace.fork().do(...)``.
+    Capture engines and the loader build it through a
+    :class:`~torchlens.core.builder.TraceBuilder`; a trace itself only reads.
     """
 
     _sweeping: SweepBlock | None = None  # the open ``with trace.sweep():`` block queuing its forks' edits
+    # the tokenizer the inputs were made with (tokenizer=, or model.tokenizer; ``tokens`` and ``str_tokens``
+    # read it); a trace loaded from disk has none until one is set: ``trace.tokenizer = tok``
+    tokenizer: Any = None
+
+    def __init__(self, graph: Graph, *, name: str = "trace", tokenizer: Any = None) -> None:
+        self._graph = graph
+        self.name = name
+        self.tokenizer = tokenizer
+
+    # -- the records (shared with every fork of this trace) ----------------------------------------
+    model = _recorded("model", "The model that ran (None for a trace loaded from disk).")
+    strict = _recorded("strict", "Whether an edit on it (or its forks) that changes nothing raises, not warns.")
+    args = _recorded("args", "The forward's positional inputs.")
+    kwargs = _recorded("kwargs", "The forward's keyword inputs.")
+    engine = _recorded("engine", "The capture engine that recorded it (shown and saved, never branched on).")
+    ops = _recorded("ops", "Every recorded op record (``Op``), in execution order.")
+    calls = _recorded("calls", "Every module call record (``ModuleCall``), in the order they returned.")
+    input_layers = _recorded("input_layers", "Labels of the input ops.")
+    output_layers = _recorded("output_layers", "Labels of the ops whose tensors the model returned.")
+    data_reads = _recorded("data_reads", "The data-dependent reads the forward made (guards), in order.")
+    grad = _recorded("grad", "Whether the capture ran with autograd (replay follows it).")
+    complete = _recorded("complete", "False for a transaction stopped early (``run_transaction``).")
+    fingerprint = _recorded("fingerprint", "The model's fingerprint, for a trace loaded from disk.")
+    saved_tensor_names = _recorded("saved_tensor_names", "Parameter names a loaded trace was saved with.")
+    has_op_graph = _recorded("op_graph", "Whether every op of the forward was recorded (replay and validate "
+                                         "need it).")
+    nbytes = _recorded("nbytes", "Bytes held by the recorded op values and module outputs (each storage "
+                                 "counted once).")
+
+    @property
+    def steps(self) -> list[Step]:
+        """The capture-time steps (``tl.when``) that made this forward, in order."""
+        return self._graph.steps
+
+    @property
+    def edits(self) -> list[Any]:
+        """The edits that landed (``AppliedEdit``), in order: capture-time, then a fork's own."""
+        return self._graph.edits
+
+    @property
+    def unsaved_steps(self) -> list[str]:
+        """Why steps of a trace loaded from disk could not be saved."""
+        return self._graph.unsaved_steps
+
+    def require_op_graph(self, what: str) -> None:
+        """Raise ``ReplayNotExactError`` naming ``what`` when this trace holds no op graph."""
+        self._graph.require_op_graph(what)
+
+    def ensure_graph(self) -> None:
+        """Link every op's arguments to the ops that produced them and note each op's children
+        (derived once, on the first read that needs them)."""
+        self._graph.ensure_graph()
+
+    def producer_ref(self, tensor: Any, before: int) -> Ref | None:
+        """The op that last produced ``tensor`` before op index ``before`` (None: not recorded)."""
+        return self._graph.producer_ref(tensor, before)
+
+    def passes_of(self, address: str) -> int:
+        """How many calls of the module at ``address`` were recorded (``ModuleCall.n_passes``)."""
+        return self._graph.passes_of(address)
+
+    def grad_of(self, op: Op) -> Any:
+        """The gradient of op ``op``'s output (a tuple for a multi-output op).
+
+        Raises:
+            ValueNotSavedError: no gradient was recorded for it (see the message for why).
+        """
+        return self._graph.grad_of(op)
+
+    def capture_edit_of(self, index: int) -> int | None:
+        """Index of the last capture-time ``edit_N`` op that replaced op ``index``'s output (None: none)."""
+        return self._graph.capture_edit_of(index)
+
     # -- which value a consumer sees (the one rule) ---------------------------------------------
     def value(self, index: int, *, pending_ok: bool = False) -> Any:
         """Op ``index``'s own output in this trace (a fork's recomputed value when it has one);
         ``pending_ok`` returns a value replay stored unbuilt (a ``Pending``) as it is."""
-        v = self._values.get(index, MISSING)
-        if v is MISSING:
-            return self.ops[index].out
-        if not pending_ok and isinstance(v, Pending):
-            v = self._values[index] = v.resolve()  # built once, on the first read
-        return v
+        return self._graph.ops[index].out
 
     def has_value(self, index: int) -> bool:
         """Whether op ``index``'s output can be read here (kept by the capture, or a fork's own value)."""
-        return index in self._values or self.ops[index].saved
+        return self._graph.ops[index].saved
 
     def held_values(self) -> list[Any]:
         """What this trace keeps beyond its ops' recorded outputs (a fork's recomputed values; an
         unbuilt one as the tensors it holds), as they are: reading them builds nothing."""
-        return [v.held() if isinstance(v, Pending) else v for v in self._values.values()]
+        return []
+
+    def _own_values(self) -> dict[int, Any]:
+        return _NO_VALUES
 
     def seen_value(self, ref: Ref, consumer: int | ModuleCall | None = None, *, pending_ok: bool = False) -> Any:
         """The value ``ref`` names as ``consumer`` sees it.
@@ -90,7 +163,7 @@ class Trace(Graph, TraceActions):
         producing op's own value: later ops, the model output and modules returning after
         the edited one (or enclosing it) see the edit; a submodule that returned first does not.
         """
-        writes = self._alias_writes.get(ref.index) if self._alias_writes and consumer is not None else None
+        writes = self._graph.alias_writes.get(ref.index) if self._graph.alias_writes and consumer is not None else None
         v = self.value(ref.index, pending_ok=pending_ok and ref.elem is None and writes is None)
         sub = self._substitution(ref.index)
         since = 0
@@ -108,7 +181,7 @@ class Trace(Graph, TraceActions):
         (``torchlens.core.writes``). ``written`` gives a write op's value by index (default: this
         trace's). Unchanged when no write precedes the reader, or one cannot be laid out again
         (``reproduces_writes`` says so)."""
-        due = [w for w in self._alias_writes.get(ref.index, ())
+        due = [w for w in self._graph.alias_writes.get(ref.index, ())
                if w.elem == ref.elem and since <= w.op < position]
         if not due or not all(w.reproducible for w in due) or not isinstance(value, torch.Tensor):
             return value
@@ -123,25 +196,26 @@ class Trace(Graph, TraceActions):
         """The first in-place op that wrote into op ``index``'s memory through another view in a way
         replay cannot lay out again (the memory may move, or the view reinterprets the dtype); None:
         there is none. A loaded trace does not keep the writes: any write it noted counts."""
-        if index in self._stale and not self._alias_writes:  # loaded from disk: where it wrote is not kept
-            return self.ops[self._stale[index]]
-        for w in self._alias_writes.get(index, ()):
+        if index in self._graph.stale and not self._graph.alias_writes:  # loaded from disk: where it wrote is not kept
+            return self._graph.ops[self._graph.stale[index]]
+        for w in self._graph.alias_writes.get(index, ()):
             if not w.reproducible:
-                return self.ops[w.op]
+                return self._graph.ops[w.op]
         return None
 
     def writes_between(self, index: int, start: int, end: int) -> list[int]:
         """The in-place ops at positions ``start <= p < end`` that wrote into op ``index``'s memory
         through another view (a reader at ``end`` depends on them)."""
-        return [w.op for w in self._alias_writes.get(index, ()) if start <= w.op < end] if self._alias_writes else []
+        writes = self._graph.alias_writes
+        return [w.op for w in writes.get(index, ()) if start <= w.op < end] if writes else []
 
     def stale_positions(self) -> dict[int, int]:
         """Every op whose memory an in-place op overwrote, with the position it happened at."""
-        return dict(self._stale)
+        return dict(self._graph.stale)
 
     def stale_after(self, index: int) -> int | None:
         """Position after which op ``index``'s memory was overwritten in place (None: never)."""
-        return self._stale.get(index)
+        return self._graph.stale.get(index)
 
     def _substitution(self, index: int) -> tuple[int, Any] | None:
         return None
@@ -157,7 +231,7 @@ class Trace(Graph, TraceActions):
         """Whether ``reader`` returned after the edited module that replaced op ``index``."""
         for key in self._module_outputs():
             address, pass_index = key.rsplit(":", 1)
-            calls = self._calls_by_address.get(address, ())
+            calls = self._graph.calls_by_address.get(address, ())
             edited = calls[int(pass_index) - 1] if 0 < int(pass_index) <= len(calls) else None
             if edited is None or not any(r is not None and r.index == index for r in edited.out_refs):
                 continue
@@ -181,25 +255,9 @@ class Trace(Graph, TraceActions):
             if edit_index is None:
                 return self.seen_value(Ref(record.index, None))
             edited = self.seen_value(Ref(edit_index, None))
-            spec = getattr(self.ops[edit_index].func, "spec", None)  # a structured output, flattened by the edit
+            spec = getattr(self._graph.ops[edit_index].func, "spec", None)  # a structured output, flattened by the edit
             return edited if spec is None else unflatten(list(edited), spec)
         return self.module_output(record)
-
-    _edit_targets: tuple[int, dict[int, int]] | None = None  # (ops seen, {op index: its last edit op})
-
-    def capture_edit_of(self, index: int) -> int | None:
-        """Index of the last capture-time ``edit_N`` op that replaced op ``index``'s output (None: none)."""
-        cached = self._edit_targets
-        if cached is None or cached[0] != len(self.ops):
-            found: dict[int, int] = {}
-            for op in self.ops:
-                if op.flags & EDIT:
-                    # The edit op's function knows its target (an Op, or a ModuleCall for a module edit).
-                    target = getattr(getattr(op.func, "ctx", None), "op", None)
-                    if isinstance(target, Op):
-                        found[target.index] = op.index
-            cached = self._edit_targets = (len(self.ops), found)
-        return cached[1].get(index)
 
     def module_output(self, call: ModuleCall) -> Any:
         """What module call ``call`` returned in this trace (an edited output on a fork)."""
@@ -217,7 +275,7 @@ class Trace(Graph, TraceActions):
         changed = False
         for i, ref in enumerate(call.out_refs):
             if ref is None:
-                if self._held and id(raw_leaves[i]) in self._held:
+                if self._graph.held and id(raw_leaves[i]) in self._graph.held:
                     v = self.held_now(raw_leaves[i])
                     changed = changed or v is not raw_leaves[i]
                     raw_leaves[i] = v
@@ -240,17 +298,17 @@ class Trace(Graph, TraceActions):
     @property
     def output(self) -> Any:
         """The model's return value (rebuilt from edited values on a fork)."""
-        if not self._values and not self._module_outputs():
-            return self.recorded_output()  # its tensors read back from disk with store=
-        leaves, spec = flatten(self._output_raw)
-        for i, ref in enumerate(self._output_refs):
+        if not self._own_values() and not self._module_outputs():
+            return self._graph.recorded_output()  # its tensors read back from disk with store=
+        leaves, spec = flatten(self._graph.output_raw)
+        for i, ref in enumerate(self._graph.output_refs):
             # Memory of the producing op overwritten (through another view) before the model returned:
             # the recorded op does not describe what was returned, the returned tensor does.
             if ref is not None and self.stale_after(ref.index) is None:
                 leaves[i] = self.seen_value(ref)
             elif ref is not None and self.reproduces_writes(ref.index):  # with the writes made before the return
-                leaves[i] = self.seen_value(ref, len(self.ops))
-            elif ref is None and self._held and id(leaves[i]) in self._held:
+                leaves[i] = self.seen_value(ref, len(self._graph.ops))
+            elif ref is None and self._graph.held and id(leaves[i]) in self._graph.held:
                 leaves[i] = self.held_now(leaves[i])
         return unflatten(leaves, spec)
 
@@ -258,25 +316,25 @@ class Trace(Graph, TraceActions):
         """``obj``, an object of the model output that ``flatten`` keeps whole (a KV cache), as this
         trace has it: a copy holding this fork's values for the tensors replay recomputed (a cache's
         keys and values after an edit upstream of them), else ``obj`` itself."""
-        entry = self._held.get(id(obj))
+        entry = self._graph.held.get(id(obj))
         if entry is None or entry[0] is not obj:
             return obj
         current = dict(held_tensors(obj))
         new = dict(current)
         changed = False
         for path, ref in entry[1]:
-            if ref is None or path not in current or (ref.index not in self._values
+            if ref is None or path not in current or (ref.index not in self._own_values()
                                                       and self._substitution(ref.index) is None):
                 continue
             if self.stale_after(ref.index) is not None and not self.reproduces_writes(ref.index):
                 # memory written again through a view in a way replay cannot lay out again: not op's value
                 return Withheld(obj, ReplayNotExactError(
                     f"this fork cannot give its {type(obj).__name__}: its {'.'.join(str(key) for _, key in path)} "
-                    f"comes from op {self.ops[ref.index].label}, whose memory an in-place op overwrote through a "
-                    "view before the model returned, so replay cannot rebuild it, and the recorded one is stale",
-                    op_label=self.ops[ref.index].label,
+                    f"comes from op {self._graph.ops[ref.index].label}, whose memory an in-place op overwrote through "
+                    "a view before the model returned, so replay cannot rebuild it, and the recorded one is stale",
+                    op_label=self._graph.ops[ref.index].label,
                     remedy="Re-execute the real forward: fork.do(site, edit, model=model, inputs=x)."))
-            v = self.seen_value(ref, len(self.ops) if self.stale_after(ref.index) is not None else None)
+            v = self.seen_value(ref, len(self._graph.ops) if self.stale_after(ref.index) is not None else None)
             if v is not current[path]:
                 new[path] = v
                 changed = True
@@ -284,24 +342,24 @@ class Trace(Graph, TraceActions):
 
     @property
     def output_refs(self) -> list[Ref | None]:
-        return list(self._output_refs)
+        return list(self._graph.output_refs)
 
     @property
     def raw_output(self) -> Any:
         """The model's return value as the forward produced it (no fork edits)."""
-        return self.recorded_output()
+        return self._graph.recorded_output()
 
     # -- navigating --------------------------------------------------------------------------
     @property
     def layers(self) -> list[Site]:
         """Every recorded op in execution order (inputs first)."""
-        return [Site(self, op) for op in self.ops]
+        return [Site(self, op) for op in self._graph.ops]
 
     @property
     def modules(self) -> ModuleSites:
         """Every module call in the order the calls started; also indexed by address
         (``trace.modules["transformer.h.0"]``, ``"block:2"``), like ``trace[...]``."""
-        return ModuleSites(self, [Site(self, c) for c in sorted(self.calls, key=lambda c: c.op_start)])
+        return ModuleSites(self, [Site(self, c) for c in sorted(self._graph.calls, key=lambda c: c.op_start)])
 
     def module_call(self, key: str) -> ModuleCall:
         """The module call an address names (``addr``, ``addr:N``, or a canonical name).
@@ -314,7 +372,7 @@ class Trace(Graph, TraceActions):
             raise InvalidArgumentError(f"trace.modules[...] takes a module address or a position, "
                                        f"got {type(key).__name__}")
         address, pass_index = split_pass(key)
-        calls = self._calls_by_address.get(address)
+        calls = self._graph.calls_by_address.get(address)
         if calls:
             return self._pick_pass(key, address, pass_index, calls)
         found = None
@@ -325,26 +383,26 @@ class Trace(Graph, TraceActions):
                 found = None
         if isinstance(found, ModuleCall):
             return found
-        near = nearest(key, self._calls_by_address)
+        near = nearest(key, self._graph.calls_by_address)
         raise SiteNotFoundError(f"{key!r} is not the address of a module that ran in this trace; nearest: {near}",
                                 site=key, candidates=near)
 
     @property
     def module_addresses(self) -> list[str]:
-        return list(self._calls_by_address)
+        return list(self._graph.calls_by_address)
 
     def calls_of(self, address: str) -> list[ModuleCall]:
         """Every call of the module at ``address``, in order (empty if it never ran)."""
-        return list(self._calls_by_address.get(address, ()))
+        return list(self._graph.calls_by_address.get(address, ()))
 
     def has_label(self, label: str) -> bool:
-        return label in self._labels
+        return label in self._graph.labels
 
     def op_index(self, label: str) -> int | None:
-        return self._labels.get(label)
+        return self._graph.labels.get(label)
 
     def __len__(self) -> int:
-        return len(self.ops)
+        return len(self._graph.ops)
 
     def __iter__(self) -> Iterator[Site]:
         return iter(self.layers)
@@ -376,16 +434,16 @@ class Trace(Graph, TraceActions):
         """
         if not isinstance(key, str):
             raise InvalidArgumentError(f"trace[...] takes an op label or module address, got {type(key).__name__}")
-        index = self._labels.get(key)
+        index = self._graph.labels.get(key)
         if index is not None:
-            return self.ops[index]
+            return self._graph.ops[index]
         address, pass_index = split_pass(key)
-        calls = self._calls_by_address.get(address)
+        calls = self._graph.calls_by_address.get(address)
         if calls:
             return self._pick_pass(key, address, pass_index, calls)
         bound = self.bind(Label(key)) if self.model is not None else None
-        if isinstance(bound, Label) and bound.label in self._labels:  # a sub-site named by a canonical site
-            return self.ops[self._labels[bound.label]]
+        if isinstance(bound, Label) and bound.label in self._graph.labels:  # a sub-site named by a canonical site
+            return self._graph.ops[self._graph.labels[bound.label]]
         if bound is not None and not isinstance(bound, Label):
             found = bound.match(self)
             if len(found) == 1:
@@ -393,7 +451,7 @@ class Trace(Graph, TraceActions):
             paths = bound.module_paths()
             if paths and len(paths) == 1 and pass_index is None:
                 real = split_pass(paths[0])[0]
-                return self._pick_pass(key, real, None, self._calls_by_address.get(real, []))
+                return self._pick_pass(key, real, None, self._graph.calls_by_address.get(real, []))
             names = [r.key if isinstance(r, ModuleCall) else r.label for r in found]
             raise AmbiguousSiteError(
                 f"{key!r} matches {len(found)} sites: {names[:8]}", site=key, passes=names,
@@ -402,7 +460,7 @@ class Trace(Graph, TraceActions):
             )
         if self.model is None:
             self._refuse_unresolved_sub_site(key, address)
-        near = nearest(key, [*self._calls_by_address, *self._labels])
+        near = nearest(key, [*self._graph.calls_by_address, *self._graph.labels])
         raise SiteNotFoundError(
             f"{key!r} is neither an op label nor a module address of this trace; nearest: {near}",
             site=key,
@@ -418,11 +476,11 @@ class Trace(Graph, TraceActions):
             SiteNotFoundError: always, when such sub-sites exist (nothing otherwise).
         """
         head, _, part = address.rpartition(".")
-        if not head or head in self._calls_by_address:
+        if not head or head in self._graph.calls_by_address:
             return
-        real = sorted(label for label in self._labels
+        real = sorted(label for label in self._graph.labels
                       if split_pass(label)[0].rpartition(".")[2] == part
-                      and split_pass(label)[0].rpartition(".")[0] in self._calls_by_address)
+                      and split_pass(label)[0].rpartition(".")[0] in self._graph.calls_by_address)
         if real:
             raise SiteNotFoundError(
                 f"{key!r} names its site {head!r} by a name this trace cannot resolve: it has no model (loaded "
@@ -456,7 +514,7 @@ class Trace(Graph, TraceActions):
 
     def __getitem__(self, key: str | int) -> Site:
         if isinstance(key, int):
-            return Site(self, self.ops[key])
+            return Site(self, self._graph.ops[key])
         return Site(self, self.lookup(key))
 
     def find_sites(self, selector: Any, max_fanout: int | None = None) -> Sites:
@@ -483,17 +541,11 @@ class Trace(Graph, TraceActions):
         """The error for a selector that matched nothing, with the names nearest to the one it uses."""
         name = next((v for v in (getattr(sel, a, None) for a in ("path", "name", "label")) if isinstance(v, str)),
                     sel.describe())
-        near = nearest(name, [*self._calls_by_address, *self._labels])
+        near = nearest(name, [*self._graph.calls_by_address, *self._graph.labels])
         return EmptySelectionError(f"{sel.describe()} matches nothing in this trace; nearest names: {near}",
                                    site=sel.describe(), candidates=near)
 
     # -- text: the input's tokens (docs/concepts.md, "Text in") ----------------------------------
-    tokenizer: Any = None  # the tokenizer the trace was made with (tokenizer=, or model.tokenizer)
-
-    def set_tokenizer(self, tokenizer: Any) -> None:
-        """Remember the tokenizer the inputs were made with (``tokens`` and ``str_tokens`` read it)."""
-        self.tokenizer = tokenizer
-
     @property
     def tokens(self) -> Any:
         """The input's token ids ``[batch, tokens]`` (padding included), for a trace made from text or
@@ -626,7 +678,7 @@ class Trace(Graph, TraceActions):
 
     def __repr__(self) -> str:
         return (
-            f"<{type(self).__name__} {self.name!r}: {len(self.ops)} ops, {len(self.calls)} module calls, "
+            f"<{type(self).__name__} {self.name!r}: {len(self._graph.ops)} ops, {len(self._graph.calls)} module calls, "
             f"outputs {self.output_layers}>"
         )
 
@@ -646,98 +698,94 @@ def _edit_pairs(item: Any) -> list[tuple[Any, Any]]:
 
 
 class Fork(Trace):
-    """A branch of a trace. Shares every record and unchanged value with its parent."""
+    """A branch of a trace. Holds its parent's records (the same ``Graph``) and every unchanged
+    value through them; what it changed is its own ``changes`` (a ``ForkValues``)."""
 
     # what the fork changed: read through Deferred, which first replays edits a sweep block queued
-    _values = Deferred()
-    _subst = Deferred()
-    _overrides = Deferred()
-    recipe = Deferred()
-    edits = Deferred()
+    changes = Deferred()
 
     def __init__(self, parent: Trace, name: str | None = None) -> None:
-        state = parent.fork_state() if isinstance(parent, Fork) else None  # (replays its queued edits)
-        self._share(parent)
+        if isinstance(parent, Fork):
+            own = parent.changes.copy()  # (replays the parent's queued edits first)
+        else:
+            own = ForkValues(edits=parent.edits, unsaved_steps=parent.unsaved_steps, strict=parent.strict)
+        super().__init__(parent._graph, name=name or f"{parent.name}/fork", tokenizer=parent.tokenizer)
         self._deferred: Any = None  # the SweepBlock holding this fork's queued edits, or the error they met
-        self._sweeping = None  # a block of the parent queues nothing of its forks' forks
         self.parent = parent
-        self.name = name or f"{parent.name}/fork"
-        self._values = dict(parent._values)
-        self._subst: dict[int, tuple[int, Any]] = dict(state.subst) if state else {}
-        self._overrides: dict[str, Any] = dict(state.overrides) if state else {}
-        self.recipe: list[Step] = list(state.recipe) if state else []
-        self.edits = list(parent.edits)
-
-    def _share(self, other: Trace) -> None:
-        """Take every record and setting of ``other`` (records are shared, never copied)."""
-        self.__dict__.update(other.__dict__)
+        self.changes = own
 
     # -- reading fork state ------------------------------------------------------------------
+    @property
+    def steps(self) -> list[Step]:
+        """The capture-time steps of the trace this fork branched from (its own are its ``recipe``)."""
+        return self.parent.steps
+
+    @property
+    def edits(self) -> list[Any]:
+        """The edits that landed (``AppliedEdit``), in order: the parent's, then this fork's own."""
+        return self.changes.edits
+
+    @property
+    def recipe(self) -> list[Step]:
+        """The replay steps this fork applied, in order."""
+        return self.changes.recipe
+
+    @property
+    def unsaved_steps(self) -> list[str]:
+        """Why steps could not be saved (a trace or fork loaded from disk)."""
+        return self.changes.unsaved_steps
+
+    def value(self, index: int, *, pending_ok: bool = False) -> Any:
+        values = self.changes.values
+        v = values.get(index, MISSING)
+        if v is MISSING:
+            return self._graph.ops[index].out
+        if not pending_ok and isinstance(v, Pending):
+            v = values[index] = v.resolve()  # built once, on the first read
+        return v
+
+    def has_value(self, index: int) -> bool:
+        return index in self.changes.values or self._graph.ops[index].saved
+
+    def held_values(self) -> list[Any]:
+        return [v.held() if isinstance(v, Pending) else v for v in self.changes.values.values()]
+
+    def _own_values(self) -> dict[int, Any]:
+        return self.changes.values
+
     def _substitution(self, index: int) -> tuple[int, Any] | None:
-        return self._subst.get(index) if self._subst else None
+        subst = self.changes.subst
+        return subst.get(index) if subst else None
 
     def _module_outputs(self) -> dict[str, Any]:
-        return self._overrides
+        return self.changes.overrides
 
     def fork_state(self) -> ForkState:
         """A copy of what this fork changed (for saving and inspection)."""
-        return ForkState({i: self.value(i) for i in self._values}, dict(self._subst), dict(self._overrides),
-                         list(self.recipe), list(self.edits))
+        own = self.changes
+        return ForkState({i: self.value(i) for i in own.values}, dict(own.subst), dict(own.overrides),
+                         list(own.recipe), list(own.edits))
 
     def module_override(self, key: str) -> Any:
         """The edited output of module call ``key`` on this fork (``MISSING``-free: None if none)."""
-        return self._overrides.get(key)
+        return self.changes.overrides.get(key)
 
     def has_module_override(self, key: str) -> bool:
-        return key in self._overrides
+        return key in self.changes.overrides
 
     def all_steps(self) -> list[Step]:
         return [*self.steps, *self.recipe]
 
-    # -- changing fork state (replay, re-execution, loading) -----------------------------------
-    def set_value(self, index: int, value: Any) -> None:
-        """Op ``index``'s own output on this fork is now ``value`` (a module substitution for it ends)."""
-        self._values[index] = value
-        self._subst.pop(index, None)
-
-    def set_recomputed(self, index: int, value: Any) -> None:
-        """Replay recomputed op ``index``; module substitutions of it stay."""
-        self._values[index] = value
-
-    def substitute(self, index: int, position: int, value: Any) -> None:
-        """Readers from op position ``position`` on see ``value`` for op ``index`` (a module edit)."""
-        self._subst[index] = (position, value)
-
-    def set_module_output(self, key: str, value: Any) -> None:
-        """The edited output of module call ``key``."""
-        self._overrides[key] = value
-
-    def add_step(self, step: Step) -> None:
-        if step.phase != REPLAY:
-            step = Step(step.site, step.edit, REPLAY)
-        self.recipe.append(step)
-
-    def drop_last_step(self) -> None:
-        self.recipe.pop()
-
+    # -- becoming a re-executed capture --------------------------------------------------------
     def adopt(self, fresh: Trace, recipe: list[Step]) -> None:
-        """Become ``fresh`` (a re-executed capture) while staying this fork of the same parent."""
-        parent, name = self.parent, self.name
-        self._share(fresh)
-        self.take_records()  # else they point at ``fresh``, gone once this returns (labels lost their pass)
-        self.parent, self.name = parent, name
-        self.steps = list(parent.steps)
-        self.recipe = list(recipe)
-        self._values, self._subst, self._overrides = {}, {}, {}
-
-    def restore_fork(self, state: ForkState, unsaved_steps: list[str]) -> None:
-        """Set the fork state a loader decoded from disk."""
-        self.unsaved_steps = list(unsaved_steps)
-        self._values = dict(state.values)
-        self._subst = dict(state.subst)
-        self._overrides = dict(state.overrides)
-        self.recipe = list(state.recipe)
-        self.edits = list(state.edits)
+        """Become ``fresh`` (a re-executed capture of this fork's steps) while staying this fork of
+        the same parent: its records are now this fork's, its steps this fork's ``recipe``."""
+        graph = fresh._graph
+        graph.point_records_at(self)  # else they point at ``fresh``, gone once this returns
+        self._graph = graph
+        self.tokenizer = fresh.tokenizer
+        self.changes = ForkValues(recipe=recipe, edits=graph.edits, unsaved_steps=graph.unsaved_steps,
+                                  strict=graph.strict)
 
     def do(self, site: Any, edit: Any, *, model=None, inputs=None, check: bool = False,
            replay: str = "auto") -> Fork:

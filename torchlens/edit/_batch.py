@@ -196,12 +196,12 @@ def push_together(forks: Sequence[Any], steps: Sequence[Step], *, read: Any = No
         del active[i]
         batch.drop(replayer)
         fork = forks[i]
-        fork.restore_fork(before[i], fork.unsaved_steps)
+        fork.changes.restore_fork(before[i], fork.unsaved_steps)
         outcome[i] = exc
 
     for i, (fork, step) in enumerate(zip(forks, steps)):
         before[i] = fork.fork_state()
-        fork.add_step(step)
+        fork.changes.add_step(step)
         replayer = Replayer(fork, sliced=True, read=read)
         if decisions is not None:
             replayer.log.decisions.extend(decisions[i])

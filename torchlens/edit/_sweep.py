@@ -112,14 +112,14 @@ def sweep(forks: Sequence[Any], steps: Sequence[Step], *, read: Any = None,
 
     def restore(members: Sequence[int]) -> None:
         for i in members:
-            forks[i].restore_fork(before[i], forks[i].unsaved_steps)
+            forks[i].changes.restore_fork(before[i], forks[i].unsaved_steps)
             swept[i] = None
 
     landed: dict[int, tuple[int, Any]] = {}
     try:
         replayers = []
         for fork, step, record in zip(forks, steps, records):
-            fork.add_step(step)
+            fork.changes.add_step(step)
             replayer = Replayer(fork, sliced=True, read=read)
             replayer.prepare(fork.recipe[-1], [Target(record)])
             replayers.append(replayer)

@@ -200,8 +200,11 @@ def _caller_stacklevel() -> int:
     return level
 
 
-def land_edit(trace: Any, edit: Any, applied: AppliedEdit) -> None:
-    """Record ``applied`` on ``trace``; an edit that changed no element is reported first.
+def land_edit(target: Any, edit: Any, applied: AppliedEdit) -> None:
+    """Record ``applied`` through ``target``; an edit that changed no element is reported first.
+
+    ``target`` is what writes the edit down: the ``TraceBuilder`` of a capture, or a fork's
+    ``changes`` (a ``ForkValues``) during replay; both say whether the trace is ``strict``.
 
     Every path that applies an edit (capture hooks, the recorder, replay) ends here, so all
     report alike: ``EditHadNoEffect`` is warned, or, on a strict trace
@@ -217,10 +220,10 @@ def land_edit(trace: Any, edit: Any, applied: AppliedEdit) -> None:
         why = hint(applied.before) if callable(hint) and applied.before is not None else ""
         message = (f"the edit {_edit_name(edit)} at {applied.site} (landed on {applied.label}, pass "
                    f"{applied.pass_index}) changed no element of the activation" + (f": {why}" if why else ""))
-        if getattr(trace, "strict", False):
+        if target.strict:
             raise EditHadNoEffectError(message, site=applied.site, label=applied.label)
         warnings.warn(message, EditHadNoEffect, stacklevel=_caller_stacklevel())
-    trace.record_edit(applied)
+    target.record_edit(applied)
 
 
 def _edit_name(edit: Any) -> str:

@@ -75,7 +75,7 @@ class OutputRead(NamedTuple):
             weight = weight[cols]
             bias = None if bias is None else bias[cols]
         replayer.read_value = op.func(x.narrow(self.axis, self.position, 1), weight, bias).squeeze(self.axis)
-        fork.set_recomputed(j, _Unread(op.label))
+        fork.changes.set_recomputed(j, _Unread(op.label))
         replayer.changed.add(j)
         replayer.regions[j] = WHOLE
         n = x.shape[self.axis]

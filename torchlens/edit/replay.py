@@ -99,13 +99,13 @@ def replay_step(fork, step: Step, *, model=None, inputs=None, check: bool = Fals
     if not records:
         raise EmptySelectionError(f"{step.site.describe()} matches nothing in this trace", site=step.site.describe())
     before = fork.fork_state()
-    fork.add_step(step)
+    fork.changes.add_step(step)
     step = fork.recipe[-1]
     try:
         with torch.set_grad_enabled(fork.grad):
             Replayer(fork, sliced=sliced).push(step, [Target(r) for r in records])
     except GuardChangedError as exc:
-        fork.restore_fork(before, fork.unsaved_steps)
+        fork.changes.restore_fork(before, fork.unsaved_steps)
         if replay == "strict" or (replay == "auto" and fork.model is None):
             raise
         if fork.model is None:
@@ -117,10 +117,10 @@ def replay_step(fork, step: Step, *, model=None, inputs=None, check: bool = Fals
         warnings.warn(f"fork {fork.name!r}: {reason}", ReplayFellBack, stacklevel=4)
         return fork
     except ValueNotSavedError as exc:
-        fork.restore_fork(before, fork.unsaved_steps)
+        fork.changes.restore_fork(before, fork.unsaved_steps)
         raise unsaved_for_replay(fork, step, exc) from None
     except BaseException:
-        fork.restore_fork(before, fork.unsaved_steps)
+        fork.changes.restore_fork(before, fork.unsaved_steps)
         raise
     if check:
         check_against_forward(fork)
@@ -462,7 +462,7 @@ class Replayer:
                 self.previous[j] = fork.value(j)
             except ValueNotSavedError:
                 pass
-        fork.set_recomputed(j, new)
+        fork.changes.set_recomputed(j, new)
         self.regions[j] = region
         self.changed.add(j)
 
@@ -506,7 +506,7 @@ class Replayer:
             rows = edit_touches(step.edit, before)
             touched, first = (rows if first else join_touched(touched, rows)), False
             if is_new:
-                land_edit(self.fork, step.edit,
+                land_edit(self.fork.changes, step.edit,
                           AppliedEdit(step.site.describe(), record.label, getattr(record, "pass_index", None)
                                       if isinstance(record, ModuleCall) else record.module_pass,
                                       count_changed(before, value, rows), "replayed", before=before,
@@ -525,7 +525,7 @@ class Replayer:
         else:
             old_leaves = [None if r is None else _elem(self._before(r.index), r.elem) for r in call.out_refs]
         edited, _ = self._run_edits(current, group, call, recompute)
-        fork.set_module_output(call.key, edited)
+        fork.changes.set_module_output(call.key, edited)
         leaves, _ = flatten(edited)
         for ref, leaf, old in zip(call.out_refs, leaves, old_leaves):
             if ref is None:
@@ -538,7 +538,7 @@ class Replayer:
                     f"the output of {call.key} is one element of a multi-output op; replay cannot swap it alone",
                     op_label=self.ops[ref.index].label,
                 )
-            fork.substitute(ref.index, call.op_end, leaf)
+            fork.changes.substitute(ref.index, call.op_end, leaf)
             self.changed.add(ref.index)
 
     def _apply_op(self, op: Op, group) -> None:
@@ -546,7 +546,7 @@ class Replayer:
         old = self._before(op.index)
         current = self.fork.value(op.index)
         edited, touched = self._run_edits(current, group, op, recompute)
-        self.fork.set_value(op.index, edited)
+        self.fork.changes.set_value(op.index, edited)
         # the edits' declared rows bound the comparison only when they edited ``old`` itself
         touched = touched if current is old else None
         self.regions[op.index] = union(self.regions.get(op.index) if recompute else None,

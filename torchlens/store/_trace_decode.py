@@ -19,8 +19,10 @@ from torch.utils import _pytree as pytree
 
 from .._progress import track
 from ..capture._recorder import EditApplier
+from ..core.builder import TraceBuilder
+from ..core.changes import ForkState
 from ..core.records import EDIT, INPUT, NOT_REPLAYABLE, ModuleCall, Op, Ref
-from ..core.trace import DataRead, Fork, ForkState, Trace
+from ..core.trace import DataRead, Fork
 from ..core.tree import flatten
 from ..edit.edits import AppliedEdit, EditContext, _caller_stacklevel
 from ..errors import FunctionsNotResolved, ReplayNotExactError
@@ -100,16 +102,17 @@ def fields(obj: Any, required: set[str], where: str, optional: set[str] = frozen
 def build_trace(m: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Any:
     """The Trace (or Fork) a checked manifest ``m`` and its ``tensors`` describe; run it under ``guarded``."""
     fields(m, _TRACE_KEYS, "the manifest", {"grad", "op_graph", "views"})
-    base = Trace(None)
+    build = TraceBuilder(None)
+    base = build.trace
     dec = Decoder(tensors)
     ops_json = _get(m, "ops", list, "manifest")
     for i, entry in enumerate(track(ops_json, desc="load trace", unit="op")):
-        base.add_op(_decode_op(i, entry, dec))
+        build.add_op(_decode_op(i, entry, dec))
     n = len(base.ops)
     if len({op.label for op in base.ops}) != n:
         raise fail("op labels are not unique")
     for i, entry in enumerate(_get(m, "calls", list, "manifest")):
-        base.add_call(_decode_call(i, entry, dec, n))
+        build.add_call(_decode_call(i, entry, dec, n))
     steps, unsaved_steps = decode_steps(m["steps"], m["unsaved_steps"], dec, "capture")
     for i, entry in enumerate(ops_json):
         if base.ops[i].flags & EDIT:
@@ -121,7 +124,7 @@ def build_trace(m: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Any:
     op_graph = m.get("op_graph", bool(ops_json))  # saved before the field existed: a hooks trace has no ops
     if not isinstance(op_graph, bool):
         raise fail("op_graph must be true or false")
-    base.restore(
+    build.restore(
         name=_str(m, "name", "manifest"),
         engine=_str(m, "engine", "manifest", 100),
         op_graph=op_graph,
@@ -164,7 +167,7 @@ def build_trace(m: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Any:
             raise fail(f"fork override names unknown module call {str(key)[:80]!r}")
         overrides[key] = dec.value(v, f"fork override {key}")
     recipe, unsaved = decode_steps(fork_json["recipe"], fork_json["unsaved_steps"], dec, "replay")
-    fork.restore_fork(ForkState(values, subst, overrides, [s for s in recipe if s is not None],
+    fork.changes.restore_fork(ForkState(values, subst, overrides, [s for s in recipe if s is not None],
                                 _edits(fork_json["edits"])), unsaved)
     dec.check_all_used()
     return fork
