@@ -302,3 +302,109 @@ def test_the_broad_except_rule_sees_a_swallowing_handler():
     assert _broad(handing) and _hands_on(handing)
     assert _broad(bare) and not _hands_on(bare)
     assert not _broad(narrow)
+
+
+# -- a Trace that reads ------------------------------------------------------------------------
+
+# What capture engines and the loader call to build a graph, and what replay calls to change a
+# fork: none of it is on a Trace (TraceBuilder builds, a fork's ``changes`` takes replay's writes).
+GRAPH_BUILDING = ("add_op", "add_call", "add_input", "add_recorded_op", "add_recorded_tensor_ops", "add_transient_op",
+                  "relabel", "link_args", "register_tensor", "spill", "keep_value", "store_grad", "live_value",
+                  "note_held", "record_data_read", "record_edit", "set_output", "finish", "restore", "take_records",
+                  "refs_for_value", "set_tokenizer")
+FORK_WRITES = ("set_value", "set_recomputed", "substitute", "set_module_output", "add_step", "drop_last_step",
+               "restore_fork")
+# 73 before nothing else is added: 44 methods (reading, selecting, fork/forks/sweep/do, run, validate,
+# save, table/draw/summary), 27 properties (the records it reads: ops, calls, output ...) and the two
+# settings name and tokenizer. It was 96 (67 methods) while the graph-building mutators lived on it.
+TRACE_PUBLIC_MAX = 73
+
+
+def _tiny_trace():
+    import torch
+
+    import torchlens as tl
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2)).eval()
+    x = torch.randn(2, 3)
+    return model, x, tl.trace(model, x)
+
+
+def test_trace_public_surface_is_bounded():
+    _, _, trace = _tiny_trace()
+    public = sorted(name for name in dir(trace) if not name.startswith("_"))
+    assert len(public) <= TRACE_PUBLIC_MAX, (
+        f"Trace has {len(public)} public names, more than {TRACE_PUBLIC_MAX}: a trace reads; graph building "
+        f"belongs on TraceBuilder, a fork's writes on fork.changes. Names: {public}")
+
+
+def test_trace_exposes_no_graph_building_mutator():
+    import torch
+
+    import torchlens as tl
+
+    model, x, trace = _tiny_trace()
+    fork = trace.fork()
+    for obj in (trace, fork):
+        found = [name for name in (*GRAPH_BUILDING, *FORK_WRITES) if hasattr(obj, name)]
+        assert not found, f"{type(obj).__name__} exposes writes: {found}"
+    build = tl.TraceBuilder(model, (x,), {})
+    assert all(callable(getattr(build, name)) for name in GRAPH_BUILDING if name not in
+               ("set_output", "take_records", "refs_for_value", "set_tokenizer"))
+    assert all(callable(getattr(fork.changes, name)) for name in FORK_WRITES)
+    for name in ("ops", "calls", "model", "steps", "output_layers", "data_reads"):  # the records are read-only
+        with pytest.raises(AttributeError):
+            setattr(trace, name, [])
+    assert torch.equal(trace.output, model(x)) and len(trace.ops) == 4  # unchanged by the refused writes
+
+
+def test_a_fork_holds_its_parents_records_through_one_shared_object():
+    import torch
+
+    import torchlens as tl
+
+    model, x, trace = _tiny_trace()
+    fork = trace.fork().do("0", tl.zero_ablate())
+    grandchild = fork.fork().do("2", tl.scale(2.0))
+    assert fork._graph is trace._graph and grandchild._graph is trace._graph  # one Graph, not copies
+    # a fork's own attributes: the shared records, its name and tokenizer, its parent, its changes
+    assert set(vars(fork)) == set(vars(grandchild)) == {"_graph", "name", "tokenizer", "parent", "_deferred",
+                                                        "changes"}
+    assert fork.changes is not grandchild.changes and len(grandchild.recipe) == 2 and len(fork.recipe) == 1
+    with torch.no_grad():
+        want = model[2](torch.relu(torch.zeros(2, 3)))  # module 0 zeroed, then ReLU and module 2 as the model does
+    assert torch.allclose(fork.output, want) and torch.allclose(grandchild.output, 2 * want)
+    assert torch.equal(trace.output, model(x))  # the parent never changes
+
+
+def _dict_copies(tree: ast.AST) -> list[int]:
+    """Lines that copy one object's attributes into another wholesale: ``a.__dict__.update(...)``,
+    ``vars(a).update(...)``, ``a.__dict__ = ...``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "update":
+            target = node.func.value
+            if (isinstance(target, ast.Attribute) and target.attr == "__dict__") or (
+                    isinstance(target, ast.Call) and isinstance(target.func, ast.Name) and target.func.id == "vars"):
+                found.append(node.lineno)
+        elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Attribute) and t.attr == "__dict__"
+                                                  for t in node.targets):
+            found.append(node.lineno)
+    return found
+
+
+def test_no_dict_copying():
+    """No object of ``torchlens`` takes another's state by copying its ``__dict__``: a fork holds its
+    parent's records through one explicit shared object (``Graph``), and anything else names what it
+    shares. (The shims mirror nnsight, whose envoys are shallow copies, and copy a function's attributes
+    as ``functools.update_wrapper`` does: not checked there.)"""
+    bad = [f"{path.relative_to(REPO)}:{line}" for path in MODULES["torchlens"].values()
+           for line in _dict_copies(ast.parse(path.read_text(), str(path)))]
+    assert not bad, "__dict__ copying (share one explicit object instead):\n  " + "\n  ".join(bad)
+
+
+def test_the_dict_copying_rule_sees_each_spelling():
+    assert _dict_copies(ast.parse("self.__dict__.update(other.__dict__)")) == [1]
+    assert _dict_copies(ast.parse("vars(self).update(vars(other))")) == [1]
+    assert _dict_copies(ast.parse("self.__dict__ = dict(other.__dict__)")) == [1]
+    assert _dict_copies(ast.parse("module.__dict__['forward'] = f\nstate = dict(self.__dict__)")) == []

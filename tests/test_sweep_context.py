@@ -95,7 +95,7 @@ def test_reading_a_queued_fork_inside_the_block_replays_the_queue(tiny_gpt2):
         b = trace.fork().do("transformer.h.1", scale_row_edit(-1, 3.0))
         logits = a.output.logits  # forces the queue: both forks now hold their edits
         assert block.queued == 0
-        assert len(b.__dict__["recipe"]) == 1  # replayed with a, not at its own read
+        assert len(b.__dict__["changes"].recipe) == 1  # replayed with a, not at its own read
         c = trace.fork().do("transformer.h.1", scale_row_edit(-1, 0.5))
         assert block.queued == 1
         out = c["transformer.h.1"].out  # reading a site of a queued fork forces it too
@@ -119,7 +119,7 @@ def test_an_exception_in_the_block_leaves_the_trace_usable_and_the_queue_replays
         raise KeyError("user code failed")
     assert trace._sweeping is None and block.queued == 2
     fresh = trace.fork().do("transformer.h.0", tl.scale(0.5))  # outside any block: replayed at once
-    assert fresh.__dict__["_deferred"] is None and len(fresh.__dict__["recipe"]) == 1
+    assert fresh.__dict__["_deferred"] is None and len(fresh.__dict__["changes"].recipe) == 1
     for fork, b in zip(forks, ("transformer.h.0", "transformer.h.1")):
         want = edited_forward(model, b, scale_row_hook(-1, 2.0), (ids,)).logits
         assert torch.allclose(fork.output.logits, want, atol=ATOL)
@@ -235,7 +235,7 @@ def test_a_loop_of_row_edits_in_a_block_takes_the_one_pass_sweep_with_no_fallbac
     with pytest.raises(tl.errors.ReplayFallbackError, match="whole value"), trace.sweep() as block:
         whole = trace.fork().do(blocks[0], tl.scale(0.5))
         other = trace.fork().do(blocks[1], scale_row_edit(-1, 0.25))
-    assert block.queued == 2 and whole.__dict__["_values"] == {} and other.__dict__["_values"] == {}
+    assert block.queued == 2 and whole.__dict__["changes"].values == {} and other.__dict__["changes"].values == {}
     monkeypatch.delenv(STRICT_ENV)
     assert torch.allclose(whole.output.logits, trace.fork().do(blocks[0], tl.scale(0.5)).output.logits, atol=ATOL)
     assert whole.edits[-1].replay.decisions == [

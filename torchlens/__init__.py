@@ -16,6 +16,7 @@ from .analysis.residual import accumulated_resid
 from .analysis.residual_decompose import ResidualStack, apply_ln_to_stack, decompose_resid, logit_attrs
 from .api import extract, trace
 from .arch import arch
+from .core.builder import TraceBuilder
 from .core.records import ModuleCall, Op
 from .core.selectors import Selector, func, in_module, module
 from .core.sites import Site, Sites
@@ -89,6 +90,7 @@ __all__ = [
     "Step",
     "TorchLensError",
     "Trace",
+    "TraceBuilder",
     "UnsupportedModelError",
     "ValidationReport",
     "When",

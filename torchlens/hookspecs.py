@@ -48,7 +48,8 @@ def torchlens_engines() -> list[Any]:
     plugin that registered it; a later one offering it is reported as broken.
     An engine that records no op graph declares ``records_ops = False`` (``tl.trace(...,
     backend=name)`` then asks it for module outputs only) and builds its trace with
-    ``Trace(..., op_graph=False)``; replay and validate then refuse that trace with a remedy.
+    ``tl.TraceBuilder(..., op_graph=False)`` (``builder.finish(output, steps=...)`` hands the
+    trace back); replay and validate then refuse that trace with a remedy.
     An engine may delegate to another: ``torchlens.plugins.engines()["function_mode"]``.
     """
 

@@ -77,7 +77,6 @@ class Trace(TraceActions):
     strict = _recorded("strict", "Whether an edit on it (or its forks) that changes nothing raises, not warns.")
     args = _recorded("args", "The forward's positional inputs.")
     kwargs = _recorded("kwargs", "The forward's keyword inputs.")
-    engine = _recorded("engine", "The capture engine that recorded it (shown and saved, never branched on).")
     ops = _recorded("ops", "Every recorded op record (``Op``), in execution order.")
     calls = _recorded("calls", "Every module call record (``ModuleCall``), in the order they returned.")
     input_layers = _recorded("input_layers", "Labels of the input ops.")
@@ -91,6 +90,16 @@ class Trace(TraceActions):
                                          "need it).")
     nbytes = _recorded("nbytes", "Bytes held by the recorded op values and module outputs (each storage "
                                  "counted once).")
+
+    @property
+    def engine(self) -> str:
+        """The capture engine that recorded the forward (shown and saved, never branched on); an
+        engine that delegates to another names the trace its own (``trace.engine = self.name``)."""
+        return self._graph.engine
+
+    @engine.setter
+    def engine(self, name: str) -> None:
+        self._graph.engine = name
 
     @property
     def steps(self) -> list[Step]:
