@@ -172,7 +172,7 @@ class ModuleCalls:
         for i in range(len(pending) - 1, -1, -1):  # the latest producer first
             if pending[i][2] is t:
                 return Ref(base + i, None)
-        return self.trace.producer_ref(t, base)
+        return self.build.producer_ref(t, base)
 
 
 # A bound classmethod: called as a plain Python call (no class-call path, see ``Op.recorded``).

@@ -286,7 +286,7 @@ class Recorder(TorchFunctionMode, CopyOnWrite, ModuleCalls):
             if DISPATCHER_DIRS and is_dispatcher(caller.f_code):
                 # A dispatcher's move of an activation is kept (the model reads its output: an edit
                 # must propagate through it) under its own stem; its weight on/offloads are not ops.
-                if not any(self.trace.producer_ref(t, index) is not None for t in _tensor_args(args, kwargs)):
+                if not any(self.build.producer_ref(t, index) is not None for t in _tensor_args(args, kwargs)):
                     return out
                 flags |= DISPATCH
         stack = self.stack
@@ -370,7 +370,7 @@ class Recorder(TorchFunctionMode, CopyOnWrite, ModuleCalls):
         ref = None
         for i, leaf in enumerate(leaves):
             if isinstance(leaf, Tensor):
-                found = self.trace.producer_ref(leaf, position)
+                found = self.build.producer_ref(leaf, position)
                 if found is not None:
                     leaves[i] = found
                     ref = ref or found

@@ -47,11 +47,11 @@ class SpliceTools:
         moves a model op's label. Returns the tensor the name is on."""
         rec = self.recorder
         rec.flush()
-        ref = rec.trace.producer_ref(tensor, len(rec.ops))
+        ref = rec.build.producer_ref(tensor, len(rec.ops))
         if ref is None or ref.index < self.start or ref.elem is not None:
             tensor = tensor.clone()  # recorded: the splice's own op
             rec.flush()
-            ref = rec.trace.producer_ref(tensor, len(rec.ops))
+            ref = rec.build.producer_ref(tensor, len(rec.ops))
         op = rec.ops[ref.index]
         steps = rec.op_steps
         before = [w.site.matches_op(op) for w in steps]  # steps matching its numbered label took it already

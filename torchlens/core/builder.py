@@ -52,6 +52,9 @@ class TraceBuilder:
         self._labels = graph.labels
         self._producers = graph.producers
         self._by_address = graph.calls_by_address
+        # which op produced a tensor, as of op index ``before``: the read the capture itself makes
+        # (the graph's own method, bound once: no call added per op)
+        self.producer_ref = graph.producer_ref
         self.producer_ref = graph.producer_ref
 
     # -- ops -----------------------------------------------------------------------------------
