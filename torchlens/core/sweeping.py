@@ -7,11 +7,12 @@ walk the recorded graph once, their rows stacked per op) when the block ends, or
 any of them is read, whichever comes first. Results equal each fork replayed alone (to float
 rounding, as ``Trace.forks``).
 
-A fork's state (its values, substitutions, module outputs, recipe and applied edits) is held
-behind :class:`Deferred` attributes: reading one on a queued fork first replays the block's
-queue. An edit that fails when its fork is replayed leaves that fork as it was before the
-edit (and drops the later edits queued on it); its error is raised once, at the first read
-of that fork, or when the block ends if no read raised it.
+A fork's own state (its values, substitutions, module outputs, recipe and applied edits: its
+``changes``, a :class:`~torchlens.core.changes.ForkValues`) is held behind a :class:`Deferred`
+attribute: reading it on a queued fork first replays the block's queue. An edit that fails
+when its fork is replayed leaves that fork as it was before the edit (and drops the later
+edits queued on it); its error is raised once, at the first read of that fork, or when the
+block ends if no read raised it.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ def check_batch_size(batch_size: Any) -> None:
 
 
 class Deferred:
-    """A fork attribute holding its own state: reading it on a fork whose edits a sweep block
-    queued replays the queue first (and raises the error a queued edit of that fork met)."""
+    """The fork attribute holding its own state (``changes``): reading it on a fork whose edits a sweep
+    block queued replays the queue first (and raises the error a queued edit of that fork met)."""
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
