@@ -238,7 +238,7 @@ class TraceBuilder:
     def note_held(self, output: Any) -> None:
         """Note the ops that produced the tensors held inside objects of ``output`` that ``flatten``
         keeps whole (a KV cache's keys and values, made by ``cat`` or an in-place update), while the
-        ids still name them: a fork's output holds its own values there (``Trace.held_now``)."""
+        ids still name them: a fork's output holds its own values there (``Trace._held_now``)."""
         held: dict[int, tuple[Any, list[tuple[tuple, Ref | None]]]] = {}
         end = len(self.ops)
         producer_ref = self.graph.producer_ref

@@ -141,10 +141,6 @@ class Trace(TraceActions):
         """
         return self._graph.grad_of(op)
 
-    def capture_edit_of(self, index: int) -> int | None:
-        """Index of the last capture-time ``edit_N`` op that replaced op ``index``'s output (None: none)."""
-        return self._graph.capture_edit_of(index)
-
     # -- which value a consumer sees (the one rule) ---------------------------------------------
     def value(self, index: int, *, pending_ok: bool = False) -> Any:
         """Op ``index``'s own output in this trace (a fork's recomputed value when it has one);
@@ -189,14 +185,14 @@ class Trace(TraceActions):
         in-place op at ``since`` or later made through another view of its memory before then
         (``torchlens.core.writes``). ``written`` gives a write op's value by index (default: this
         trace's). Unchanged when no write precedes the reader, or one cannot be laid out again
-        (``reproduces_writes`` says so)."""
+        (``_reproduces_writes`` says so)."""
         due = [w for w in self._graph.alias_writes.get(ref.index, ())
                if w.elem == ref.elem and since <= w.op < position]
         if not due or not all(w.reproducible for w in due) or not isinstance(value, torch.Tensor):
             return value
         return fold(value, due, written or self.value)
 
-    def reproduces_writes(self, index: int) -> bool:
+    def _reproduces_writes(self, index: int) -> bool:
         """Whether every write through another view into op ``index``'s memory can be applied again
         (True also when there is none): replay then rebuilds what each reader saw."""
         return self.unreplayable_write(index) is None
@@ -260,7 +256,7 @@ class Trace(TraceActions):
         on the applied-edit record, ``trace.edits[i].before``.
         """
         if isinstance(record, Op):
-            edit_index = self.capture_edit_of(record.index)
+            edit_index = self._graph.capture_edit_of(record.index)
             if edit_index is None:
                 return self.seen_value(Ref(record.index, None))
             edited = self.seen_value(Ref(edit_index, None))
@@ -285,7 +281,7 @@ class Trace(TraceActions):
         for i, ref in enumerate(call.out_refs):
             if ref is None:
                 if self._graph.held and id(raw_leaves[i]) in self._graph.held:
-                    v = self.held_now(raw_leaves[i])
+                    v = self._held_now(raw_leaves[i])
                     changed = changed or v is not raw_leaves[i]
                     raw_leaves[i] = v
                 continue
@@ -315,13 +311,13 @@ class Trace(TraceActions):
             # the recorded op does not describe what was returned, the returned tensor does.
             if ref is not None and self.stale_after(ref.index) is None:
                 leaves[i] = self.seen_value(ref)
-            elif ref is not None and self.reproduces_writes(ref.index):  # with the writes made before the return
+            elif ref is not None and self._reproduces_writes(ref.index):  # with the writes made before the return
                 leaves[i] = self.seen_value(ref, len(self._graph.ops))
             elif ref is None and self._graph.held and id(leaves[i]) in self._graph.held:
-                leaves[i] = self.held_now(leaves[i])
+                leaves[i] = self._held_now(leaves[i])
         return unflatten(leaves, spec)
 
-    def held_now(self, obj: Any) -> Any:
+    def _held_now(self, obj: Any) -> Any:
         """``obj``, an object of the model output that ``flatten`` keeps whole (a KV cache), as this
         trace has it: a copy holding this fork's values for the tensors replay recomputed (a cache's
         keys and values after an edit upstream of them), else ``obj`` itself."""
@@ -335,7 +331,7 @@ class Trace(TraceActions):
             if ref is None or path not in current or (ref.index not in self._own_values()
                                                       and self._substitution(ref.index) is None):
                 continue
-            if self.stale_after(ref.index) is not None and not self.reproduces_writes(ref.index):
+            if self.stale_after(ref.index) is not None and not self._reproduces_writes(ref.index):
                 # memory written again through a view in a way replay cannot lay out again: not op's value
                 return Withheld(obj, ReplayNotExactError(
                     f"this fork cannot give its {type(obj).__name__}: its {'.'.join(str(key) for _, key in path)} "
@@ -537,7 +533,7 @@ class Trace(TraceActions):
         sel = self.bind(selector)
         records = sel.match(self)
         if not records:
-            raise self.empty_selection(sel)
+            raise self._empty_selection(sel)
         if max_fanout is not None and len(records) > max_fanout:
             raise TooManySitesError(
                 f"{sel.describe()} matches {len(records)} sites, more than max_fanout={max_fanout}",
@@ -546,7 +542,7 @@ class Trace(TraceActions):
             )
         return Sites([Site(self, r) for r in records], sel)
 
-    def empty_selection(self, sel: Selector) -> EmptySelectionError:
+    def _empty_selection(self, sel: Selector) -> EmptySelectionError:
         """The error for a selector that matched nothing, with the names nearest to the one it uses."""
         name = next((v for v in (getattr(sel, a, None) for a in ("path", "name", "label")) if isinstance(v, str)),
                     sel.describe())
