@@ -197,9 +197,18 @@ class TraceBuilder:
             grads.setdefault(index, {})[elem] = grad
 
     # -- module calls, inputs, guards, edits -----------------------------------------------------
-    def add_call(self, call: ModuleCall, trace_ref: Any = None) -> None:
-        """Append one module call record (``trace_ref``: a ``weakref.ref`` to the trace, when the
-        caller holds one already: a capture makes one for all its records)."""
+    def add_call(self, call: ModuleCall, trace_ref: Any = None, *, output: Any = None) -> None:
+        """Append one module call record.
+
+        Args:
+            call: the record (``ModuleCall(address, pass_index, module_type, args, kwargs, op_start)``).
+            trace_ref: a ``weakref.ref`` to the trace, when the caller holds one already (a capture
+                makes one for all its records).
+            output: what the call returned, kept on the record: an engine recording module outputs
+                only keeps them so (an every-op engine reads them through the ops that made them).
+        """
+        if output is not None:
+            call._out = output
         if trace_ref is not None:
             call._trace_ref = trace_ref
         else:
