@@ -302,3 +302,77 @@ def test_the_broad_except_rule_sees_a_swallowing_handler():
     assert _broad(handing) and _hands_on(handing)
     assert _broad(bare) and not _hands_on(bare)
     assert not _broad(narrow)
+
+
+# The order of torchlens' packages, lowest first (derived from their imports). A module may import
+# modules of its own unit and of units in lower layers, never of a unit in its own layer or above:
+# units of one layer are independent of each other. A module's unit is the longest entry naming it.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("torchlens.errors",),
+    ("torchlens.hookspecs", "torchlens._interrupts", "torchlens._progress", "torchlens.demo"),
+    ("torchlens.plugins",),
+    ("torchlens.core",),
+    ("torchlens.edit",),  # edit rules (apply_edit, helpers) are applied by capture during the forward
+    ("torchlens.capture",),
+    ("torchlens.arch",),
+    # The capture-facing part of features: ``tl.trace(..., features=...)`` attaches dictionaries
+    # while capturing, so these sit below ``api``; the rest of ``features/`` captures through ``api``.
+    ("torchlens.features.dictionary",),
+    ("torchlens.features.attach",),
+    ("torchlens.api",),
+    ("torchlens.store",),
+    ("torchlens.analysis",),  # renders store's and edit's objects (core.repr_html), captures through api
+    ("torchlens.features",),
+    ("torchlens.generation", "torchlens.testing"),
+    ("torchlens.patching", "torchlens.debug", "torchlens.mechinterp"),
+    ("torchlens._services",),
+    ("torchlens",),  # the package's __init__: the public names
+    ("torchlens.cli",),
+    ("torchlens.__main__",),
+)
+LAYER_OF = {unit: depth for depth, units in enumerate(LAYERS) for unit in units}
+
+
+def unit_of(module: str) -> str | None:
+    """The entry of :data:`LAYERS` that ``module`` belongs to (the longest naming it), or None."""
+    named = [u for u in LAYER_OF if _in_package(module, u) and (u != "torchlens" or module == "torchlens")]
+    return max(named, key=len, default=None)
+
+
+def uphill_imports(graph: dict[str, list[Import]]) -> list[str]:
+    """Every import (lazy and ``TYPE_CHECKING`` ones included) from a unit into its own layer or above."""
+    bad = []
+    for module, imps in graph.items():
+        here = unit_of(module)
+        for imp in imps:
+            there = unit_of(imp.module) if _in_package(imp.module, "torchlens") else None
+            if here is None or there is None or there == here:
+                continue
+            if LAYER_OF[there] >= LAYER_OF[here]:
+                bad.append(f"{_where(imp, module)} ({here}) imports {imp.module} ({there})")
+    return bad
+
+
+def test_every_torchlens_module_has_a_layer():
+    missing = [m for m in MODULES["torchlens"] if unit_of(m) is None]
+    assert not missing, "modules in no unit of LAYERS (add their package):\n  " + "\n  ".join(missing)
+
+
+def test_no_uphill_imports_between_packages():
+    """No module imports a package in its own layer or above (see :data:`LAYERS`), lazy imports
+    included: a package's folder never closes a loop with another's."""
+    graph = {m: imps for m, imps in GRAPH.items() if _in_package(m, "torchlens")}
+    bad = uphill_imports(graph)
+    assert not bad, "imports up the package order (invert them, or move the code):\n  " + "\n  ".join(bad)
+
+
+def test_the_uphill_rule_sees_an_uphill_import():
+    up = Import("torchlens.analysis.notebook", 3, True, "torchlens.analysis.notebook.recipe_html", False, 3)
+    peer = Import("torchlens.generation.run", 4, False, "torchlens.generation.run.generate", False, 4)
+    down = Import("torchlens.core.records", 5, False, "torchlens.core.records.Op", False, 5)
+    own = Import("torchlens.store._shards", 6, False, "torchlens.store._shards.write_shard", False, 6)
+    assert len(uphill_imports({"torchlens.store.recipes": [up, down, own]})) == 1
+    assert len(uphill_imports({"torchlens.testing": [peer]})) == 1
+    assert unit_of("torchlens.features.attach") == "torchlens.features.attach"
+    assert unit_of("torchlens.features.stats") == "torchlens.features"
+    assert unit_of("torchlens.api") == "torchlens.api" and unit_of("torchlens") == "torchlens"

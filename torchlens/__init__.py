@@ -9,6 +9,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from . import debug, errors, features, mechinterp, patching
 from ._services import install_services
+from .analysis import notebook as _notebook  # noqa: F401  (registers every object's notebook HTML)
 from .analysis import plots
 from .analysis.draw import Drawing, draw
 from .analysis.patching_lens import logit_lens

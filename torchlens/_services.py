@@ -2,7 +2,7 @@
 
 ``torchlens.core`` never imports the packages above it; this module wires them in:
 binding canonical names (``arch``), replay and re-execution (``edit``), saving (``store``),
-tables, facets, pictures, summaries and notebook HTML (``analysis``).
+tables, facets, pictures and summaries (``analysis``).
 """
 
 from __future__ import annotations
@@ -12,11 +12,9 @@ from typing import Any
 
 from .analysis.display import op_table
 from .analysis.draw import draw, to_dot
-from .analysis.notebook import call_html, op_html, trace_html
 from .analysis.summary import summary, to_pandas
 from .api import rerun
 from .arch.resolve import bind
-from .core.records import ModuleCall, Op
 from .core.selectors import Selector
 from .core.services import install
 from .core.steps import Step
@@ -80,13 +78,6 @@ class Services:
 
     def to_pandas(self, trace: Any) -> Any:
         return to_pandas(trace)
-
-    def html(self, obj: Any) -> str:
-        if isinstance(obj, Op):
-            return op_html(obj)
-        if isinstance(obj, ModuleCall):
-            return call_html(obj)
-        return trace_html(obj)
 
 
 def install_services() -> None:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .inputs import call_inputs, split_inputs
+from .repr_html import repr_html
 from .selectors import as_selector
 from .services import services
 
@@ -114,4 +115,4 @@ class TraceActions:
         return services().to_pandas(self)
 
     def _repr_html_(self) -> str:
-        return services().html(self)
+        return repr_html(self)

@@ -69,9 +69,6 @@ class TraceServices(Protocol):
     def to_pandas(self, trace: Trace) -> Any:
         """One row per op as a pandas DataFrame."""
 
-    def html(self, obj: Any) -> str:
-        """The notebook HTML of a trace, fork, op or module call."""
-
 
 _installed: TraceServices | None = None
 

@@ -17,9 +17,8 @@ from typing import Any, NamedTuple
 import torch
 
 from .._progress import track
-from ..analysis.notebook import validation_html
-from ..capture._classify import RANDOM_NAMES
-from ..core.records import EDIT, GUARD, INPLACE, INPUT, NOT_REPLAYABLE, RANDOM, Op, Ref, build_args
+from ..core.records import EDIT, GUARD, INPLACE, INPUT, NOT_REPLAYABLE, RANDOM, RANDOM_NAMES, Op, Ref, build_args
+from ..core.repr_html import repr_html
 from ..core.trace import Trace
 from ..core.tree import tensor_leaves
 from ..errors import GuardChangedError, InvalidArgumentError, ReplayError, ValueNotSavedError
@@ -148,7 +147,7 @@ class ValidationReport:
     __str__ = summary
 
     def _repr_html_(self) -> str:
-        return validation_html(self)
+        return repr_html(self)  # rendered by torchlens.analysis.notebook
 
 
 _AS_ERRORS = frozenset({"not saved", "meta", "failed"})  # unchecked kinds the report also lists as errors

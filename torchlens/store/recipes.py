@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from ..analysis.notebook import recipe_html
 from ..core.records import EDIT
+from ..core.repr_html import repr_html
 from ..core.selectors import Label, Selector
 from ..core.steps import CAPTURE, PHASES, REPLAY, Step
 from ..edit.helpers import Helper, helper_class
@@ -309,7 +309,7 @@ class Recipe:
         return f"<Recipe {self.level}, {len(self.steps)} step(s) for {model}: {steps}{more}>"
 
     def _repr_html_(self) -> str:
-        return recipe_html(self)
+        return repr_html(self)  # rendered by torchlens.analysis.notebook
 
 
 # -- save / load ----------------------------------------------------------------------------------

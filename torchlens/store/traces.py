@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .._progress import track
+from ..capture._trace_store import read_back
 from ..core.records import EDIT, INPUT, Deferred, ModuleCall, Op
 from ..core.selectors import as_selector
 from ..core.tree import unflatten
@@ -45,7 +46,6 @@ from ._ondisk import (
 )
 from ._safetensors import MAX_HEADER_BYTES, ST_DTYPES, ST_NAMES, check_declared, read_safetensors, write_safetensors
 from ._trace_decode import SourceLocation, UnavailableEdit, build_trace, fields
-from ._trace_store import read_back
 from ._value_codec import Decoder, Opaque, SavedRecord, TensorTable, encode
 from .recipes import encode_steps
 
