@@ -324,7 +324,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("torchlens.analysis",),  # renders store's and edit's objects (core.repr_html), captures through api
     ("torchlens.features",),
     ("torchlens.generation", "torchlens.testing"),
-    ("torchlens.patching", "torchlens.debug", "torchlens.mechinterp"),
+    ("torchlens.patching",),
     ("torchlens._services",),
     ("torchlens",),  # the package's __init__: the public names
     ("torchlens.cli",),

@@ -5,14 +5,17 @@ outputs with hooks alone; ``trace.fork().do(site, edit)`` edits after the fact b
 the recorded graph; ``tl.when`` edits during capture; ``tl.validate`` checks a capture.
 """
 
+import sys
 from importlib.metadata import PackageNotFoundError, version
 
-from . import debug, errors, features, mechinterp, patching
+from . import errors, features, patching
 from ._services import install_services
+from .analysis import compare as debug  # tl.debug: two traces compared op by op
+from .analysis import heads as mechinterp  # tl.mechinterp: attention-head patching
 from .analysis import notebook as _notebook  # noqa: F401  (registers every object's notebook HTML)
 from .analysis import plots
 from .analysis.draw import Drawing, draw
-from .analysis.patching_lens import logit_lens
+from .analysis.logit_lens import logit_lens
 from .analysis.residual import accumulated_resid
 from .analysis.residual_decompose import ResidualStack, apply_ln_to_stack, decompose_resid, logit_attrs
 from .api import extract, trace
@@ -50,6 +53,11 @@ from .store.recipes import Recipe, load_intervention
 from .store.traces import load_trace
 
 install_services()  # traces reach replay, saving, tables and facets through these
+
+# ``tl.debug`` and ``tl.mechinterp`` are the modules that implement them, under a public name: registered
+# here so ``import torchlens.debug`` and ``from torchlens.mechinterp import patch_head`` find them
+# without an alias file at the top (``tl.patching`` is a package: it gathers several modules).
+sys.modules.update({f"{__name__}.debug": debug, f"{__name__}.mechinterp": mechinterp})
 
 try:
     __version__ = version("torchlens")
