@@ -9,7 +9,7 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 
 from . import errors, features, patching
-from ._services import install_services
+from ._core_services import install_services
 from .analysis import compare as debug  # tl.debug: two traces compared op by op
 from .analysis import heads as mechinterp  # tl.mechinterp: attention-head patching
 from .analysis import notebook as _notebook  # noqa: F401  (registers every object's notebook HTML)

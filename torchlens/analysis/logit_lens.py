@@ -18,7 +18,7 @@ import torch
 from ..arch.resolve import arch
 from ..errors import InvalidArgumentError
 from . import plots
-from ._inputs import model_of
+from ._workflow_inputs import model_of
 from .residual import _boundary, _final_norm, _trace_of, find_final_norm, resid_labels
 
 __all__ = ["LogitLens", "find_final_norm", "logit_lens"]

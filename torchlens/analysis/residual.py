@@ -32,7 +32,7 @@ from ..core.sites import Site
 from ..core.trace import Trace
 from ..core.tree import first_tensor
 from ..errors import InvalidArgumentError, SiteNotFoundError, UnsupportedModelError
-from ._inputs import as_trace, model_of
+from ._workflow_inputs import as_trace, model_of
 
 __all__ = ["APPLY_LN", "FinalNorm", "accumulated_resid", "final_norm_scale", "find_final_norm", "resid_labels"]
 

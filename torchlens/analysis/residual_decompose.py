@@ -35,7 +35,7 @@ from ..core.indices import python_indices
 from ..core.trace import Trace
 from ..core.tree import first_tensor
 from ..errors import InvalidArgumentError, SiteNotFoundError, UnsupportedModelError
-from ._inputs import model_of
+from ._workflow_inputs import model_of
 from .facets import _attention_feeding
 from .residual import FinalNorm, final_norm_scale, find_final_norm
 

@@ -4,7 +4,7 @@ The core holds records and answers reads; replaying an edit, saving, validating,
 resolving canonical site names and reading facets are done by packages above it
 (``edit/``, ``store/``, ``analysis/``, ``arch/``). The core never imports them: the top
 package installs one :class:`TraceServices` object when it is imported
-(``torchlens/_services.py``), and ``Trace`` methods call through it.
+(``torchlens/_core_services.py``), and ``Trace`` methods call through it.
 """
 
 from __future__ import annotations

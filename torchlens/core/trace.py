@@ -36,7 +36,7 @@ from .selectors import Label, Selector, as_selector, split_pass
 from .services import services
 from .sites import ModuleSites, Site, Sites
 from .steps import REPLAY, Step
-from .sweeping import Deferred, SweepBlock
+from .sweeping import SettledAttribute, SweepBlock
 from .text import decode_tokens, input_ids_of, token_position
 from .tree import Pending, Withheld, flatten, held_tensors, replace_held, unflatten
 from .writes import fold
@@ -648,12 +648,12 @@ def _edit_pairs(item: Any) -> list[tuple[Any, Any]]:
 class Fork(Trace):
     """A branch of a trace. Shares every record and unchanged value with its parent."""
 
-    # what the fork changed: read through Deferred, which first replays edits a sweep block queued
-    _values = Deferred()
-    _subst = Deferred()
-    _overrides = Deferred()
-    recipe = Deferred()
-    edits = Deferred()
+    # what the fork changed: read through SettledAttribute, which first replays edits a sweep block queued
+    _values = SettledAttribute()
+    _subst = SettledAttribute()
+    _overrides = SettledAttribute()
+    recipe = SettledAttribute()
+    edits = SettledAttribute()
 
     def __init__(self, parent: Trace, name: str | None = None) -> None:
         state = parent.fork_state() if isinstance(parent, Fork) else None  # (replays its queued edits)

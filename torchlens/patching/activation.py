@@ -21,7 +21,7 @@ import torch
 
 from .._progress import track
 from ..analysis import plots
-from ..analysis._inputs import as_trace, model_of
+from ..analysis._workflow_inputs import as_trace, model_of
 from ..analysis.heads import head_patch_site
 from ..api import trace as capture
 from ..arch.resolve import arch

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..analysis._inputs import as_trace, model_of
+from ..analysis._workflow_inputs import as_trace, model_of
 from ..analysis.heads import attention_at
 from ..api import trace as capture
 from ..arch.resolve import arch

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .._progress import track
-from ..analysis._inputs import as_trace, model_of
+from ..analysis._workflow_inputs import as_trace, model_of
 from ..api import trace as capture
 from ..arch.resolve import arch
 from ..capture._random import refuse_random

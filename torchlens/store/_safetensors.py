@@ -17,7 +17,7 @@ import torch
 
 from ..capture._safetensors_format import ST_DTYPES, ST_NAMES  # re-exported for store/'s readers and writers
 from ..errors import NotPortableError
-from ._checks import MAX_DIM, check_int, fail, loads_json
+from ._load_checks import MAX_DIM, check_int, fail, loads_json
 
 __all__ = [
     "MAX_HEADER_BYTES", "ST_DTYPES", "ST_NAMES", "check_declared", "read_safetensors", "storable",

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..core.selectors import Func, InModule, Label, ModuleOutput, Selector, _And, _Or
 from ..errors import NotPortableError
-from ._checks import MAX_DEPTH, fail
+from ._load_checks import MAX_DEPTH, fail
 
 __all__ = ["selector_from_dict", "selector_to_dict"]
 

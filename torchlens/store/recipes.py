@@ -38,7 +38,6 @@ from ..errors import (
     TorchLensError,
     UnknownHelperError,
 )
-from ._checks import fail, guarded, loading
 from ._fingerprints import (
     check_fingerprint_dict,
     check_model_fingerprint,
@@ -46,6 +45,7 @@ from ._fingerprints import (
     fingerprint_of,
 )
 from ._fingerprints import fingerprint_mismatch as fingerprint_mismatch  # re-exported: it lived here
+from ._load_checks import fail, guarded, loading
 from ._ondisk import (
     FIRST_VERSION,
     SavedDir,

@@ -24,9 +24,9 @@ from ..core.records import EDIT, INPUT, Deferred, ModuleCall, Op
 from ..core.selectors import as_selector
 from ..core.tree import unflatten
 from ..errors import NotPortableError
-from ._checks import MAX_DEPTH, MAX_DIM, fail, guarded, loading, loads_json
 from ._fingerprints import fingerprint_of
 from ._fn_allowlist import function_name, function_table
+from ._load_checks import MAX_DEPTH, MAX_DIM, fail, guarded, loading, loads_json
 from ._ondisk import (
     FORMAT,
     FORMAT_VERSION,
