@@ -429,3 +429,11 @@ def test_one_class_per_name():
                 where.setdefault(node.name, []).append(f"{path.relative_to(REPO)}:{node.lineno}")
     bad = [f"{name}: {', '.join(places)}" for name, places in sorted(where.items()) if len(places) > 1]
     assert not bad, "classes sharing a name (one name, one class):\n  " + "\n  ".join(bad)
+
+
+def test_arch_imports_no_private_name_of_core():
+    """``arch/`` resolves names only: selectors bind themselves (``Selector.bind(names)``), so arch
+    imports no private name of ``core`` (such as the ``_And`` / ``_Or`` combinators)."""
+    bad = [f"{_where(i, m)} imports {i.name}" for m, imps in GRAPH.items() if _in_package(m, "torchlens.arch")
+           for i in imps if _in_package(i.name, "torchlens.core") and i.name.rsplit(".", 1)[-1].startswith("_")]
+    assert not bad, "arch imports private names of core:\n  " + "\n  ".join(bad)

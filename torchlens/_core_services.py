@@ -10,11 +10,13 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
+from torch import nn
+
 from .analysis.display import op_table
 from .analysis.draw import draw, to_dot
 from .analysis.summary import summary, to_pandas
 from .api import rerun
-from .arch.resolve import bind
+from .arch.resolve import ModelNames, bind
 from .core.selectors import Selector
 from .core.services import install
 from .core.steps import Step
@@ -31,8 +33,8 @@ __all__ = ["Services", "install_services"]
 class Services:
     """The default :class:`torchlens.core.services.TraceServices`."""
 
-    def bind(self, model: Any, selector: Selector, *, strings_as_modules: bool) -> Selector:
-        return bind(model, selector, strings_as_modules=strings_as_modules)
+    def names(self, model: nn.Module) -> ModelNames:
+        return ModelNames(model)
 
     def replay(self, fork: Any, step: Step, *, model: Any, inputs: Any, check: bool, replay: str) -> Any:
         if model is not None:

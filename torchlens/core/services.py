@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ..errors import TorchLensError
 
 if TYPE_CHECKING:
-    from .selectors import Selector
+    from torch import nn
+
+    from .selectors import Names, Selector
     from .sites import Site
     from .steps import Step
     from .trace import Fork, Trace
@@ -25,9 +27,8 @@ __all__ = ["TraceServices", "install", "services"]
 class TraceServices(Protocol):
     """The operations of a trace that live above the core."""
 
-    def bind(self, model: Any, selector: Selector, *, strings_as_modules: bool) -> Selector:
-        """``selector`` with canonical names (``blocks.3.mlp``) resolved to this model's sites;
-        with ``strings_as_modules``, plain strings naming modules become module selectors."""
+    def names(self, model: nn.Module) -> Names:
+        """``model``'s names (real addresses, canonical names, sub-sites), for ``Selector.bind``."""
 
     def replay(self, fork: Fork, step: Step, *, model: Any, inputs: Any, check: bool, replay: str) -> Fork:
         """Apply ``step`` on ``fork`` (replay, or re-execution when model/inputs are given or a

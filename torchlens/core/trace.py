@@ -365,7 +365,7 @@ class Trace(Graph, TraceActions):
         sel = as_selector(selector)
         if self.model is None:
             return sel
-        return services().bind(self.model, sel, strings_as_modules=strings_as_modules)
+        return sel.bind(services().names(self.model), strings_as_modules=strings_as_modules)
 
     def lookup(self, key: str) -> Op | ModuleCall:
         """The record an op label or module address (``addr``, ``addr:2``, a canonical name) names.
