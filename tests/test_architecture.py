@@ -437,3 +437,17 @@ def test_arch_imports_no_private_name_of_core():
     bad = [f"{_where(i, m)} imports {i.name}" for m, imps in GRAPH.items() if _in_package(m, "torchlens.arch")
            for i in imps if _in_package(i.name, "torchlens.core") and i.name.rsplit(".", 1)[-1].startswith("_")]
     assert not bad, "arch imports private names of core:\n  " + "\n  ".join(bad)
+
+
+def test_core_services_are_replay_only_and_typed():
+    """``core.services.TraceServices`` holds only what the core cannot import (a model's names, replay,
+    re-execution); every other trace method is provided by its owning package (``core.actions``). Its
+    parameters are typed: ``Any`` only for the user's ``inputs``."""
+    tree = ast.parse(FILES["torchlens.core.services"].read_text())
+    proto = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TraceServices")
+    methods = [n for n in proto.body if isinstance(n, ast.FunctionDef)]
+    assert {m.name for m in methods} == {"names", "replay", "replay_many", "rerun"}
+    loose = [f"{m.name}({a.arg})" for m in methods for a in [*m.args.args, *m.args.kwonlyargs]
+             if a.arg not in ("self", "inputs") and (a.annotation is None or ast.unparse(a.annotation) == "Any")]
+    loose += [f"{m.name} returns Any" for m in methods if m.returns is None or ast.unparse(m.returns) == "Any"]
+    assert not loose, f"untyped services parameters: {loose}"

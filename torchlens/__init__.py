@@ -11,9 +11,15 @@ from importlib.metadata import PackageNotFoundError, version
 from . import errors, features, patching
 from ._core_services import install_services
 from .analysis import compare as debug  # tl.debug: two traces compared op by op
+
+# Imported for what they add: the notebook HTML of every object (core.repr_html), and Trace's and
+# Site's methods that live above the core (core.actions.provide_methods): draw, save, validate ...
+from .analysis import display as _display  # noqa: F401
+from .analysis import facets as _facets  # noqa: F401
 from .analysis import heads as mechinterp  # tl.mechinterp: attention-head patching
-from .analysis import notebook as _notebook  # noqa: F401  (registers every object's notebook HTML)
+from .analysis import notebook as _notebook  # noqa: F401
 from .analysis import plots
+from .analysis import summary as _summary  # noqa: F401
 from .analysis.draw import Drawing, draw
 from .analysis.logit_lens import logit_lens
 from .analysis.residual import accumulated_resid

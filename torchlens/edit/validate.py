@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .._progress import track
+from ..core.actions import provide_methods
 from ..core.records import EDIT, GUARD, INPLACE, INPUT, NOT_REPLAYABLE, RANDOM, RANDOM_NAMES, Op, Ref, build_args
 from ..core.repr_html import repr_html
 from ..core.trace import Trace
@@ -25,7 +26,7 @@ from ..errors import GuardChangedError, InvalidArgumentError, ReplayError, Value
 from ._execute import SHARED_TARGETS, UNINITIALISED, execute
 from ._guards import recompute_read, same_value, short
 
-__all__ = ["BY_DESIGN", "Divergence", "Unchecked", "ValidationReport", "validate"]
+__all__ = ["BY_DESIGN", "Divergence", "Unchecked", "ValidateMethod", "ValidationReport", "validate"]
 
 # Kinds of ``Unchecked`` ops that are not re-issued by design; any other kind means "not fully checked".
 BY_DESIGN = frozenset({"input", "uninitialised"})
@@ -356,3 +357,13 @@ def _check_guards(trace, values: dict[int, Any], report: ValidationReport) -> No
     for op in trace.ops:
         if op.flags & GUARD:
             report.guards.append(f"{op.func_name} indices of {op.label} at {op.source}")
+
+
+@provide_methods(Trace)
+class ValidateMethod:
+    """``Trace.validate``, provided by ``edit/`` (see ``torchlens.core.actions``)."""
+
+    def validate(self: Trace, *, atol: float = 1e-5, rerun: bool = True,
+                 progress: bool | None = None) -> ValidationReport:
+        """``tl.validate(self, ...)``: replay every op from its recorded inputs and compare (see :func:`validate`)."""
+        return validate(self, atol=atol, rerun=rerun, progress=progress)
