@@ -339,17 +339,39 @@ def unit_of(module: str) -> str | None:
     return max(named, key=len, default=None)
 
 
-def uphill_imports(graph: dict[str, list[Import]]) -> list[str]:
-    """Every import (lazy and ``TYPE_CHECKING`` ones included) from a unit into its own layer or above."""
+# Uphill imports known and not yet fixed, each with its reason: (importing unit, imported unit).
+KNOWN_UPHILL = {
+    # ``tl.trace(..., features=...)`` attaches dictionaries while capturing (features.attach, a unit
+    # below api), but importing features.attach runs features/__init__, which imports features.stats
+    # -> store -> api. It works because torchlens/__init__ imports features before api. Fix: give the
+    # capture-facing part of features (attach, dictionary) a package of its own below api.
+    ("torchlens.api", "torchlens.features"): "features/__init__ runs when api imports features.attach",
+}
+
+
+def _imported(module: str, importer: str) -> list[str]:
+    """What importing ``module`` runs: it and every package ``__init__`` above it that ``importer``
+    is not inside (importing ``a.b.c`` runs ``a/__init__`` and ``a/b/__init__`` first)."""
+    parts = module.split(".")
+    found = [".".join(parts[:k]) for k in range(2, len(parts))]
+    return [m for m in [*found, module] if m in FILES and not _in_package(importer, m)]
+
+
+def uphill_imports(graph: dict[str, list[Import]], known=KNOWN_UPHILL) -> list[str]:
+    """Every import (lazy and ``TYPE_CHECKING`` ones included) from a unit into its own layer or
+    above, counting the package ``__init__`` files an import runs, but the ``known`` ones."""
     bad = []
     for module, imps in graph.items():
         here = unit_of(module)
         for imp in imps:
-            there = unit_of(imp.module) if _in_package(imp.module, "torchlens") else None
-            if here is None or there is None or there == here:
+            if here is None or not _in_package(imp.module, "torchlens"):
                 continue
-            if LAYER_OF[there] >= LAYER_OF[here]:
-                bad.append(f"{_where(imp, module)} ({here}) imports {imp.module} ({there})")
+            up = [(ran, there) for ran in _imported(imp.module, module) for there in [unit_of(ran)]
+                  if there is not None and there != here and (here, there) not in known
+                  and LAYER_OF[there] >= LAYER_OF[here]]
+            if up:
+                ran, there = up[-1]
+                bad.append(f"{_where(imp, module)} ({here}) imports {ran} ({there})")
     return bad
 
 
@@ -364,6 +386,9 @@ def test_no_uphill_imports_between_packages():
     graph = {m: imps for m, imps in GRAPH.items() if _in_package(m, "torchlens")}
     bad = uphill_imports(graph)
     assert not bad, "imports up the package order (invert them, or move the code):\n  " + "\n  ".join(bad)
+    used = {(unit_of(m), unit_of(ran)) for m, imps in graph.items() for i in imps
+            if _in_package(i.module, "torchlens") for ran in _imported(i.module, m)}
+    assert set(KNOWN_UPHILL) <= used, f"KNOWN_UPHILL lists imports that are gone: {set(KNOWN_UPHILL) - used}"
 
 
 def test_the_uphill_rule_sees_an_uphill_import():
@@ -373,6 +398,9 @@ def test_the_uphill_rule_sees_an_uphill_import():
     own = Import("torchlens.store._shards", 6, False, "torchlens.store._shards.write_shard", False, 6)
     assert len(uphill_imports({"torchlens.store.recipes": [up, down, own]})) == 1
     assert len(uphill_imports({"torchlens.testing": [peer]})) == 1
+    attach = Import("torchlens.features.attach", 7, False, "torchlens.features.attach.attach", False, 7)
+    assert len(uphill_imports({"torchlens.api": [attach]}, known={})) == 1  # features/__init__ runs
+    assert not uphill_imports({"torchlens.api": [attach]})
     assert unit_of("torchlens.features.attach") == "torchlens.features.attach"
     assert unit_of("torchlens.features.stats") == "torchlens.features"
     assert unit_of("torchlens.api") == "torchlens.api" and unit_of("torchlens") == "torchlens"
