@@ -11,15 +11,12 @@ from importlib.metadata import PackageNotFoundError, version
 from . import errors, features, patching
 from ._core_services import install_services
 from .analysis import compare as debug  # tl.debug: two traces compared op by op
-
-# Imported for what they add: the notebook HTML of every object (core.repr_html), and Trace's and
-# Site's methods that live above the core (core.actions.provide_methods): draw, save, validate ...
-from .analysis import display as _display  # noqa: F401
-from .analysis import facets as _facets  # noqa: F401
+from .analysis import display as _display  # noqa: F401  (provides Trace.table: core.actions)
+from .analysis import facets as _facets  # noqa: F401  (provides Site.facets: core.actions)
 from .analysis import heads as mechinterp  # tl.mechinterp: attention-head patching
-from .analysis import notebook as _notebook  # noqa: F401
+from .analysis import notebook as _notebook  # noqa: F401  (every object's notebook HTML: core.repr_html)
 from .analysis import plots
-from .analysis import summary as _summary  # noqa: F401
+from .analysis import summary as _summary  # noqa: F401  (provides Trace.summary, to_pandas: core.actions)
 from .analysis.draw import Drawing, draw
 from .analysis.logit_lens import logit_lens
 from .analysis.residual import accumulated_resid
@@ -58,7 +55,9 @@ from .store.datasets import ActivationDataset, cache_activations, load_activatio
 from .store.recipes import Recipe, load_intervention
 from .store.traces import load_trace
 
-install_services()  # traces reach replay, saving, tables and facets through these
+install_services()  # traces reach replay, re-execution and model names through these
+# Trace's other methods (validate, save, save_intervention, table, to_dot, draw, summary, to_pandas) and
+# Site.facets are added by the modules above that own them, on import (core.actions.provide_methods).
 
 # ``tl.debug`` and ``tl.mechinterp`` are the modules that implement them, under a public name: registered
 # here so ``import torchlens.debug`` and ``from torchlens.mechinterp import patch_head`` find them
