@@ -16,8 +16,8 @@ from .names import nearest
 from .records import DISPATCH, ModuleCall, Op
 
 __all__ = [
-    "OP_LABEL", "Func", "InModule", "Label", "ModuleOutput", "Names", "Record", "Selector", "as_selector", "as_sites",
-    "func", "in_module", "module", "split_pass",
+    "OP_LABEL", "And", "Func", "InModule", "Label", "ModuleOutput", "Names", "Or", "Record", "Selector", "as_selector",
+    "as_sites", "func", "in_module", "module", "split_pass",
 ]
 
 if TYPE_CHECKING:
@@ -102,16 +102,16 @@ class Selector:
         return self
 
     def __and__(self, other: Any) -> Selector:
-        return _And(self, as_selector(other))
+        return And(self, as_selector(other))
 
     def __or__(self, other: Any) -> Selector:
-        return _Or(self, as_selector(other))
+        return Or(self, as_selector(other))
 
     def __rand__(self, other: Any) -> Selector:
-        return _And(as_selector(other), self)
+        return And(as_selector(other), self)
 
     def __ror__(self, other: Any) -> Selector:
-        return _Or(as_selector(other), self)
+        return Or(as_selector(other), self)
 
     def __str__(self) -> str:
         return self.describe()
@@ -325,12 +325,14 @@ class Label(Selector):
     __repr__ = describe
 
 
-class _And(Selector):
+class And(Selector):
+    """What both selectors select (``a & b``)."""
+
     def __init__(self, a: Selector, b: Selector) -> None:
         self.a, self.b = a, b
 
     def bind(self, names: Names, *, strings_as_modules: bool) -> Selector:
-        return _And(self.a.bind(names, strings_as_modules=strings_as_modules),
+        return And(self.a.bind(names, strings_as_modules=strings_as_modules),
                     self.b.bind(names, strings_as_modules=strings_as_modules))
 
     def matches_op(self, op: Op) -> bool:
@@ -352,12 +354,14 @@ class _And(Selector):
     __repr__ = describe
 
 
-class _Or(Selector):
+class Or(Selector):
+    """What either selector selects (``a | b``), in execution order, without duplicates."""
+
     def __init__(self, a: Selector, b: Selector) -> None:
         self.a, self.b = a, b
 
     def bind(self, names: Names, *, strings_as_modules: bool) -> Selector:
-        return _Or(self.a.bind(names, strings_as_modules=strings_as_modules),
+        return Or(self.a.bind(names, strings_as_modules=strings_as_modules),
                     self.b.bind(names, strings_as_modules=strings_as_modules))
 
     def module_paths(self) -> list[str] | None:
