@@ -37,7 +37,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from conftest import TINY_GPT2_IDS, build_tiny_gpt2, global_state, hook_state  # noqa: E402
 
 import torchlens as tl  # noqa: E402
-from torchlens.capture import _attach, _copies  # noqa: E402
+from torchlens.capture import _copies, _interpose  # noqa: E402
 from torchlens.edit import replay  # noqa: E402
 from torchlens.store import _ondisk, _shards  # noqa: E402
 
@@ -99,7 +99,7 @@ def global_measures() -> dict[str, object]:
         "global module hooks": global_state()[1:4],
         "grad mode": torch.is_grad_enabled(),
         "garbage collector": gc.isenabled(),
-        "active wrappers": len(_attach.ACTIVE_WRAPPERS),
+        "active wrappers": len(_interpose.ACTIVE_WRAPPERS),
         "noted slots": len(_copies._PREVIOUS),
         "noted hooks": len(_copies._HOOKS),
         "held types": len(_copies._HELD),
@@ -162,7 +162,7 @@ def run_scenario(operation: str, point: str, work: pathlib.Path) -> dict:
     if kind in ("layer", "call"):
         trigger.at = 1 if kind == "layer" else int(arg)
     elif kind in ("enter", "exit"):
-        on_nth_call(_attach, "note_slot" if kind == "enter" else "forget_slot", int(arg))
+        on_nth_call(_interpose, "note_slot" if kind == "enter" else "forget_slot", int(arg))
     elif kind == "op":
         on_nth_call(replay, "execute", int(arg))
     elif kind == "write":

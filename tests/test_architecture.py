@@ -408,3 +408,180 @@ def test_the_dict_copying_rule_sees_each_spelling():
     assert _dict_copies(ast.parse("vars(self).update(vars(other))")) == [1]
     assert _dict_copies(ast.parse("self.__dict__ = dict(other.__dict__)")) == [1]
     assert _dict_copies(ast.parse("module.__dict__['forward'] = f\nstate = dict(self.__dict__)")) == []
+# The order of torchlens' packages, lowest first (derived from their imports). A module may import
+# modules of its own unit and of units in lower layers, never of a unit in its own layer or above:
+# units of one layer are independent of each other. A module's unit is the longest entry naming it.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("torchlens.errors",),
+    ("torchlens.hookspecs", "torchlens._interrupts", "torchlens._progress", "torchlens.demo"),
+    ("torchlens.plugins",),
+    ("torchlens.core",),
+    ("torchlens.edit",),  # edit rules (apply_edit, helpers) are applied by capture during the forward
+    ("torchlens.capture",),
+    ("torchlens.arch",),
+    # The capture-facing part of features: ``tl.trace(..., features=...)`` attaches dictionaries
+    # while capturing, so these sit below ``api``; the rest of ``features/`` captures through ``api``.
+    ("torchlens.features.dictionary",),
+    ("torchlens.features.attach",),
+    ("torchlens.api",),
+    ("torchlens.store",),
+    ("torchlens.analysis",),  # renders store's and edit's objects (core.repr_html), captures through api
+    ("torchlens.features",),
+    ("torchlens.generation", "torchlens.testing"),
+    ("torchlens.patching",),
+    ("torchlens._core_services",),
+    ("torchlens",),  # the package's __init__: the public names
+    ("torchlens.cli",),
+    ("torchlens.__main__",),
+)
+LAYER_OF = {unit: depth for depth, units in enumerate(LAYERS) for unit in units}
+
+
+def unit_of(module: str) -> str | None:
+    """The entry of :data:`LAYERS` that ``module`` belongs to (the longest naming it), or None."""
+    named = [u for u in LAYER_OF if _in_package(module, u) and (u != "torchlens" or module == "torchlens")]
+    return max(named, key=len, default=None)
+
+
+# Uphill imports known and not yet fixed, each with its reason: (importing unit, imported unit).
+KNOWN_UPHILL = {
+    # ``tl.trace(..., features=...)`` attaches dictionaries while capturing (features.attach, a unit
+    # below api), but importing features.attach runs features/__init__, which imports features.stats
+    # -> store -> api. It works because torchlens/__init__ imports features before api. Fix: give the
+    # capture-facing part of features (attach, dictionary) a package of its own below api.
+    ("torchlens.api", "torchlens.features"): "features/__init__ runs when api imports features.attach",
+}
+
+
+def _imported(module: str, importer: str) -> list[str]:
+    """What importing ``module`` runs: it and every package ``__init__`` above it that ``importer``
+    is not inside (importing ``a.b.c`` runs ``a/__init__`` and ``a/b/__init__`` first)."""
+    parts = module.split(".")
+    found = [".".join(parts[:k]) for k in range(2, len(parts))]
+    return [m for m in [*found, module] if m in FILES and not _in_package(importer, m)]
+
+
+def uphill_imports(graph: dict[str, list[Import]], known=KNOWN_UPHILL) -> list[str]:
+    """Every import (lazy and ``TYPE_CHECKING`` ones included) from a unit into its own layer or
+    above, counting the package ``__init__`` files an import runs, but the ``known`` ones."""
+    bad = []
+    for module, imps in graph.items():
+        here = unit_of(module)
+        for imp in imps:
+            if here is None or not _in_package(imp.module, "torchlens"):
+                continue
+            up = [(ran, there) for ran in _imported(imp.module, module) for there in [unit_of(ran)]
+                  if there is not None and there != here and (here, there) not in known
+                  and LAYER_OF[there] >= LAYER_OF[here]]
+            if up:
+                ran, there = up[-1]
+                bad.append(f"{_where(imp, module)} ({here}) imports {ran} ({there})")
+    return bad
+
+
+def test_every_torchlens_module_has_a_layer():
+    missing = [m for m in MODULES["torchlens"] if unit_of(m) is None]
+    assert not missing, "modules in no unit of LAYERS (add their package):\n  " + "\n  ".join(missing)
+
+
+def test_no_uphill_imports_between_packages():
+    """No module imports a package in its own layer or above (see :data:`LAYERS`), lazy imports
+    included: a package's folder never closes a loop with another's."""
+    graph = {m: imps for m, imps in GRAPH.items() if _in_package(m, "torchlens")}
+    bad = uphill_imports(graph)
+    assert not bad, "imports up the package order (invert them, or move the code):\n  " + "\n  ".join(bad)
+    used = {(unit_of(m), unit_of(ran)) for m, imps in graph.items() for i in imps
+            if _in_package(i.module, "torchlens") for ran in _imported(i.module, m)}
+    assert set(KNOWN_UPHILL) <= used, f"KNOWN_UPHILL lists imports that are gone: {set(KNOWN_UPHILL) - used}"
+
+
+def test_the_uphill_rule_sees_an_uphill_import():
+    up = Import("torchlens.analysis.notebook", 3, True, "torchlens.analysis.notebook.recipe_html", False, 3)
+    peer = Import("torchlens.generation.run", 4, False, "torchlens.generation.run.generate", False, 4)
+    down = Import("torchlens.core.records", 5, False, "torchlens.core.records.Op", False, 5)
+    own = Import("torchlens.store._shards", 6, False, "torchlens.store._shards.write_shard", False, 6)
+    assert len(uphill_imports({"torchlens.store.recipes": [up, down, own]})) == 1
+    assert len(uphill_imports({"torchlens.testing": [peer]})) == 1
+    attach = Import("torchlens.features.attach", 7, False, "torchlens.features.attach.attach", False, 7)
+    assert len(uphill_imports({"torchlens.api": [attach]}, known={})) == 1  # features/__init__ runs
+    assert not uphill_imports({"torchlens.api": [attach]})
+    assert unit_of("torchlens.features.attach") == "torchlens.features.attach"
+    assert unit_of("torchlens.features.stats") == "torchlens.features"
+    assert unit_of("torchlens.api") == "torchlens.api" and unit_of("torchlens") == "torchlens"
+
+
+# Module names (a leading underscore ignored; packages count by their folder's name) that several
+# torchlens modules may share, each with its reason. Any other name has one owner.
+SHARED_MODULE_NAMES = {
+    "__init__": "every package has one",
+    # generation/ mirrors the core's API one generation step at a time (GenerationTrace is a trace
+    # per step, generation.compare compares two generations, generation.replay re-runs steps)
+    "compare": "generation/ mirrors analysis.compare per step",
+    "replay": "generation/ mirrors edit.replay per step",
+    "sites": "generation/ mirrors core.sites per step",
+    "steps": "generation/ mirrors core.steps per step",
+    "trace": "generation/ mirrors core.trace per step",
+    # features/ offers edit/'s and analysis/'s roles over a dictionary's features
+    "edits": "features/ mirrors edit.edits for features",
+    "reads": "features/ mirrors edit.reads for features",
+    "display": "features/ mirrors analysis.display for features",
+}
+
+
+def module_names() -> dict[str, list[str]]:
+    """``{name: [file or folder, ...]}`` for every torchlens module and package."""
+    names: dict[str, list[str]] = {}
+    for path in MODULES["torchlens"].values():
+        where = path.relative_to(REPO).as_posix()
+        name = path.parent.name if path.name == "__init__.py" else path.stem
+        names.setdefault(name.lstrip("_") or name, []).append(where.removesuffix("/__init__.py") + "/"
+                                                             if path.name == "__init__.py" else where)
+        if path.name == "__init__.py":
+            names.setdefault("__init__", []).append(where)
+    return names
+
+
+def test_one_module_per_name():
+    """No two torchlens modules (or packages) share a name, leading underscore ignored, but the
+    justified :data:`SHARED_MODULE_NAMES`; and each justification is still needed."""
+    names = module_names()
+    shared = {n: files for n, files in names.items() if len(files) > 1}
+    bad = [f"{n}: {', '.join(files)}" for n, files in sorted(shared.items()) if n not in SHARED_MODULE_NAMES]
+    assert not bad, "modules sharing a name (rename one so each name has one owner):\n  " + "\n  ".join(bad)
+    stale = sorted(set(SHARED_MODULE_NAMES) - set(shared))
+    assert not stale, f"SHARED_MODULE_NAMES lists names no longer shared: {stale}"
+
+
+def test_one_class_per_name():
+    """No two classes defined anywhere in torchlens (nested ones included) share a name."""
+    where: dict[str, list[str]] = {}
+    for path in MODULES["torchlens"].values():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(f"{path.relative_to(REPO)}:{node.lineno}")
+    bad = [f"{name}: {', '.join(places)}" for name, places in sorted(where.items()) if len(places) > 1]
+    assert not bad, "classes sharing a name (one name, one class):\n  " + "\n  ".join(bad)
+
+
+def test_no_package_imports_a_private_name_of_core():
+    """Outside ``core/`` no module imports a private name of ``core``: ``arch/`` resolves names only
+    (selectors bind themselves, ``Selector.bind(names)``) and the store encodes the public ``And`` /
+    ``Or`` combinators."""
+    bad = [f"{_where(i, m)} imports {i.name}" for m, imps in GRAPH.items()
+           if _in_package(m, "torchlens") and not _in_package(m, "torchlens.core")
+           for i in imps if _in_package(i.name, "torchlens.core") and i.name.rsplit(".", 1)[-1].startswith("_")]
+    assert not bad, "private names of core imported from outside it:\n  " + "\n  ".join(bad)
+
+
+def test_core_services_are_replay_only_and_typed():
+    """``core.services.TraceServices`` holds only what the core cannot import (a model's names, replay,
+    re-execution); every other trace method is provided by its owning package (``core.actions``). Its
+    parameters are typed: ``Any`` only for the user's ``inputs``."""
+    tree = ast.parse(FILES["torchlens.core.services"].read_text())
+    proto = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TraceServices")
+    methods = [n for n in proto.body if isinstance(n, ast.FunctionDef)]
+    assert {m.name for m in methods} == {"names", "replay", "replay_many", "rerun"}
+    loose = [f"{m.name}({a.arg})" for m in methods for a in [*m.args.args, *m.args.kwonlyargs]
+             if a.arg not in ("self", "inputs") and (a.annotation is None or ast.unparse(a.annotation) == "Any")]
+    loose += [f"{m.name} returns Any" for m in methods if m.returns is None or ast.unparse(m.returns) == "Any"]
+    assert not loose, f"untyped services parameters: {loose}"

@@ -16,12 +16,13 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 import torchlens as tl
+from torchlens.capture import _trace_store
 from torchlens.capture._estimate import estimate_capture, kept_bytes
+from torchlens.capture._trace_store import TraceStore
 from torchlens.core.graph import _flatten_args
 from torchlens.core.tree import flatten
 from torchlens.errors import CaptureMemoryError, InvalidArgumentError, TraceStoreWriteError
-from torchlens.store import _ondisk, _trace_store
-from torchlens.store._trace_store import TraceStore
+from torchlens.store import _ondisk
 from torchlens.store._value_codec import LazyTensor
 
 # -- the model output of a disk-backed trace -------------------------------------------------------

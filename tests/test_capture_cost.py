@@ -420,7 +420,7 @@ class _OwnWalk(torch.nn.Sequential):
 
 
 def test_the_module_walk_equals_named_modules():
-    from torchlens.capture._attach import named_modules
+    from torchlens.capture._interpose import named_modules
 
     shared = torch.nn.Linear(2, 2)
     model = torch.nn.Sequential(torch.nn.Sequential(shared, torch.nn.ReLU()), shared,

@@ -15,8 +15,8 @@ import torch
 from conftest import BranchyNet, eager_copy, edited_forward, hooked_forward, scale_row_edit, scale_row_hook
 
 import torchlens as tl
-from torchlens.analysis.patching import activation_patching, logit_diff
 from torchlens.errors import GuardChangedError, InvalidArgumentError, ReplayFellBack, SiteNotFoundError
+from torchlens.patching import activation_patching, logit_diff
 
 ATOL = 1e-5
 

@@ -11,10 +11,10 @@ from conftest import assert_model_clean, edited_forward, hook_reads, hook_state
 from torch import nn
 
 import torchlens as tl
+from torchlens.capture._trace_store import TraceStore
 from torchlens.core.records import Deferred
 from torchlens.core.tree import tensor_leaves
 from torchlens.errors import CaptureMemoryError, InvalidArgumentError, ValueNotSavedError
-from torchlens.store._trace_store import TraceStore
 
 
 class Chain(nn.Module):

@@ -16,8 +16,10 @@ import torch
 
 import torchlens as tl
 from torchlens import _progress
+from torchlens.analysis.notebook import trace_html
 from torchlens.analysis.summary import memory_held, package_path
-from torchlens.errors import InvalidArgumentError, OptionalDependencyError
+from torchlens.core.repr_html import repr_html
+from torchlens.errors import InvalidArgumentError, OptionalDependencyError, TorchLensError
 
 
 class Rows(HTMLParser):
@@ -238,3 +240,18 @@ def test_progress_is_off_without_a_terminal_and_on_when_asked(monkeypatch, small
     with pytest.raises(OptionalDependencyError):
         _progress.track([1], desc="x", progress=True)
     assert list(_progress.track([1, 2], desc="x")) == [1, 2]  # automatic mode just goes quiet
+
+
+def test_repr_html_dispatches_by_type_and_refuses_an_unregistered_one():
+    """The objects' ``_repr_html_`` asks one lookup that ``analysis.notebook`` fills: a Fork (a Trace
+    subclass) gets the trace renderer; a type nobody registered is a TorchLensError with a remedy."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU())
+    fork = tl.trace(model, torch.randn(2, 3)).fork()
+    assert fork._repr_html_() == repr_html(fork) == trace_html(fork)
+
+    class Unshown:
+        pass
+
+    with pytest.raises(TorchLensError) as err:
+        repr_html(Unshown())
+    assert "Unshown" in str(err.value) and "import torchlens" in err.value.remedy

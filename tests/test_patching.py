@@ -13,10 +13,10 @@ import torch
 from conftest import assert_model_clean, hook_state
 
 import torchlens as tl
-from torchlens.analysis.patching import _output_read
 from torchlens.edit import _batch
 from torchlens.edit._sweep import sweep
 from torchlens.errors import InvalidArgumentError, SiteNotFoundError
+from torchlens.patching.activation import _output_read
 
 ATOL = 1e-5  # sliced replay vs a re-executed forward: float32 rounding (see tests/test_slicing.py)
 

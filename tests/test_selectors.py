@@ -119,3 +119,62 @@ def test_a_union_fails_only_when_both_sides_match_nothing(shared_trace):
     assert labels == [s.label for s in shared_trace.find_sites(tl.func("tanh"))]
     with pytest.raises(tl.SiteNotFoundError):
         shared_trace.find_sites(tl.func("nope") | tl.func("no_such_function"))
+
+
+class _Names:
+    """A hand-written model namespace (``core.selectors.Names``): ``a.b`` is a module, ``blocks.0.mlp`` is a
+    canonical name for it, ``blocks.0.resid_mid`` one for an op, ``blocks.0.features`` a sub-site."""
+
+    def canonical(self, path: str):
+        return {"blocks.0.mlp": tl.module("a.b"), "blocks.0.resid_mid": tl.func("add")}.get(path)
+
+    def sub_site(self, label: str):
+        return "a.b.features" if label == "blocks.0.features" else None
+
+    def is_module(self, path: str) -> bool:
+        return split_pass(path)[0] in ("a", "a.b")
+
+    def not_found(self, label: str) -> SiteNotFoundError:
+        return SiteNotFoundError(f"{label!r} names nothing here", site=label)
+
+
+def test_each_selector_binds_itself_and_combinators_bind_their_parts():
+    """``Selector.bind(names)``: canonical module names keep their name and match what they stand for,
+    sub-sites become the capture's label, plain module strings become module selectors only with
+    ``strings_as_modules``, op labels stay labels, and ``&`` / ``|`` bind both sides."""
+    names = _Names()
+    mlp = tl.module("blocks.0.mlp").bind(names, strings_as_modules=False)
+    assert mlp.describe() == tl.module("blocks.0.mlp").describe() and mlp.module_paths() == ["a.b"]
+    inside = tl.in_module("blocks.0.mlp").bind(names, strings_as_modules=False)
+    assert inside.module_paths() is None and (inside._address, inside._pass) == ("a.b", None)
+    assert as_selector("blocks.0.features").bind(names, strings_as_modules=True).label == "a.b.features"
+    assert as_selector("a.b:2").bind(names, strings_as_modules=True).module_paths() == ["a.b:2"]
+    label = as_selector("a.b")
+    assert label.bind(names, strings_as_modules=False) is label
+    assert as_selector("linear_3").bind(names, strings_as_modules=True).label == "linear_3"
+    func = tl.func("relu")
+    assert func.bind(names, strings_as_modules=True) is func
+    both = (tl.module("blocks.0.mlp") | tl.module("a")).bind(names, strings_as_modules=False)
+    assert both.module_paths() == ["a.b", "a"]
+    narrowed = (tl.module("blocks.0.resid_mid") & tl.in_module("blocks.0.mlp")).bind(names, strings_as_modules=False)
+    assert narrowed.a.module_paths() is None and narrowed.b._address == "a.b"
+
+
+def test_binding_a_string_that_names_nothing_raises_the_names_error():
+    with pytest.raises(SiteNotFoundError, match="names nothing here"):
+        as_selector("nowhere").bind(_Names(), strings_as_modules=True)
+    assert as_selector("nowhere").bind(_Names(), strings_as_modules=False).label == "nowhere"
+    with pytest.raises(SiteNotFoundError, match="needs a module") as err:
+        tl.in_module("blocks.0.resid_mid").bind(_Names(), strings_as_modules=False)
+    assert "tl.module" in err.value.remedy
+
+
+def test_binding_on_a_real_model_matches_the_module_it_names(shared_twice):
+    """Through arch's names of a real model, a bound module selector reads what a forward hook reads."""
+    trace = tl.trace(shared_twice.model, *shared_twice.args)
+    address = next(n for n, _ in shared_twice.model.named_modules() if n)
+    bound = trace.bind(address, strings_as_modules=True)
+    assert bound.module_paths() == [address]
+    got = [trace.read(r) for r in bound.match(trace)]
+    want = hook_reads(shared_twice.model, shared_twice.args)[0][address]
+    assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))

@@ -13,11 +13,11 @@ from safetensors import safe_open
 from torch import nn
 
 import torchlens as tl
+from torchlens.capture import _trace_store
+from torchlens.capture._recompute import MAX_RECOMPUTE_OPS, RECOMPUTABLE
 from torchlens.core.tree import tensor_leaves
 from torchlens.errors import InvalidArgumentError
-from torchlens.store import _trace_store
 from torchlens.store._fn_allowlist import function_table
-from torchlens.store._recompute import MAX_RECOMPUTE_OPS, RECOMPUTABLE
 
 INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

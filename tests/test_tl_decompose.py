@@ -274,7 +274,7 @@ def test_attributions_sum_to_the_logits_in_every_pre_norm_family(family):
     component and head, through the final norm and the unembedding, plus the norm's and unembedding's
     constant, is the model's own logit at every position."""
     from tests.test_adapters import FAMILIES
-    from torchlens.analysis.patching_lens import find_final_norm
+    from torchlens.analysis.logit_lens import find_final_norm
 
     model = _randomise(FAMILIES[family].build())
     ids = torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]])

@@ -5,13 +5,20 @@ outputs with hooks alone; ``trace.fork().do(site, edit)`` edits after the fact b
 the recorded graph; ``tl.when`` edits during capture; ``tl.validate`` checks a capture.
 """
 
+import sys
 from importlib.metadata import PackageNotFoundError, version
 
-from . import debug, errors, features, mechinterp, patching
-from ._services import install_services
+from . import errors, features, patching
+from ._core_services import install_services
+from .analysis import compare as debug  # tl.debug: two traces compared op by op
+from .analysis import display as _display  # noqa: F401  (provides Trace.table: core.actions)
+from .analysis import facets as _facets  # noqa: F401  (provides Site.facets: core.actions)
+from .analysis import heads as mechinterp  # tl.mechinterp: attention-head patching
+from .analysis import notebook as _notebook  # noqa: F401  (every object's notebook HTML: core.repr_html)
 from .analysis import plots
+from .analysis import summary as _summary  # noqa: F401  (provides Trace.summary, to_pandas: core.actions)
 from .analysis.draw import Drawing, draw
-from .analysis.patching_lens import logit_lens
+from .analysis.logit_lens import logit_lens
 from .analysis.residual import accumulated_resid
 from .analysis.residual_decompose import ResidualStack, apply_ln_to_stack, decompose_resid, logit_attrs
 from .api import extract, trace
@@ -49,7 +56,14 @@ from .store.datasets import ActivationDataset, cache_activations, load_activatio
 from .store.recipes import Recipe, load_intervention
 from .store.traces import load_trace
 
-install_services()  # traces reach replay, saving, tables and facets through these
+install_services()  # traces reach replay, re-execution and model names through these
+# Trace's other methods (validate, save, save_intervention, table, to_dot, draw, summary, to_pandas) and
+# Site.facets are added by the modules above that own them, on import (core.actions.provide_methods).
+
+# ``tl.debug`` and ``tl.mechinterp`` are the modules that implement them, under a public name: registered
+# here so ``import torchlens.debug`` and ``from torchlens.mechinterp import patch_head`` find them
+# without an alias file at the top (``tl.patching`` is a package: it gathers several modules).
+sys.modules.update({f"{__name__}.debug": debug, f"{__name__}.mechinterp": mechinterp})
 
 try:
     __version__ = version("torchlens")

@@ -16,6 +16,7 @@ from torch import nn
 from .arch.resolve import bind
 from .capture._estimate import estimate_capture
 from .capture._offload import ValueOffload
+from .capture._trace_store import TraceStore, check_recompute
 from .capture.request import CaptureRequest, module_address
 from .core.inputs import call_inputs, split_inputs
 from .core.selectors import Selector, as_selector, as_sites
@@ -32,7 +33,6 @@ from .errors import (
 )
 from .features.attach import feature_steps, sub_site_reads
 from .plugins import choose_engine, engines
-from .store._trace_store import TraceStore, check_recompute
 
 __all__ = ["check_model", "extract", "rerun", "stops_on_modules", "trace", "trace_until"]
 

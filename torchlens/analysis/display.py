@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..core.actions import provide_methods
 from ..core.records import ModuleCall, Op
+from ..core.trace import Trace
 from ..errors import EmptySelectionError
 
-__all__ = ["op_table", "selected_ops"]
+__all__ = ["TableMethod", "op_table", "selected_ops"]
 
 
 def _short_source(source: str) -> str:
@@ -55,3 +57,12 @@ def op_table(trace: Any, selector: Any = None, limit: int | None = None) -> str:
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+@provide_methods(Trace)
+class TableMethod:
+    """``Trace.table``, provided by ``analysis/`` (see ``torchlens.core.actions``)."""
+
+    def table(self: Trace, selector: Any = None, limit: int | None = None) -> str:
+        """A text table of ops (label, function, module:pass, shape, source line); see :func:`op_table`."""
+        return op_table(self, selector, limit)

@@ -30,13 +30,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..core.actions import provide_methods
 from ..core.records import EDIT, INPUT, ModuleCall, Op
 from ..core.trace import Fork, Trace
 from ..edit.edits import _caller_stacklevel
 from ..errors import DrawingScaledDown, GraphvizNotFoundError, InvalidArgumentError, OptionalDependencyError
 from .summary import call_tree, encloses
 
-__all__ = ["AUTO_MAX_NODES", "Drawing", "draw", "render", "to_dot"]
+__all__ = ["AUTO_MAX_NODES", "DrawMethods", "Drawing", "draw", "render", "to_dot"]
 
 AUTO_MAX_NODES = 60  # past this a laid-out graph stops being readable on one screen
 FORMATS = ("svg", "png", "pdf", "dot")
@@ -568,3 +569,45 @@ def draw(obj: Any, path: str | os.PathLike | None = None, *, fmt: str | None = N
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_bytes(data)
     return Drawing(dot, target)
+
+
+@provide_methods(Trace)
+class DrawMethods:
+    """``Trace.to_dot`` and ``Trace.draw``, provided by ``analysis/`` (see ``torchlens.core.actions``)."""
+
+    def to_dot(self: Trace, *, depth: int | str | None = "auto", focus: Any = None, rolled: bool = False,
+               highlight: Any = None) -> str:
+        """The DOT source of the executed graph (works without Graphviz installed).
+
+        Args:
+            depth: collapse module calls nested this deep into single nodes; None: every op;
+                "auto": the deepest level that stays readable.
+            focus: a selector: draw that region at full detail, with its inputs and readers.
+            rolled: draw a module called several times once, with loop edges.
+            highlight: a ``tl.debug.compare`` result whose divergences to highlight.
+
+        Returns:
+            the DOT text.
+        """
+        return to_dot(self, depth=depth, focus=focus, rolled=rolled, highlight=highlight)
+
+    def draw(self: Trace, path: str | os.PathLike | None = None, *, fmt: str | None = None,
+             depth: int | str | None = "auto", focus: Any = None, rolled: bool = False,
+             highlight: Any = None) -> Drawing:
+        """Draw the executed graph with Graphviz: a file at ``path`` (.svg/.png/.pdf/.dot), inline in notebooks.
+
+        Args:
+            path: where to write the picture (None: only return the Drawing).
+            fmt: the format when ``path`` has no known suffix.
+            depth: see :meth:`to_dot`.
+            focus: see :meth:`to_dot`.
+            rolled: see :meth:`to_dot`.
+            highlight: see :meth:`to_dot`.
+
+        Returns:
+            a ``Drawing`` (``.dot``, ``.path``, ``.svg()``; shown inline by Jupyter).
+
+        Raises:
+            GraphvizNotFoundError: Graphviz's ``dot`` program is not installed (``to_dot()`` still works).
+        """
+        return draw(self, path, fmt=fmt, depth=depth, focus=focus, rolled=rolled, highlight=highlight)

@@ -20,10 +20,13 @@ from typing import Any
 import torch
 
 from ..arch.resolve import arch_view
+from ..core.actions import provide_methods
 from ..core.records import ModuleCall, Op, build_args
+from ..core.sites import Site
 from ..core.tree import first_tensor
 from ..errors import AmbiguousSiteError, FacetReadOnlyError, FusedKernelError, ValueNotSavedError
 from ..hookspecs import hookimpl
+from ..plugins import facets_for
 
 SDPA = "scaled_dot_product_attention"
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -480,9 +483,24 @@ class FacetPlugin:
         except AmbiguousSiteError:  # e.g. the whole model: not one attention, so not ours
             return None
 
+@provide_methods(Site)
+class FacetsProperty:
+    """``Site.facets``, provided by ``analysis/`` (see ``torchlens.core.actions``)."""
+
+    @property
+    def facets(self: Site) -> Any:
+        """Derived read-only views of this site (e.g. attention pattern), from facet plugins.
+
+        Raises:
+            SiteNotFoundError: no facet plugin understands this site.
+        """
+        return facets_for(self)
+
+
 __all__ = [
     "EagerAttentionFacets",
     "FacetPlugin",
+    "FacetsProperty",
     "FusedAttentionFacets",
     "ReadOnlyTensor",
     "attention_facets",

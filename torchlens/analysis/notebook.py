@@ -1,5 +1,8 @@
 """Notebook displays (``_repr_html_``) for traces, forks, ops, module calls, reports and recipes.
 
+Importing this module registers each renderer with :func:`torchlens.core.repr_html.repr_html`,
+the one lookup the objects' ``_repr_html_`` asks; ``edit/`` and ``store/`` import no HTML.
+
 Everything here is a compact summary plus tables folded into ``<details>``: no layout, no
 plotting, no value statistics, so a 10,000-op trace renders in well under a second. The op
 table lists at most :data:`MAX_ROWS` ops (the rest: ``trace.to_pandas()``).
@@ -12,6 +15,10 @@ from html import escape
 from typing import Any
 
 from ..core.records import EDIT, INPUT, ModuleCall, Op
+from ..core.repr_html import repr_html
+from ..core.trace import Trace
+from ..edit.validate import ValidationReport
+from ..store.recipes import Recipe
 from .summary import call_tree, format_bytes, memory_held
 
 __all__ = ["MAX_ROWS", "call_html", "comparison_html", "op_html", "recipe_html", "trace_html", "validation_html"]
@@ -84,7 +91,7 @@ def _edited_ops(trace: Any) -> set[int]:
     return edited
 
 
-def trace_html(trace: Any) -> str:
+def trace_html(trace: Trace) -> str:
     """The notebook display of a Trace or Fork: summary, edits, and per-module op tables."""
     model = type(trace.model).__name__ if trace.model is not None else "(loaded, no model)"
     kind = type(trace).__name__
@@ -145,7 +152,7 @@ def call_html(call: ModuleCall) -> str:
     return _box(f"ModuleCall {escape(call.key)}", facts, parts)
 
 
-def validation_html(report: Any) -> str:
+def validation_html(report: ValidationReport) -> str:
     """The notebook display of a ValidationReport."""
     state = f'<span class="{"tl-ok" if report.ok else "tl-bad"}">{report.status}</span>'
     facts = [("result", state), ("ops replayed", f"{report.n_checked:,} of {report.n_ops:,}"),
@@ -198,7 +205,7 @@ def comparison_html(cmp: Any) -> str:
     return _box("Comparison", facts, parts)
 
 
-def recipe_html(recipe: Any) -> str:
+def recipe_html(recipe: Recipe) -> str:
     """The notebook display of a Recipe (``tl.load_intervention``)."""
     model = (recipe.fingerprint or {}).get("class", "any model")
     facts = [("model", escape(str(model))), ("level", escape(recipe.level)), ("steps", str(len(recipe.steps)))]
@@ -208,3 +215,8 @@ def recipe_html(recipe: Any) -> str:
             for i, s in enumerate(recipe.steps)]
     parts = [f"<details open><summary>steps</summary>{_table(('#', 'site', 'edit'), rows)}</details>"]
     return _box("Recipe", facts, parts)
+
+
+for _type, _render in ((Trace, trace_html), (Op, op_html), (ModuleCall, call_html),
+                       (ValidationReport, validation_html), (Recipe, recipe_html)):
+    repr_html.register(_type, _render)

@@ -225,7 +225,7 @@ def patching_grid(result: Any, *, title: str = "", normalized: bool | None = Non
     the raw metric, centred at the corrupted run's metric when known (white: no change).
 
     Args:
-        result: a :class:`~torchlens.analysis.patching.PatchingResult`.
+        result: a :class:`~torchlens.patching.PatchingResult`.
         title: the figure title.
         normalized: True: the normalised share; False: the raw metric values; None (default):
             normalised when both baselines are known and differ.

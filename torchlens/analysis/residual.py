@@ -32,7 +32,7 @@ from ..core.sites import Site
 from ..core.trace import Trace
 from ..core.tree import first_tensor
 from ..errors import InvalidArgumentError, SiteNotFoundError, UnsupportedModelError
-from .patching import _as_trace, _model_of
+from ._workflow_inputs import as_trace, model_of
 
 __all__ = ["APPLY_LN", "FinalNorm", "accumulated_resid", "final_norm_scale", "find_final_norm", "resid_labels"]
 
@@ -50,7 +50,7 @@ def find_final_norm(trace: Trace) -> str:
     Raises:
         SiteNotFoundError: the unembedding did not run in this trace.
     """
-    model = _model_of(trace)
+    model = model_of(trace)
     unembed = arch(model).resolve("unembed")
     calls = trace.calls_of(unembed)
     if not calls or not trace.has_op_graph:
@@ -99,7 +99,7 @@ def final_norm_scale(trace: Trace, address: str, final: torch.Tensor, *, remedy:
         UnsupportedModelError: the module is neither a LayerNorm nor an RMSNorm with weight and eps
             (``remedy`` says what the caller can do instead).
     """
-    norm = _model_of(trace).get_submodule(address)
+    norm = model_of(trace).get_submodule(address)
     name = type(norm).__name__
     centred = isinstance(norm, nn.LayerNorm)
     eps = next((getattr(norm, a) for a in ("eps", "variance_epsilon") if isinstance(getattr(norm, a, None), float)),
@@ -186,7 +186,7 @@ def accumulated_resid(trace: Any, inputs: Any = None, *, layers: Sequence[int] |
                                    remedy="apply_ln=True normalises each row; 'final_scale' uses the final "
                                    "residual's scale (TransformerLens's apply_ln_to_stack).")
     trace = _trace_of(trace, inputs, "accumulated_resid", tokenizer)
-    model = _model_of(trace)
+    model = model_of(trace)
     view = arch(model)
     rows = view.layer_indices(layers, boundaries=True)
     stack = torch.stack([_boundary(trace, view, r) for r in rows])
@@ -209,7 +209,7 @@ def _trace_of(trace: Any, inputs: Any, name: str, tokenizer: Any = None) -> Trac
     if inputs is None:
         raise InvalidArgumentError(f"{name} takes a trace, or a model and its inputs",
                                    remedy=f"tl.{name}(tl.trace(model, ids)) or tl.{name}(model, ids).")
-    return _as_trace(trace, inputs, "inputs", tokenizer)
+    return as_trace(trace, inputs, "inputs", tokenizer)
 
 
 def _boundary(trace: Trace, view: ArchView, row: int) -> torch.Tensor:

@@ -35,8 +35,8 @@ from ..core.indices import python_indices
 from ..core.trace import Trace
 from ..core.tree import first_tensor
 from ..errors import InvalidArgumentError, SiteNotFoundError, UnsupportedModelError
+from ._workflow_inputs import model_of
 from .facets import _attention_feeding
-from .patching import _model_of
 from .residual import FinalNorm, final_norm_scale, find_final_norm
 
 __all__ = ["MODES", "ResidualStack", "apply_ln_to_stack", "decompose_resid", "logit_attrs"]
@@ -99,7 +99,7 @@ def _head_components(trace: Trace, view: Any, layer: int) -> tuple[list[torch.Te
     """Each head's share of block ``layer``'s output projection, then the projection's bias."""
     attn_address = view.resolve(f"blocks.{layer}.attn")
     found = None
-    for name, module in _model_of(trace).get_submodule(attn_address).named_modules():
+    for name, module in model_of(trace).get_submodule(attn_address).named_modules():
         address = f"{attn_address}.{name}" if name else attn_address
         calls = trace.calls_of(address)
         facets = _attention_feeding(trace, calls[0]) if len(calls) == 1 else None
@@ -167,7 +167,7 @@ def decompose_resid(trace: Any, layer: int | None = None, *, mode: str = "all", 
         raise InvalidArgumentError(f"decompose_resid takes a trace (tl.trace(model, ids)), got {type(trace).__name__}")
     if mode not in MODES:
         raise InvalidArgumentError(f"mode= is one of {MODES}, got {mode!r}")
-    view = arch(_model_of(trace))
+    view = arch(model_of(trace))
     boundary = _boundary(view, layer)
     if mlp_input and boundary == view.n_layers:
         raise SiteNotFoundError(f"mlp_input=True needs a block's MLP input; layer {layer} is after the last block",
@@ -259,7 +259,7 @@ def apply_ln_to_stack(trace: Any, stack: Any) -> torch.Tensor:
         InvalidArgumentError: a stack of another shape.
         UnsupportedModelError: a final norm of another kind.
     """
-    view = arch(_model_of(trace))
+    view = arch(model_of(trace))
     scale, _, centred, _ = _applied_norm(trace, view)
     tensor = _stack_tensor(stack, scale.shape[:-1] + (view.d_model or _out(trace, "embed").size(-1),))
     if centred:
@@ -312,7 +312,7 @@ def logit_attrs(trace: Any, stack: Any, tokens: Any, incorrect_tokens: Any = Non
         SiteNotFoundError: no unembedding.
         UnsupportedModelError: a final norm of another kind, or an unembedding that is not a Linear.
     """
-    model = _model_of(trace)
+    model = model_of(trace)
     view = arch(model)
     scaled = apply_ln_to_stack(trace, stack)
     _, weight, _, _ = _applied_norm(trace, view)

@@ -18,12 +18,14 @@ from typing import Any
 
 import torch
 
+from ..core.actions import provide_methods
 from ..core.records import INPUT, ModuleCall, Op
+from ..core.trace import Trace
 from ..core.tree import tensor_leaves
 from ..errors import OptionalDependencyError
 
-__all__ = ["ModuleRow", "Summary", "call_tree", "encloses", "format_bytes", "memory_held", "op_records",
-           "package_path", "summary", "to_pandas"]
+__all__ = ["ModuleRow", "Summary", "SummaryMethods", "call_tree", "encloses", "format_bytes", "memory_held",
+           "op_records", "package_path", "summary", "to_pandas"]
 
 
 def format_bytes(n: int) -> str:
@@ -318,3 +320,20 @@ def to_pandas(trace: Any) -> Any:
     passes = [r["pass"] for r in records]
     frame["pass"] = pd.array(passes, dtype="Int64" if None in passes else "int64")
     return frame
+
+
+@provide_methods(Trace)
+class SummaryMethods:
+    """``Trace.summary`` and ``Trace.to_pandas``, provided by ``analysis/`` (see ``torchlens.core.actions``)."""
+
+    def summary(self: Trace) -> Summary:
+        """Per module call: ops, parameters, output shape and memory held (``print`` it, or show it in a notebook)."""
+        return summary(self)
+
+    def to_pandas(self: Trace) -> Any:
+        """One row per op (label, func, module, pass, shape, dtype, source, parents) as a pandas DataFrame.
+
+        Raises:
+            OptionalDependencyError: pandas is not installed.
+        """
+        return to_pandas(self)

@@ -17,12 +17,15 @@ from torch import nn
 from ..capture._splice import SUB_SITE, sub_site_label
 from ..capture.hooks import resolve_module
 from ..core.names import nearest
-from ..core.selectors import InModule, Label, ModuleOutput, Selector, _And, _Or, split_pass
+from ..core.selectors import Selector, split_pass
 from ..errors import LayoutInferenceError, PluginError, SiteNotFoundError, TorchLensError, UnsupportedModelError
 from ..plugins import adapter_with_owner, generation, report_failure
 from .views import ADAPTER_REMEDY, ArchView, is_canonical
 
-__all__ = ["arch", "arch_view", "bind", "canonical_selector", "real_address", "resolve_canonical", "view_or_none"]
+__all__ = [
+    "ModelNames", "arch", "arch_view", "bind", "canonical_selector", "real_address", "resolve_canonical",
+    "view_or_none",
+]
 
 # model -> (plugin generation, structure token, ArchView): canonical names are resolved on every
 # lookup that misses a real address, and building a view walks the model.
@@ -30,7 +33,6 @@ _views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # How op labels look (``linear_3``, ``scaled_dot_product_attention_1``, ``input_0``, ``input_ids``).
 # A canonical name with a negative block index (``blocks.-1.mlp``): refused, saying what it would mean.
 _NEGATIVE_BLOCK = re.compile(r"^blocks\.(-\d+)(?=\.|$)")
-_OP_LABEL = re.compile(r"^(?:[A-Za-z0-9_]+_\d+|input_.+)$")
 
 
 def arch_view(model: Any) -> ArchView:
@@ -148,18 +150,50 @@ def _canonical(model: nn.Module, path: str) -> Selector | None:
         return canonical_selector(model, path)
 
 
-def _bind_module(model: nn.Module, path: str) -> ModuleOutput | None:
-    """A ModuleOutput for a canonical name, bound to what it means in this model."""
-    target = _canonical(model, path)
-    if target is None:
-        return None
-    bound = ModuleOutput(path)  # the canonical name stays (recipes stay portable across families)
-    bound._target = target
-    return bound
+class ModelNames:
+    """One model's names, as selectors bind to them (:class:`torchlens.core.selectors.Names`):
+    real module addresses, the serving adapter's canonical names, and splice sub-sites."""
+
+    __slots__ = ("model",)
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def canonical(self, path: str) -> Selector | None:
+        return _canonical(self.model, path)
+
+    def is_module(self, path: str) -> bool:
+        try:
+            resolve_module(self.model, split_pass(path)[0])
+        except LookupError:
+            return False
+        return True
+
+    def sub_site(self, label: str) -> str | None:
+        """A splice's sub-site (``blocks.6.features``: ``torchlens.capture._splice``) as the label the
+        capture gives it (``transformer.h.6.features``), its module named however the caller likes."""
+        found = SUB_SITE.match(label)
+        if found is None or self.is_module(label):  # a real module of that name wins
+            return None
+        try:
+            address, _ = real_address(self.model, found["site"])
+        except LookupError:
+            return None
+        return sub_site_label(address, int(found["pass"] or 1), found["part"])
+
+    def not_found(self, label: str) -> SiteNotFoundError:
+        names = [n for n, _ in self.model.named_modules() if n]
+        return SiteNotFoundError(
+            f"{label!r} is neither a module of {type(self.model).__name__} nor an op label; "
+            f"nearest modules: {nearest(label, names)}",
+            site=label,
+            candidates=nearest(label, names),
+        )
 
 
 def bind(model: nn.Module, selector: Selector, *, strings_as_modules: bool = True) -> Selector:
-    """Resolve a selector's names against ``model``, once, before it is matched.
+    """Resolve a selector's names against ``model``, once, before it is matched: ``selector.bind``
+    with ``model``'s :class:`ModelNames` (each selector class binds itself; see ``Selector.bind``).
 
     Canonical adapter names (``blocks.3.mlp``, ``blocks.3.resid_mid``) are bound to the module
     output or op they stand for in this model. With ``strings_as_modules`` (capture-time sites
@@ -170,80 +204,7 @@ def bind(model: nn.Module, selector: Selector, *, strings_as_modules: bool = Tru
         SiteNotFoundError: a string site that names nothing (with ``strings_as_modules``), or a
         canonical name this model does not have.
     """
-    if isinstance(selector, ModuleOutput):
-        if selector._target is not None:
-            return selector
-        return _bind_module(model, selector.path) or selector
-    if isinstance(selector, InModule):
-        return _bind_in_module(model, selector)
-    if isinstance(selector, Label):
-        return _bind_label(model, selector, strings_as_modules)
-    if isinstance(selector, _Or):
-        return _Or(bind(model, selector.a, strings_as_modules=strings_as_modules),
-                   bind(model, selector.b, strings_as_modules=strings_as_modules))
-    if isinstance(selector, _And):
-        return _And(bind(model, selector.a, strings_as_modules=strings_as_modules),
-                    bind(model, selector.b, strings_as_modules=strings_as_modules))
-    return selector
-
-
-def _bind_in_module(model: nn.Module, selector: InModule) -> Selector:
-    target = _canonical(model, selector.path)
-    if target is None:
-        return selector
-    paths = target.module_paths()
-    if not paths or len(paths) != 1:
-        raise SiteNotFoundError(
-            f"tl.in_module({selector.path!r}) needs a module, but this canonical name is an op "
-            f"({target.describe()})",
-            site=selector.path,
-            remedy=f"Use tl.module({selector.path!r}) for the op itself.",
-        )
-    bound = InModule(selector.path)
-    bound._address, bound._pass = split_pass(paths[0])
-    return bound
-
-
-def _bind_sub_site(model: nn.Module, label: str) -> Label | None:
-    """A splice's sub-site (``blocks.6.features``: ``torchlens.capture._splice``) as the label the capture
-    gives it (``transformer.h.6.features``), its module named however the caller likes; None otherwise."""
-    found = SUB_SITE.match(label)
-    if found is None:
-        return None
-    try:
-        resolve_module(model, split_pass(label)[0])
-        return None  # a real module of that name wins
-    except LookupError:
-        pass
-    try:
-        address, _ = real_address(model, found["site"])
-    except LookupError:
-        return None
-    return Label(sub_site_label(address, int(found["pass"] or 1), found["part"]))
-
-
-def _bind_label(model: nn.Module, selector: Label, strings_as_modules: bool) -> Selector:
-    sub = _bind_sub_site(model, selector.label)
-    if sub is not None:
-        return sub
-    bound = _bind_module(model, selector.label)
-    if bound is not None:
-        return bound
-    if not strings_as_modules:
-        return selector
-    try:
-        real_address(model, selector.label)
-    except LookupError:
-        if _OP_LABEL.match(selector.label):
-            return selector  # an op label: known once the op runs
-        names = [n for n, _ in model.named_modules() if n]
-        raise SiteNotFoundError(
-            f"{selector.label!r} is neither a module of {type(model).__name__} nor an op label; "
-            f"nearest modules: {nearest(selector.label, names)}",
-            site=selector.label,
-            candidates=nearest(selector.label, names),
-        ) from None
-    return ModuleOutput(selector.label)
+    return selector.bind(ModelNames(model), strings_as_modules=strings_as_modules)
 
 
 def _cached_view(model: Any, strict: bool = False) -> ArchView | None:

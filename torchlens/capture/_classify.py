@@ -9,18 +9,13 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from ..core.records import RANDOM_NAMES
+
 __all__ = [
-    "DATA_READ_NAMES", "DROPOUT_NAMES", "FuncInfo", "GUARD_NAMES", "INPLACE_DUNDERS", "NOT_INPLACE", "RANDOM_NAMES",
+    "DATA_READ_NAMES", "DROPOUT_NAMES", "FuncInfo", "GUARD_NAMES", "INPLACE_DUNDERS", "NOT_INPLACE",
     "info_for",
 ]
 
-RANDOM_NAMES = frozenset(
-    {
-        "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "bernoulli",
-        "multinomial", "normal", "poisson", "normal_", "uniform_", "exponential_", "random_", "cauchy_",
-        "geometric_", "log_normal_", "bernoulli_", "rrelu", "rrelu_", "gumbel_softmax",
-    }
-)
 DROPOUT_NAMES = frozenset(
     {"dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d"}
 )

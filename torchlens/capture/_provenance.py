@@ -20,7 +20,8 @@ __all__ = ["DISPATCHER_DIRS", "INTERNAL", "is_dispatcher", "is_internal", "sourc
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _PKG_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep  # torchlens/
 # TorchLens's own machinery, skipped when looking for the model line that issued an op.
-_OWN = tuple(_PKG_DIR + p for p in ("capture" + os.sep, "core" + os.sep, "edit" + os.sep, "api.py", "_services.py"))
+_OWN = tuple(_PKG_DIR + p for p in ("capture" + os.sep, "core" + os.sep, "edit" + os.sep, "api.py",
+                                    "_core_services.py"))
 # Per code object (by id: hashing a code object hashes all its constants, on every lookup): is it
 # TorchLens's or torch's own, not the model's? ``_HELD`` keeps each code alive, so its id stays its own.
 INTERNAL: dict[int, bool] = {}

@@ -21,7 +21,8 @@ from torch.utils.hooks import RemovableHandle
 from .._interrupts import HoldInterrupts
 from ..core.names import nearest
 from ..errors import SiteNotFoundError
-from ._attach import (
+from ._copies import forget_hooks, forget_slot, hold_types, note_hooks, note_slot, release_types
+from ._interpose import (
     CALLERS,
     NO_FORWARD,
     SLOT_LOCK,
@@ -37,7 +38,6 @@ from ._attach import (
     unwrap,
     wrap_every,
 )
-from ._copies import forget_hooks, forget_slot, hold_types, note_hooks, note_slot, release_types
 
 __all__ = ["CallInfo", "ForwardSlots", "ModuleHooks", "PostHook", "PreHook", "resolve_module"]
 

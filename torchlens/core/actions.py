@@ -1,28 +1,87 @@
-"""The actions of a trace that are carried out above the core, through its services.
+"""The methods of ``Trace`` (and ``Site``) that are carried out above the core.
 
-Running the model again, validating, saving, tables, pictures and notebook displays are
-implemented in ``edit/``, ``store/`` and ``analysis/``; ``Trace`` inherits these thin methods,
-which reach them through :func:`torchlens.core.services.services`.
+Running the model again is the core's to ask for: :class:`TraceActions` calls the installed
+services (``core.services``: replay and re-execution, the one thing the core cannot import).
+Everything else a trace offers above the core is a method its owning package adds when it is
+imported, with :func:`provide_methods`: a mixin class of typed methods, written next to their
+implementation, whose methods become the target class's.
+
+- ``Trace.validate``: ``torchlens.edit.validate`` (``ValidateMethod``)
+- ``Trace.save``: ``torchlens.store.traces`` (``SaveMethod``)
+- ``Trace.save_intervention``: ``torchlens.store.recipes`` (``SaveInterventionMethod``)
+- ``Trace.table``: ``torchlens.analysis.display`` (``TableMethod``)
+- ``Trace.to_dot``, ``Trace.draw``: ``torchlens.analysis.draw`` (``DrawMethods``)
+- ``Trace.summary``, ``Trace.to_pandas``: ``torchlens.analysis.summary`` (``SummaryMethods``)
+- ``Site.facets``: ``torchlens.analysis.facets`` (``FacetsProperty``)
+
+``import torchlens`` imports every provider (``torchlens/__init__.py``), so the methods are there
+whenever a trace is.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from ..errors import TorchLensError
 from .inputs import call_inputs, split_inputs
+from .repr_html import repr_html
 from .selectors import as_selector
 from .services import services
 
 if TYPE_CHECKING:
     from .trace import Trace
 
-__all__ = ["TraceActions"]
+__all__ = ["TraceActions", "provide_methods", "provided_methods"]
+
+M = TypeVar("M", bound=type)
+
+# (class, method name) -> the mixin that provided it ("module.Class")
+_PROVIDED: dict[tuple[type, str], str] = {}
+
+
+def provide_methods(target: type) -> Callable[[M], M]:
+    """Class decorator: add the decorated mixin's methods (and properties) to ``target``.
+
+    Used by a package above the core to give a core class (``Trace``, ``Site``) the methods it
+    implements; the mixin is returned unchanged.
+
+    Args:
+        target: the core class that gains the methods (its subclasses inherit them).
+
+    Returns:
+        the decorator.
+
+    Raises:
+        TorchLensError: a method of that name is already defined on ``target`` or provided by
+            another mixin (each method has one owner).
+    """
+    def add(mixin: M) -> M:
+        owner = f"{mixin.__module__}.{mixin.__qualname__}"
+        for name, member in vars(mixin).items():
+            if name.startswith("__") and name.endswith("__"):
+                continue
+            before = _PROVIDED.get((target, name))
+            if (before is None and hasattr(target, name)) or (before is not None and before != owner):
+                raise TorchLensError(f"{target.__name__}.{name} already exists ({before or 'defined by the class'}); "
+                                     f"{owner} cannot provide it too",
+                                     remedy="Give the method one owner: rename it or drop one definition.")
+            setattr(target, name, member)
+            _PROVIDED[(target, name)] = owner
+        return mixin
+
+    return add
+
+
+def provided_methods() -> dict[tuple[type, str], str]:
+    """``{(class, method name): "module.Mixin"}``: every method a package above the core provided."""
+    return dict(_PROVIDED)
 
 
 class TraceActions:
-    """Methods of ``Trace`` that delegate to the installed services."""
+    """Methods of ``Trace`` that run the model again (through the installed services)."""
 
     def run(self, model: torch.nn.Module | None = None, *args: Any, **kwargs: Any) -> Trace:
         """Run the model again with this trace's steps as capture-time edits; a new trace."""
@@ -46,72 +105,5 @@ class TraceActions:
         return services().rerun(self, model, args, kwargs, [s.for_capture() for s in self.steps],
                                 as_selector(until))
 
-    def validate(self, **kwargs: Any) -> Any:
-        """``tl.validate(self, **kwargs)``."""
-        return services().validate(self, **kwargs)
-
-    # -- persistence (implemented in torchlens.store) -------------------------------------------
-    def save_intervention(self, path: Any, level: str = "portable", *, overwrite: bool = False) -> Any:
-        """Write this trace's edits (capture-time steps and, on a fork, its recipe) as ``.tlspec/``."""
-        return services().save_intervention(self, path, level=level, overwrite=overwrite)
-
-    def save(self, path: Any, *, selector: Any = None, overwrite: bool = False) -> Any:
-        """Write the graph (JSON) and activations (safetensors), optionally only ``selector``'s ops."""
-        return services().save_trace(self, path, selector=selector, overwrite=overwrite)
-
-    # -- presentation ----------------------------------------------------------------------
-    def table(self, selector: Any = None, limit: int | None = None) -> str:
-        """A text table of ops (label, function, module:pass, shape, source line)."""
-        return services().table(self, selector, limit)
-
-    # -- pictures, summaries, notebooks (implemented in torchlens.analysis) -----------------------
-    def to_dot(self, *, depth: int | str | None = "auto", focus: Any = None, rolled: bool = False,
-               highlight: Any = None) -> str:
-        """The DOT source of the executed graph (works without Graphviz installed).
-
-        Args:
-            depth: collapse module calls nested this deep into single nodes; None: every op;
-                "auto": the deepest level that stays readable.
-            focus: a selector: draw that region at full detail, with its inputs and readers.
-            rolled: draw a module called several times once, with loop edges.
-            highlight: a ``tl.debug.compare`` result whose divergences to highlight.
-
-        Returns:
-            the DOT text.
-        """
-        return services().to_dot(self, depth=depth, focus=focus, rolled=rolled, highlight=highlight)
-
-    def draw(self, path: Any = None, *, fmt: str | None = None, depth: int | str | None = "auto",
-             focus: Any = None, rolled: bool = False, highlight: Any = None) -> Any:
-        """Draw the executed graph with Graphviz: a file at ``path`` (.svg/.png/.pdf/.dot), inline in notebooks.
-
-        Args:
-            path: where to write the picture (None: only return the Drawing).
-            fmt: the format when ``path`` has no known suffix.
-            depth: see :meth:`to_dot`.
-            focus: see :meth:`to_dot`.
-            rolled: see :meth:`to_dot`.
-            highlight: see :meth:`to_dot`.
-
-        Returns:
-            a ``Drawing`` (``.dot``, ``.path``, ``.svg()``; shown inline by Jupyter).
-
-        Raises:
-            GraphvizNotFoundError: Graphviz's ``dot`` program is not installed (``to_dot()`` still works).
-        """
-        return services().draw(self, path, fmt=fmt, depth=depth, focus=focus, rolled=rolled, highlight=highlight)
-
-    def summary(self) -> Any:
-        """Per module call: ops, parameters, output shape and memory held (``print`` it, or show it in a notebook)."""
-        return services().summary(self)
-
-    def to_pandas(self) -> Any:
-        """One row per op (label, func, module, pass, shape, dtype, source, parents) as a pandas DataFrame.
-
-        Raises:
-            OptionalDependencyError: pandas is not installed.
-        """
-        return services().to_pandas(self)
-
     def _repr_html_(self) -> str:
-        return services().html(self)
+        return repr_html(self)

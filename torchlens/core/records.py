@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import ValueNotSavedError
-from .services import services
+from .repr_html import repr_html
 from .tree import describe_shape, tensor_leaves, unflatten_call
 
 if TYPE_CHECKING:
@@ -30,10 +30,19 @@ GUARD = 64  # its index-valued outputs choose what runs next (topk indices, nonz
 # Issued by a dispatcher (accelerate's device moves), not by the model: labelled ``dispatch_*``,
 # kept in the graph so edits propagate through it, never matched by ``tl.func``.
 DISPATCH = 128
+# The functions whose every call draws random numbers: capture flags their ops RANDOM (dropout's
+# calls get the flag only in training mode).
+RANDOM_NAMES = frozenset(
+    {
+        "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "bernoulli",
+        "multinomial", "normal", "poisson", "normal_", "uniform_", "exponential_", "random_", "cauchy_",
+        "geometric_", "log_normal_", "bernoulli_", "rrelu", "rrelu_", "gumbel_softmax",
+    }
+)
 
 __all__ = [
     "ALIAS_MUTATION", "DISPATCH", "EDIT", "GUARD", "INPLACE", "INPUT", "LAZY_LINES", "NOT_REPLAYABLE", "OPEN", "RANDOM",
-    "Deferred", "ModuleCall", "Op", "Ref", "build_args", "line_at",
+    "RANDOM_NAMES", "Deferred", "ModuleCall", "Op", "Ref", "build_args", "line_at",
 ]
 
 OPEN = 1 << 62  # ModuleCall.op_end while the call is still running
@@ -262,7 +271,7 @@ class Op(_TraceLink):
         return f"<Op {self.label} {self.func_name}{where} shape={self.shape}>"
 
     def _repr_html_(self) -> str:
-        return services().html(self)
+        return repr_html(self)
 
 
 class ModuleCall(_TraceLink):
@@ -340,7 +349,7 @@ class ModuleCall(_TraceLink):
         return f"<ModuleCall {self.key} ({self.module_type}) ops {self.op_start}:{self.op_end}>"
 
     def _repr_html_(self) -> str:
-        return services().html(self)
+        return repr_html(self)
 
 
 # code id -> (code, instruction start offsets, their lines): the code object is held, so its id

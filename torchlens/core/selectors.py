@@ -8,21 +8,50 @@ by module hooks alone, which is what makes ``tl.extract`` cheap.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import re
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import EmptySelectionError, FusedKernelError, InvalidArgumentError, SiteError, SiteNotFoundError
 from .names import nearest
 from .records import DISPATCH, ModuleCall, Op
 
 __all__ = [
-    "Func", "InModule", "Label", "ModuleOutput", "Record", "Selector", "as_selector", "as_sites", "func", "in_module",
-    "module", "split_pass",
+    "OP_LABEL", "And", "Func", "InModule", "Label", "ModuleOutput", "Names", "Or", "Record", "Selector", "as_selector",
+    "as_sites", "func", "in_module", "module", "split_pass",
 ]
 
 if TYPE_CHECKING:
     from .trace import Trace
 
 Record = Op | ModuleCall
+# What an op label looks like (``linear_3``, ``input_0``): a string site of this form that is not a
+# module is kept as a label, known once the op runs.
+OP_LABEL = re.compile(r"^(?:[A-Za-z0-9_]+_\d+|input_.+)$")
+
+
+class Names(Protocol):
+    """One model's names, as a selector binds to them (:meth:`Selector.bind`).
+
+    ``torchlens.arch`` provides one per model (``arch.resolve.ModelNames``); the selectors decide
+    what the answers mean for them, so ``arch`` knows no selector class but the ones it returns.
+    """
+
+    def canonical(self, path: str) -> Selector | None:
+        """What a canonical name (``blocks.3.mlp``, ``blocks.3.resid_mid``) selects in this model; None
+        when ``path`` is a real module address or no canonical name.
+
+        Raises:
+            SiteNotFoundError: a canonical name this model does not have.
+        """
+
+    def sub_site(self, label: str) -> str | None:
+        """The capture's label of a splice sub-site named ``label`` (``blocks.6.features``), or None."""
+
+    def is_module(self, path: str) -> bool:
+        """Whether ``path`` (``address`` or ``address:pass``) is the address of one of the model's modules."""
+
+    def not_found(self, label: str) -> SiteNotFoundError:
+        """The error for a string site that names nothing in this model (with the nearest module names)."""
 
 
 def split_pass(path: str) -> tuple[str, int | None]:
@@ -59,17 +88,30 @@ class Selector:
     def describe(self) -> str:
         return repr(self)
 
+    def bind(self, names: Names, *, strings_as_modules: bool) -> Selector:
+        """This selector with its names resolved against one model's ``names``, once, before it is
+        matched (``trace.bind``, the capture request). A selector without names is itself.
+
+        With ``strings_as_modules`` (capture-time sites and ``fork.do``), a plain string naming a
+        module becomes a module selector (every pass) and a string naming nothing is refused.
+
+        Raises:
+            SiteNotFoundError: a string site that names nothing (with ``strings_as_modules``), a
+                canonical name this model does not have, or ``in_module`` of a canonical op.
+        """
+        return self
+
     def __and__(self, other: Any) -> Selector:
-        return _And(self, as_selector(other))
+        return And(self, as_selector(other))
 
     def __or__(self, other: Any) -> Selector:
-        return _Or(self, as_selector(other))
+        return Or(self, as_selector(other))
 
     def __rand__(self, other: Any) -> Selector:
-        return _And(as_selector(other), self)
+        return And(as_selector(other), self)
 
     def __ror__(self, other: Any) -> Selector:
-        return _Or(as_selector(other), self)
+        return Or(as_selector(other), self)
 
     def __str__(self) -> str:
         return self.describe()
@@ -88,6 +130,20 @@ class ModuleOutput(Selector):
             raise InvalidArgumentError(f"tl.module() takes a module path string, got {type(path).__name__}")
         self.path = path
         self._target: Selector | None = None  # what a canonical name means for one model
+
+    def bind(self, names: Names, *, strings_as_modules: bool) -> Selector:
+        if self._target is not None:
+            return self
+        target = names.canonical(self.path)
+        return self if target is None else ModuleOutput.standing_for(self.path, target)
+
+    @classmethod
+    def standing_for(cls, path: str, target: Selector) -> ModuleOutput:
+        """The canonical name ``path`` bound to what it selects in one model; the name stays, so
+        recipes stay portable across families."""
+        bound = cls(path)
+        bound._target = target
+        return bound
 
     def module_paths(self) -> list[str] | None:
         if self._target is not None:
@@ -134,6 +190,22 @@ class InModule(Selector):
             raise InvalidArgumentError(f"tl.in_module() takes a module path string, got {type(path).__name__}")
         self.path = path
         self._address, self._pass = split_pass(path)
+
+    def bind(self, names: Names, *, strings_as_modules: bool) -> Selector:
+        target = names.canonical(self.path)
+        if target is None:
+            return self
+        paths = target.module_paths()
+        if not paths or len(paths) != 1:
+            raise SiteNotFoundError(
+                f"tl.in_module({self.path!r}) needs a module, but this canonical name is an op "
+                f"({target.describe()})",
+                site=self.path,
+                remedy=f"Use tl.module({self.path!r}) for the op itself.",
+            )
+        bound = InModule(self.path)
+        bound._address, bound._pass = split_pass(paths[0])
+        return bound
 
     def _inside(self, module: str) -> bool:
         a = self._address
@@ -222,6 +294,19 @@ class Label(Selector):
     def __init__(self, label: str) -> None:
         self.label = label
 
+    def bind(self, names: Names, *, strings_as_modules: bool) -> Selector:
+        sub = names.sub_site(self.label)
+        if sub is not None:
+            return Label(sub)
+        if names.is_module(self.label):
+            return ModuleOutput(self.label) if strings_as_modules else self
+        target = names.canonical(self.label)
+        if target is not None:
+            return ModuleOutput.standing_for(self.label, target)
+        if not strings_as_modules or OP_LABEL.match(self.label):
+            return self  # a label stays a label; an op label is known once the op runs
+        raise names.not_found(self.label)
+
     def matches_op(self, op: Op) -> bool:
         return op.label == self.label
 
@@ -240,9 +325,15 @@ class Label(Selector):
     __repr__ = describe
 
 
-class _And(Selector):
+class And(Selector):
+    """What both selectors select (``a & b``)."""
+
     def __init__(self, a: Selector, b: Selector) -> None:
         self.a, self.b = a, b
+
+    def bind(self, names: Names, *, strings_as_modules: bool) -> Selector:
+        return And(self.a.bind(names, strings_as_modules=strings_as_modules),
+                    self.b.bind(names, strings_as_modules=strings_as_modules))
 
     def matches_op(self, op: Op) -> bool:
         return self.a.matches_op(op) and self.b.matches_op(op)
@@ -263,9 +354,15 @@ class _And(Selector):
     __repr__ = describe
 
 
-class _Or(Selector):
+class Or(Selector):
+    """What either selector selects (``a | b``), in execution order, without duplicates."""
+
     def __init__(self, a: Selector, b: Selector) -> None:
         self.a, self.b = a, b
+
+    def bind(self, names: Names, *, strings_as_modules: bool) -> Selector:
+        return Or(self.a.bind(names, strings_as_modules=strings_as_modules),
+                    self.b.bind(names, strings_as_modules=strings_as_modules))
 
     def module_paths(self) -> list[str] | None:
         left, right = self.a.module_paths(), self.b.module_paths()

@@ -1,21 +1,24 @@
-"""What a trace asks of the layers above the core, behind one small protocol.
+"""What the core asks of the packages above it, behind one small typed protocol: replay.
 
-The core holds records and answers reads; replaying an edit, saving, validating, printing,
-resolving canonical site names and reading facets are done by packages above it
-(``edit/``, ``store/``, ``analysis/``, ``arch/``). The core never imports them: the top
-package installs one :class:`TraceServices` object when it is imported
-(``torchlens/_services.py``), and ``Trace`` methods call through it.
+The core holds records and answers reads. Replaying an edit (``edit/``), capturing the model
+again (``api``) and resolving a model's names (``arch/``) live above it, and the core cannot
+import them: the top package installs one :class:`TraceServices` object when it is imported
+(``torchlens/_core_services.py``), and ``Fork.do``, ``Trace.forks``, ``Trace.run`` and
+``Trace.bind`` call through it. Everything else a trace offers above the core (validating,
+saving, tables, pictures, facets) is a method its owning package provides on import
+(``core.actions.provide_methods``), not a service.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, overload
 
 from ..errors import TorchLensError
 
 if TYPE_CHECKING:
-    from .selectors import Selector
-    from .sites import Site
+    from torch import nn
+
+    from .selectors import Names, Selector
     from .steps import Step
     from .trace import Fork, Trace
 
@@ -23,54 +26,33 @@ __all__ = ["TraceServices", "install", "services"]
 
 
 class TraceServices(Protocol):
-    """The operations of a trace that live above the core."""
+    """The operations of a trace that live above the core: replay and re-execution."""
 
-    def bind(self, model: Any, selector: Selector, *, strings_as_modules: bool) -> Selector:
-        """``selector`` with canonical names (``blocks.3.mlp``) resolved to this model's sites;
-        with ``strings_as_modules``, plain strings naming modules become module selectors."""
+    def names(self, model: nn.Module) -> Names:
+        """``model``'s names (real addresses, canonical names, sub-sites), for ``Selector.bind``."""
 
-    def replay(self, fork: Fork, step: Step, *, model: Any, inputs: Any, check: bool, replay: str) -> Fork:
+    def replay(self, fork: Fork, step: Step, *, model: nn.Module | None, inputs: Any, check: bool,
+               replay: str) -> Fork:
         """Apply ``step`` on ``fork`` (replay, or re-execution when model/inputs are given or a
-        changed guard makes replay fall back, as ``replay`` allows)."""
+        changed guard makes replay fall back, as ``replay`` allows); ``inputs`` are the user's
+        inputs in any form ``tl.trace`` takes."""
+
+    @overload
+    def replay_many(self, forks: list[Fork], steps: list[list[Step]], *, check: bool, replay: str,
+                    batch_size: int | None, collect_errors: Literal[False] = False) -> list[Fork]: ...
+
+    @overload
+    def replay_many(self, forks: list[Fork], steps: list[list[Step]], *, check: bool, replay: str,
+                    batch_size: int | None, collect_errors: Literal[True]) -> list[BaseException | None]: ...
 
     def replay_many(self, forks: list[Fork], steps: list[list[Step]], *, check: bool, replay: str,
-                    batch_size: int | None, collect_errors: bool = False) -> list[Any]:
+                    batch_size: int | None, collect_errors: bool = False) -> list[Fork] | list[BaseException | None]:
         """Apply ``steps[i]`` (in order) on ``forks[i]`` (fresh forks of one trace), replayed together;
         the forks, or with ``collect_errors`` per fork the error its replay met (None: none)."""
 
-    def rerun(self, trace: Trace, model: Any, args: tuple, kwargs: dict, steps: list[Step],
+    def rerun(self, trace: Trace, model: nn.Module, args: tuple, kwargs: dict[str, Any], steps: list[Step],
               until: Selector | None) -> Trace:
         """Capture the model again with ``steps`` as capture-time edits (stop after ``until``)."""
-
-    def validate(self, trace: Trace, **kwargs: Any) -> Any:
-        """``tl.validate(trace, **kwargs)``."""
-
-    def save_trace(self, trace: Trace, path: Any, *, selector: Any, overwrite: bool) -> Any:
-        """Write the trace (graph + activations)."""
-
-    def save_intervention(self, trace: Trace, path: Any, *, level: str, overwrite: bool) -> Any:
-        """Write the trace's steps as a ``.tlspec/`` recipe."""
-
-    def table(self, trace: Trace, selector: Any, limit: int | None) -> str:
-        """A text table of the trace's ops."""
-
-    def facets(self, site: Site) -> Any:
-        """The facet object a plugin offers for ``site``."""
-
-    def to_dot(self, trace: Trace, **options: Any) -> str:
-        """The DOT source of the trace's graph (``torchlens.analysis.draw.to_dot`` options)."""
-
-    def draw(self, trace: Trace, path: Any, **options: Any) -> Any:
-        """Draw the trace's graph (to ``path`` when given); a ``Drawing``."""
-
-    def summary(self, trace: Trace) -> Any:
-        """Per module call: ops, parameters, output shape, memory held (text and HTML)."""
-
-    def to_pandas(self, trace: Trace) -> Any:
-        """One row per op as a pandas DataFrame."""
-
-    def html(self, obj: Any) -> str:
-        """The notebook HTML of a trace, fork, op or module call."""
 
 
 _installed: TraceServices | None = None

@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from .records import ModuleCall, Op
-from .services import services
 
 __all__ = ["ModuleSites", "Site", "Sites"]
 
@@ -39,11 +38,6 @@ class Site:
     def out(self) -> Any:
         """The value at this site in this trace (edited values on a fork)."""
         return self.trace.read(self.record)
-
-    @property
-    def facets(self) -> Any:
-        """Derived read-only views of this site (e.g. attention pattern), from facet plugins."""
-        return services().facets(self)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.record, name)

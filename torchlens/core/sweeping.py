@@ -8,7 +8,7 @@ any of them is read, whichever comes first. Results equal each fork replayed alo
 rounding, as ``Trace.forks``).
 
 A fork's own state (its values, substitutions, module outputs, recipe and applied edits: its
-``changes``, a :class:`~torchlens.core.changes.ForkValues`) is held behind a :class:`Deferred`
+``changes``, a :class:`~torchlens.core.changes.ForkValues`) is held behind a :class:`SettledAttribute`
 attribute: reading it on a queued fork first replays the block's queue. An edit that fails
 when its fork is replayed leaves that fork as it was before the edit (and drops the later
 edits queued on it); its error is raised once, at the first read of that fork, or when the
@@ -26,7 +26,7 @@ from .steps import REPLAY_MODES, Step
 if TYPE_CHECKING:
     from .trace import Fork, Trace
 
-__all__ = ["Deferred", "SweepBlock", "check_batch_size"]
+__all__ = ["SettledAttribute", "SweepBlock", "check_batch_size"]
 
 
 def check_batch_size(batch_size: Any) -> None:
@@ -40,7 +40,7 @@ def check_batch_size(batch_size: Any) -> None:
         raise InvalidArgumentError(f"batch_size= is a whole number of forks >= 1 (or None: all), got {batch_size!r}")
 
 
-class Deferred:
+class SettledAttribute:
     """The fork attribute holding its own state (``changes``): reading it on a fork whose edits a sweep
     block queued replays the queue first (and raises the error a queued edit of that fork met)."""
 

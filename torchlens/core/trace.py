@@ -38,7 +38,7 @@ from .selectors import Label, Selector, as_selector, split_pass
 from .services import services
 from .sites import ModuleSites, Site, Sites
 from .steps import REPLAY, Step
-from .sweeping import Deferred, SweepBlock
+from .sweeping import SettledAttribute, SweepBlock
 from .text import decode_tokens, input_ids_of, token_position
 from .tree import Pending, Withheld, flatten, held_tensors, replace_held, unflatten
 from .writes import fold
@@ -428,7 +428,7 @@ class Trace(TraceActions):
         sel = as_selector(selector)
         if self.model is None:
             return sel
-        return services().bind(self.model, sel, strings_as_modules=strings_as_modules)
+        return sel.bind(services().names(self.model), strings_as_modules=strings_as_modules)
 
     def lookup(self, key: str) -> Op | ModuleCall:
         """The record an op label or module address (``addr``, ``addr:2``, a canonical name) names.
@@ -706,8 +706,8 @@ class Fork(Trace):
     """A branch of a trace. Holds its parent's records (the same ``Graph``) and every unchanged
     value through them; what it changed is its own ``changes`` (a ``ForkValues``)."""
 
-    # what the fork changed: read through Deferred, which first replays edits a sweep block queued
-    changes = Deferred()
+    # what the fork changed: read through SettledAttribute, which first replays edits a sweep block queued
+    changes = SettledAttribute()
 
     def __init__(self, parent: Trace, name: str | None = None) -> None:
         if isinstance(parent, Fork):

@@ -17,16 +17,16 @@ from typing import Any, NamedTuple
 import torch
 
 from .._progress import track
-from ..analysis.notebook import validation_html
-from ..capture._classify import RANDOM_NAMES
-from ..core.records import EDIT, GUARD, INPLACE, INPUT, NOT_REPLAYABLE, RANDOM, Op, Ref, build_args
+from ..core.actions import provide_methods
+from ..core.records import EDIT, GUARD, INPLACE, INPUT, NOT_REPLAYABLE, RANDOM, RANDOM_NAMES, Op, Ref, build_args
+from ..core.repr_html import repr_html
 from ..core.trace import Trace
 from ..core.tree import tensor_leaves
 from ..errors import GuardChangedError, InvalidArgumentError, ReplayError, ValueNotSavedError
 from ._execute import SHARED_TARGETS, UNINITIALISED, execute
 from ._guards import recompute_read, same_value, short
 
-__all__ = ["BY_DESIGN", "Divergence", "Unchecked", "ValidationReport", "validate"]
+__all__ = ["BY_DESIGN", "Divergence", "Unchecked", "ValidateMethod", "ValidationReport", "validate"]
 
 # Kinds of ``Unchecked`` ops that are not re-issued by design; any other kind means "not fully checked".
 BY_DESIGN = frozenset({"input", "uninitialised"})
@@ -148,7 +148,7 @@ class ValidationReport:
     __str__ = summary
 
     def _repr_html_(self) -> str:
-        return validation_html(self)
+        return repr_html(self)  # rendered by torchlens.analysis.notebook
 
 
 _AS_ERRORS = frozenset({"not saved", "meta", "failed"})  # unchecked kinds the report also lists as errors
@@ -357,3 +357,13 @@ def _check_guards(trace, values: dict[int, Any], report: ValidationReport) -> No
     for op in trace.ops:
         if op.flags & GUARD:
             report.guards.append(f"{op.func_name} indices of {op.label} at {op.source}")
+
+
+@provide_methods(Trace)
+class ValidateMethod:
+    """``Trace.validate``, provided by ``edit/`` (see ``torchlens.core.actions``)."""
+
+    def validate(self: Trace, *, atol: float = 1e-5, rerun: bool = True,
+                 progress: bool | None = None) -> ValidationReport:
+        """``tl.validate(self, ...)``: replay every op from its recorded inputs and compare (see :func:`validate`)."""
+        return validate(self, atol=atol, rerun=rerun, progress=progress)

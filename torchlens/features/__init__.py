@@ -3,6 +3,7 @@
 ``tl.features.as_dictionary(sae)`` wraps any module with ``encode`` / ``decode`` (SAELens ``SAE`` objects
 as they are); ``tl.features.load_sae(path)`` reads SAELens's on-disk layout without SAELens;
 ``tl.trace(model, x, features={site: sae})`` splices them in for one capture (docs/features.md).
+Patching in the feature basis is ``tl.patching.feature_patching`` (:mod:`torchlens.patching.feature_basis`).
 """
 
 from .attach import FeatureAttachment, FeatureSplice, attach, dictionaries
@@ -10,7 +11,6 @@ from .dictionary import FeatureDictionary, SavedSAE, as_dictionary, load_sae
 from .display import ContextText, FeatureText, TopFeatures, context_text, feature_text, top_features
 from .dla import feature_activations, feature_logit_attrs
 from .edits import FeatureEdit, ablate, clamp, scale, steer
-from .patching import feature_attribution_patching, feature_patching, restore_features
 from .reads import FeatureList, active, feature_acts, top
 from .stats import FeatureStats, SiteFeatureStats, feature_stats, load_feature_stats
 
@@ -19,6 +19,5 @@ __all__ = [
     "active", "as_dictionary", "attach", "clamp", "dictionaries", "feature_acts", "load_sae", "scale", "steer", "top",
 ]
 __all__ += ["ContextText", "FeatureText", "TopFeatures", "context_text", "feature_text", "top_features"]
-__all__ += ["feature_attribution_patching", "feature_patching", "restore_features"]
 __all__ += ["FeatureStats", "SiteFeatureStats", "feature_activations", "feature_logit_attrs", "feature_stats",
             "load_feature_stats"]

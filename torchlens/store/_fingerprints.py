@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..errors import FingerprintMismatchError
-from ._checks import fail
+from ._load_checks import fail
 
 __all__ = [
     "check_fingerprint_dict", "check_model_fingerprint", "fingerprint", "fingerprint_mismatch", "fingerprint_of",

@@ -26,7 +26,7 @@ import torch
 
 from .._interrupts import HoldInterrupts
 from ..errors import FormatVersionError, InvalidArgumentError, RecipeExistsError, UnsafePathError
-from ._checks import check_int, fail, loads_json
+from ._load_checks import check_int, fail, loads_json
 from ._safetensors import check_declared, read_safetensors, write_safetensors
 
 __all__ = [

@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
+from ..capture._safetensors_format import ST_DTYPES, ST_NAMES  # re-exported for store/'s readers and writers
 from ..errors import NotPortableError
-from ._checks import MAX_DIM, check_int, fail, loads_json
+from ._load_checks import MAX_DIM, check_int, fail, loads_json
 
 __all__ = [
     "MAX_HEADER_BYTES", "ST_DTYPES", "ST_NAMES", "check_declared", "read_safetensors", "storable",
@@ -26,13 +27,6 @@ __all__ = [
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 
 
-ST_DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
-    "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64, "U64": torch.uint64,
-    "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
-    "C64": torch.complex64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
 
 
 def storable(t: torch.Tensor) -> torch.Tensor:

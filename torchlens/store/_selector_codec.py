@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..core.selectors import Func, InModule, Label, ModuleOutput, Selector, _And, _Or
+from ..core.selectors import And, Func, InModule, Label, ModuleOutput, Or, Selector
 from ..errors import NotPortableError
-from ._checks import MAX_DEPTH, fail
+from ._load_checks import MAX_DEPTH, fail
 
 __all__ = ["selector_from_dict", "selector_to_dict"]
 
@@ -30,8 +30,8 @@ def selector_to_dict(sel: Selector) -> dict[str, Any]:
         return {"func": sel.name}
     if t is Label:
         return {"label": sel.label}
-    if t is _And or t is _Or:
-        return {"and" if t is _And else "or": [selector_to_dict(sel.a), selector_to_dict(sel.b)]}
+    if t is And or t is Or:
+        return {"and" if t is And else "or": [selector_to_dict(sel.a), selector_to_dict(sel.b)]}
     raise NotPortableError(f"selector {sel.describe()} ({t.__name__}) has no saved form",
                            remedy="Use tl.module / tl.in_module / tl.func / labels, combined with & and |.")
 
@@ -51,5 +51,5 @@ def selector_from_dict(d: Any, depth: int = 0) -> Selector:
         if not isinstance(arg, list) or len(arg) != 2:
             raise fail(f"site {kind!r} takes a list of two sites")
         a, b = (selector_from_dict(x, depth + 1) for x in arg)
-        return _And(a, b) if kind == "and" else _Or(a, b)
+        return And(a, b) if kind == "and" else Or(a, b)
     raise fail(f"unknown site kind {kind!r:.40}; known: {sorted([*_LEAF_SELECTORS, 'and', 'or'])}")

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..capture._safetensors_format import shard_name  # re-exported: datasets name shards alike
 from ..errors import DatasetFormatError, JobMismatchError, ShardWriteError
 from ._safetensors import ST_DTYPES, ST_NAMES
 
@@ -31,10 +32,6 @@ MANIFEST = "manifest.json"
 TMP_MARK = ".tmp-"
 # Names a job directory may hold besides shards; anything else means it is not ours.
 OWN_NAMES = (MANIFEST, "arrow")
-
-
-def shard_name(index: int) -> str:
-    return f"shard-{index:05d}.safetensors"
 
 
 def _open_for_write(path: pathlib.Path) -> Any:

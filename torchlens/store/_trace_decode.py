@@ -26,9 +26,9 @@ from ..core.trace import DataRead, Fork
 from ..core.tree import flatten
 from ..edit.edits import AppliedEdit, EditContext, _caller_stacklevel
 from ..errors import FunctionsNotResolved, ReplayNotExactError
-from ._checks import check_int, fail
 from ._fingerprints import check_fingerprint_dict
 from ._fn_allowlist import UnresolvedFunction, function_table
+from ._load_checks import check_int, fail
 from ._value_codec import Decoder, Opaque
 from .recipes import decode_steps
 

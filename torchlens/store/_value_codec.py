@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 
 from ..core.records import Ref
 from ..errors import NotPortableError
-from ._checks import MAX_DEPTH, MAX_DIM, check_int, fail
+from ._load_checks import MAX_DEPTH, MAX_DIM, check_int, fail
 from ._safetensors import ST_NAMES, storable
 
 __all__ = ["Decoder", "LazyTensor", "Opaque", "SavedRecord", "TensorTable", "encode"]

@@ -25,10 +25,12 @@ from typing import Any
 
 import torch
 
-from ..analysis.notebook import recipe_html
+from ..core.actions import provide_methods
 from ..core.records import EDIT
+from ..core.repr_html import repr_html
 from ..core.selectors import Label, Selector
 from ..core.steps import CAPTURE, PHASES, REPLAY, Step
+from ..core.trace import Trace
 from ..edit.helpers import Helper, helper_class
 from ..errors import (
     InvalidArgumentError,
@@ -38,7 +40,6 @@ from ..errors import (
     TorchLensError,
     UnknownHelperError,
 )
-from ._checks import fail, guarded, loading
 from ._fingerprints import (
     check_fingerprint_dict,
     check_model_fingerprint,
@@ -46,6 +47,7 @@ from ._fingerprints import (
     fingerprint_of,
 )
 from ._fingerprints import fingerprint_mismatch as fingerprint_mismatch  # re-exported: it lived here
+from ._load_checks import fail, guarded, loading
 from ._ondisk import (
     FIRST_VERSION,
     SavedDir,
@@ -309,7 +311,7 @@ class Recipe:
         return f"<Recipe {self.level}, {len(self.steps)} step(s) for {model}: {steps}{more}>"
 
     def _repr_html_(self) -> str:
-        return recipe_html(self)
+        return repr_html(self)  # rendered by torchlens.analysis.notebook
 
 
 # -- save / load ----------------------------------------------------------------------------------
@@ -431,5 +433,15 @@ def _build_recipe(m: dict[str, Any], tensors: dict[str, torch.Tensor], pickled: 
                   format_version=m["format_version"], path=path, check_fingerprint=check_fingerprint)
 
 
-__all__ = ["Recipe", "StoredSource", "fingerprint", "load_intervention", "save_intervention",
+@provide_methods(Trace)
+class SaveInterventionMethod:
+    """``Trace.save_intervention``, provided by ``store/`` (see ``torchlens.core.actions``)."""
+
+    def save_intervention(self: Trace, path: Any, level: str = "portable", *, overwrite: bool = False) -> Path:
+        """Write this trace's edits (capture-time steps and, on a fork, its recipe) as ``.tlspec/``
+        (see :func:`save_intervention`)."""
+        return save_intervention(self, path, level=level, overwrite=overwrite)
+
+
+__all__ = ["Recipe", "SaveInterventionMethod", "StoredSource", "fingerprint", "load_intervention", "save_intervention",
            "selector_from_dict", "selector_to_dict"]

@@ -19,13 +19,16 @@ from typing import Any
 import torch
 
 from .._progress import track
+from ..capture._trace_store import read_back
+from ..core.actions import provide_methods
 from ..core.records import EDIT, INPUT, Deferred, ModuleCall, Op
 from ..core.selectors import as_selector
+from ..core.trace import Trace
 from ..core.tree import unflatten
 from ..errors import NotPortableError
-from ._checks import MAX_DEPTH, MAX_DIM, fail, guarded, loading, loads_json
 from ._fingerprints import fingerprint_of
 from ._fn_allowlist import function_name, function_table
+from ._load_checks import MAX_DEPTH, MAX_DIM, fail, guarded, loading, loads_json
 from ._ondisk import (
     FORMAT,
     FORMAT_VERSION,
@@ -45,11 +48,11 @@ from ._ondisk import (
 )
 from ._safetensors import MAX_HEADER_BYTES, ST_DTYPES, ST_NAMES, check_declared, read_safetensors, write_safetensors
 from ._trace_decode import SourceLocation, UnavailableEdit, build_trace, fields
-from ._trace_store import read_back
 from ._value_codec import Decoder, Opaque, SavedRecord, TensorTable, encode
 from .recipes import encode_steps
 
 __all__ = [
+    "SaveMethod",
     "FORMAT", "FORMAT_VERSION", "MANIFEST", "MAX_DEPTH", "MAX_DIM", "MAX_HEADER_BYTES", "MAX_MANIFEST_BYTES",
     "ST_DTYPES", "ST_NAMES", "TENSOR_FILE", "Decoder", "Opaque", "SavedDir", "SavedRecord", "SourceLocation",
     "TensorTable", "UnavailableEdit", "check_declared", "check_file_name", "check_path_arg", "dumps_manifest",
@@ -298,3 +301,13 @@ def load_trace(path: Any) -> Any:
             tensors = read_tensors(d, manifest)
             tensors.update(read_views(manifest, tensors))
         return guarded(build_trace, manifest, tensors)
+
+
+@provide_methods(Trace)
+class SaveMethod:
+    """``Trace.save``, provided by ``store/`` (see ``torchlens.core.actions``)."""
+
+    def save(self: Trace, path: Any, *, selector: Any = None, overwrite: bool = False) -> Path:
+        """Write the graph (JSON) and activations (safetensors), optionally only ``selector``'s ops
+        (see :func:`save_trace`)."""
+        return save_trace(self, path, selector=selector, overwrite=overwrite)

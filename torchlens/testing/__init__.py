@@ -9,6 +9,6 @@ With pytest, ``pytest_plugins = ("torchlens.testing.pytest_plugin",)`` in a ``co
 gives the ``torchlens_conformance`` fixture. ``docs/plugins.md`` walks through a template package.
 """
 
-from ._checks import CheckResult, ConformanceReport, check_model
+from ._conformance import CheckResult, ConformanceReport, check_model
 
 __all__ = ["CheckResult", "ConformanceReport", "check_model"]

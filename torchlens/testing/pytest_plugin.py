@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from ._checks import ConformanceReport, check_model
+from ._conformance import ConformanceReport, check_model
 
 __all__ = ["torchlens_conformance"]
 

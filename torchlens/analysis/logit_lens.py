@@ -18,7 +18,7 @@ import torch
 from ..arch.resolve import arch
 from ..errors import InvalidArgumentError
 from . import plots
-from .patching import _model_of
+from ._workflow_inputs import model_of
 from .residual import _boundary, _final_norm, _trace_of, find_final_norm, resid_labels
 
 __all__ = ["LogitLens", "find_final_norm", "logit_lens"]
@@ -102,7 +102,7 @@ def logit_lens(trace: Any, inputs: Any = None, *, layers: Sequence[int] | int | 
     """
     trace = _trace_of(trace, inputs, "logit_lens", tokenizer)
     tokenizer = tokenizer if tokenizer is not None else getattr(trace, "tokenizer", None)
-    model = _model_of(trace)
+    model = model_of(trace)
     view = arch(model)
     rows = view.layer_indices(layers, boundaries=True)
     norm = _final_norm(trace, norm)

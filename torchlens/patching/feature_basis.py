@@ -19,26 +19,25 @@ from typing import Any
 import torch
 
 from .._progress import track
-from ..analysis.patching import (
+from ..analysis._workflow_inputs import as_trace, model_of
+from ..api import trace as capture
+from ..arch.resolve import arch
+from ..capture._random import refuse_random
+from ..features.dictionary import FeatureDictionary, as_dictionary
+from ..features.dla import _site_value, feature_activations
+from .activation import (
     DEFAULT_BATCH,
     PatchingResult,
-    _as_trace,
     _Cells,
     _check_batch,
     _check_pair,
-    _model_of,
     _positions,
     _prompt_ids,
     _seq_len,
     _token_positions,
 )
-from ..analysis.patching_attribution import _differentiable, _graph_from_embeddings
-from ..analysis.patching_metrics import score
-from ..api import trace as capture
-from ..arch.resolve import arch
-from ..capture._random import refuse_random
-from .dictionary import FeatureDictionary, as_dictionary
-from .dla import _site_value, feature_activations
+from .attribution import _differentiable, _graph_from_embeddings
+from .metrics import score
 
 __all__ = ["feature_attribution_patching", "feature_patching", "restore_features"]
 
@@ -63,9 +62,9 @@ def restore_features(donor: torch.Tensor, feature: int, positions: list[int] | N
 
 
 def _pair(clean: Any, corrupted: Any, model: Any, site: Any, sae: Any) -> tuple[Any, Any, Any, FeatureDictionary]:
-    clean, corrupted = _as_trace(model, clean, "clean"), _as_trace(model, corrupted, "corrupted")
+    clean, corrupted = as_trace(model, clean, "clean"), as_trace(model, corrupted, "corrupted")
     _check_pair(clean, corrupted)
-    model = model if model is not None else _model_of(corrupted, clean)
+    model = model if model is not None else model_of(corrupted, clean)
     return clean, corrupted, model, as_dictionary(sae)
 
 
@@ -104,7 +103,7 @@ def feature_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any], *
         batch_size: cells replayed together.
 
     Returns:
-        A :class:`~torchlens.analysis.patching.PatchingResult`: ``values`` are the metric of each patched run.
+        A :class:`~torchlens.patching.PatchingResult`: ``values`` are the metric of each patched run.
 
     Raises:
         FeatureWidthError, FeatureDtypeError, FeatureSiteError: the site does not fit the dictionary.
@@ -152,7 +151,7 @@ def feature_attribution_patching(clean: Any, corrupted: Any, metric: Callable[[A
     ``metric`` must return a differentiable scalar tensor.
 
     Returns:
-        A :class:`~torchlens.analysis.patching.PatchingResult`: ``estimate`` the first-order change per cell,
+        A :class:`~torchlens.patching.PatchingResult`: ``estimate`` the first-order change per cell,
         ``values`` the corrupted metric plus it (on the scale of :func:`feature_patching`'s values).
 
     Raises:

@@ -28,7 +28,7 @@ import torch
 from ..core.records import Ref
 from ..core.tree import unflatten_call
 
-__all__ = ["MAX_RECOMPUTE_OPS", "RECOMPUTABLE", "Recipe", "bits_equal", "candidate_args", "run_recipe"]
+__all__ = ["MAX_RECOMPUTE_OPS", "RECOMPUTABLE", "Recompute", "bits_equal", "candidate_args", "run_recipe"]
 
 # The most ops one read recomputes (this value and every recomputed value it is made from,
 # counted along each path): a read never walks a long chain such as a residual stream of adds.
@@ -75,7 +75,7 @@ _SCALARS = (bool, int, float)
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-class Recipe:
+class Recompute:
     """How to recompute one value: a function (by its portable name) of stored values and scalars."""
 
     __slots__ = ("name", "func", "args", "kwargs")

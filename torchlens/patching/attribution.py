@@ -4,7 +4,7 @@ One forward on each prompt and one backward on the corrupted run give, for every
 position, ``(clean - corrupted) · d metric / d activation`` summed over the features (Nanda,
 "Attribution Patching", 2023). It is exact when the metric is linear in the activations (a
 linear model), and an estimate otherwise; compare it with exact patching
-(:func:`torchlens.analysis.patching.activation_patching`) on a subgrid before trusting it.
+(:func:`torchlens.patching.activation_patching`) on a subgrid before trusting it.
 
 The backward uses plain autograd through module hooks (``torch.autograd.grad``, so no
 parameter's ``.grad`` is touched); the hooks are removed before returning, also on errors.
@@ -17,14 +17,15 @@ from typing import Any
 
 import torch
 
+from ..analysis._workflow_inputs import as_trace, model_of
+from ..analysis.heads import attention_at
 from ..api import trace as capture
 from ..arch.resolve import arch
 from ..capture._random import refuse_random
 from ..core.tree import first_tensor, flatten, unflatten
 from ..errors import InvalidArgumentError
-from .heads import attention_at
-from .patching import PatchingResult, _as_trace, _check_pair, _layers, _model_of, _prompt_ids
-from .patching_metrics import score
+from .activation import PatchingResult, _check_pair, _layers, _prompt_ids
+from .metrics import score
 
 __all__ = ["ATTRIBUTION_KINDS", "attribution_patching"]
 
@@ -41,7 +42,7 @@ def attribution_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any
             strings (tokenized with ``tokenizer``).
         corrupted: the corrupted trace, or its inputs with ``model=`` (as ``clean``).
         metric: ``metric(model_output) -> scalar tensor`` (differentiable, e.g.
-            :func:`~torchlens.analysis.patching.logit_diff`).
+            :func:`~torchlens.patching.logit_diff`).
         model: the model (default: the traces').
         site: ``resid_pre``, ``resid_post``, ``attn`` or ``mlp`` (a layer × position grid),
             or ``heads`` (a layer × head grid: each head's output at every position, read
@@ -50,12 +51,12 @@ def attribution_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any
         tokenizer: tokenizes text prompts (default: the model's ``tokenizer`` attribute).
 
     Returns:
-        a :class:`~torchlens.analysis.patching.PatchingResult` over ``("layer", "position")``
+        a :class:`~torchlens.patching.PatchingResult` over ``("layer", "position")``
         (``("layer", "head")`` for heads): ``estimate`` is the raw first-order change of the
         metric per cell, ``(clean - corrupted) · d metric / d activation`` summed over the
         features (what TransformerLens-style attribution patching computes), and ``values``
         estimates ``metric(patched)``: the corrupted run's metric plus ``estimate`` (comparable
-        with :func:`~torchlens.analysis.patching.activation_patching`'s values).
+        with :func:`~torchlens.patching.activation_patching`'s values).
 
     Raises:
         InvalidArgumentError: an unsupported ``site``, a metric that is not a differentiable scalar.
@@ -65,9 +66,9 @@ def attribution_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any
     if site not in ATTRIBUTION_KINDS:
         raise InvalidArgumentError(f"attribution patching supports site= {ATTRIBUTION_KINDS}, got {site!r}",
                                    remedy="Use activation_patching for resid_mid.")
-    clean, corrupted = _as_trace(model, clean, "clean", tokenizer), _as_trace(model, corrupted, "corrupted", tokenizer)
+    clean, corrupted = as_trace(model, clean, "clean", tokenizer), as_trace(model, corrupted, "corrupted", tokenizer)
     _check_pair(clean, corrupted)
-    model = model if model is not None else _model_of(corrupted, clean)
+    model = model if model is not None else model_of(corrupted, clean)
     refuse_random("attribution patching", clean, corrupted, model=model)  # its gradients would be a random graph's
     rows = _layers(model, site, layers)
     view = arch(model)

@@ -20,6 +20,9 @@ from typing import Any
 import torch
 
 from .._progress import track
+from ..analysis import plots
+from ..analysis._workflow_inputs import as_trace, model_of
+from ..analysis.heads import head_patch_site
 from ..api import trace as capture
 from ..arch.resolve import arch
 from ..capture._random import refuse_random
@@ -31,12 +34,10 @@ from ..core.tree import first_tensor, flatten, unflatten
 from ..edit.edits import when
 from ..edit.reads import OutputRead, replay_reads
 from ..errors import GuardChangedError, InvalidArgumentError, TokenizerRequiredError, TokenNotFoundError
-from . import plots
-from .heads import head_patch_site
-from .patching_metrics import MetricReads, logit_diff, logits_of, metric_position, prob, score
+from .metrics import MetricReads, logits_of, metric_position, prob, score
 
 __all__ = [
-    "KINDS", "MetricReads", "PatchingResult", "activation_patching", "causal_trace", "logit_diff", "prob",
+    "KINDS", "PatchingResult", "activation_patching", "causal_trace",
     "restore_rows",
 ]
 
@@ -209,26 +210,6 @@ def restore_rows(donor: Any, positions: Sequence[int] | int | None, *, axis: int
 # -- activation patching ------------------------------------------------------------------------
 
 
-def _as_trace(model: Any, value: Any, what: str, tokenizer: Any = None) -> Trace:
-    """``value`` as a trace: itself, or ``model`` run on it (token ids, or text through ``tokenizer``,
-    else the model's ``tokenizer`` attribute: ``torchlens.core.text``)."""
-    if isinstance(value, Trace):
-        return value
-    if model is None:
-        raise InvalidArgumentError(f"{what} is not a trace, and no model= was given to capture it",
-                                   remedy="Pass traces (tl.trace(model, ids)) or model= with input tensors or "
-                                   "text (and tokenizer=).")
-    return capture(model, value, tokenizer=tokenizer)
-
-
-def _model_of(*traces: Trace) -> Any:
-    for t in traces:
-        if t.model is not None:
-            return t.model
-    raise InvalidArgumentError("these traces hold no model (loaded from disk?), so canonical sites cannot "
-                               "be resolved", remedy="Capture the traces with tl.trace(model, ids).")
-
-
 def _layers(model: Any, kind: str, layers: Sequence[int] | None) -> list[int]:
     """The blocks a workflow covers (``ArchView.layer_indices``: ``-1`` is the last block)."""
     return arch(model).layer_indices(layers, "attn" if kind == "heads" else kind)
@@ -328,10 +309,10 @@ def activation_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any]
     if site not in KINDS:
         raise InvalidArgumentError(f"site= is one of {KINDS}, got {site!r}")
     _check_batch(batch_size)
-    clean, corrupted = _as_trace(model, clean, "clean", tokenizer), _as_trace(model, corrupted, "corrupted", tokenizer)
+    clean, corrupted = as_trace(model, clean, "clean", tokenizer), as_trace(model, corrupted, "corrupted", tokenizer)
     _check_pair(clean, corrupted)
     refuse_random("activation patching", clean, corrupted)
-    model = model if model is not None else _model_of(corrupted, clean)
+    model = model if model is not None else model_of(corrupted, clean)
     corrupted.ensure_graph()  # once here, not once per fork
     rows = _layers(model, site, layers)
     name = getattr(metric, "__name__", "metric")

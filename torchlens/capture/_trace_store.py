@@ -32,9 +32,8 @@ from .._interrupts import HoldInterrupts
 from ..core.records import Deferred, Ref
 from ..core.tree import flatten, unflatten
 from ..errors import InvalidArgumentError, TraceStoreWriteError
-from ._recompute import MAX_RECOMPUTE_OPS, Recipe, bits_equal, candidate_args, run_recipe
-from ._safetensors import ST_DTYPES, ST_NAMES
-from ._shards import shard_name
+from ._recompute import MAX_RECOMPUTE_OPS, Recompute, bits_equal, candidate_args, run_recipe
+from ._safetensors_format import ST_DTYPES, ST_NAMES, shard_name
 
 __all__ = ["DEFAULT_BUDGET", "StoredValue", "TraceStore", "check_recompute", "read_back"]
 
@@ -129,7 +128,7 @@ class TraceStore:
         self._views: dict[str, tuple[str, list[int], list[int], int]] = {}
         self._bases: dict[int, tuple[str, int, Any]] = {}  # storage -> (name, version, weak tensor) stored whole
         self.recompute = recompute
-        self._recipes: dict[str, Recipe] = {}  # name -> how to recompute it (nothing written)
+        self._recipes: dict[str, Recompute] = {}  # name -> how to recompute it (nothing written)
         self._cost: dict[str, int] = {}  # name -> ops a read of it recomputes (absent: 0)
         # op index -> (weak tensor, its version, whether a read gives it back with the same strides,
         # its name): the values a later op's recipe may name, while the forward runs.
@@ -251,7 +250,7 @@ class TraceStore:
             return None  # does not (a changed global state), the bytes are written as before
         if not bits_equal(remade, t):
             return None
-        self._recipes[name] = Recipe(fn_name, func, spec, kwargs)
+        self._recipes[name] = Recompute(fn_name, func, spec, kwargs)
         self._cost[name] = cost
         self.n_recomputed += 1
         size = t.numel() * t.element_size()
