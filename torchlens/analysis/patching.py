@@ -28,6 +28,7 @@ from ..core.steps import REPLAY, Step
 from ..core.text import HOW_TO_PASS, decode_tokens, input_ids_of, is_text, text_inputs, token_position, tokenizer_for
 from ..core.trace import Trace
 from ..core.tree import first_tensor, flatten, unflatten
+from ..edit._cells import mixes_back, plan_cells, run_cells, site_index
 from ..edit.edits import when
 from ..edit.reads import OutputRead, replay_reads
 from ..errors import GuardChangedError, InvalidArgumentError, TokenizerRequiredError, TokenNotFoundError
@@ -36,13 +37,16 @@ from .heads import head_patch_site
 from .patching_metrics import MetricReads, logit_diff, logits_of, metric_position, prob, score
 
 __all__ = [
-    "KINDS", "MetricReads", "PatchingResult", "activation_patching", "causal_trace", "logit_diff", "prob",
-    "restore_rows",
+    "BATCHED_TOKENS", "KINDS", "MetricReads", "PatchingResult", "activation_patching", "causal_trace", "logit_diff",
+    "prob", "restore_rows",
 ]
 
 # Cells replayed together by default: enough to share most weight reads of a sweep's few-row
 # recomputations, few enough that the batch's recomputed rows stay well under one trace per cell.
 DEFAULT_BATCH = 16
+# Grids on prompts of at most this many tokens (batch x positions) run their cells as batch entries
+# (``torchlens.edit._cells``): measured by bench/bench_encoder_grid.py, see _batched_decision.
+BATCHED_TOKENS = 16
 KINDS = ("resid_pre", "resid_mid", "resid_post", "attn", "mlp", "heads")
 
 
@@ -151,6 +155,36 @@ class _Cells:
             else:
                 scores.append(score(self.metric.reads.score, value))
         return scores
+
+    def score_site(self, site: str, cells: list[tuple[str, Any]]) -> list[float] | str:
+        """The scores of ``(fork name, edit)`` cells that all edit ``site``, replayed as the entries of
+        one batch ``batch_size`` at a time (``torchlens.edit._cells``), or why they cannot be."""
+        plan = self._plan(site)
+        if isinstance(plan, str):
+            return plan
+        value = self.trace.value(plan.site)
+        scores: list[float] = []
+        for chunk in _chunks(cells, self.batch_size):
+            got = run_cells(self.trace, plan, [edit(value, ctx=None) for _, edit in chunk], [n for n, _ in chunk])
+            reads = self.metric.reads.score if plan.read is not None else self.metric
+            scores += [score(reads, g) for g in got]
+        return scores
+
+    def mixes_back(self, layer: int) -> bool | str:
+        """Whether block ``layer`` carries an edit of the last position back to the first (bidirectional
+        attention), measured on the trace (``torchlens.edit._cells.mixes_back``); a str: cannot tell."""
+        plan = self._plan(f"blocks.{layer}.resid_pre", read=False)
+        records = self._bound(f"blocks.{layer}.resid_post").match(self.trace)
+        end = site_index(self.trace, records[0]) if len(records) == 1 else "no single resid_post"
+        if isinstance(plan, str) or isinstance(end, str):
+            return plan if isinstance(plan, str) else end
+        return mixes_back(self.trace, plan, end)
+
+    def _plan(self, site: str, read: bool = True) -> Any:
+        records = self._bound(site).match(self.trace)
+        if len(records) != 1:
+            return f"{site} matches {len(records)} places in the trace"
+        return plan_cells(self.trace, records[0], self.read if read else None)
 
     def _bound(self, site: str) -> Any:
         bound = self.sites.get(site)
@@ -283,7 +317,8 @@ def _check_pair(clean: Trace, corrupted: Trace) -> None:
 def activation_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any], *, model: Any = None,
                         site: str = "resid_pre", layers: Sequence[int] | None = None,
                         positions: Sequence[int | str] | int | str | None = None, progress: bool | None = None,
-                        batch_size: int = DEFAULT_BATCH, tokenizer: Any = None) -> PatchingResult:
+                        batch_size: int = DEFAULT_BATCH, tokenizer: Any = None,
+                        batched_cells: bool | None = None) -> PatchingResult:
     """Patch each (layer, position) — or each (layer, head [, position]) — from the clean run into the corrupted one.
 
     Each cell is a fork of ``corrupted`` with one clean value restored and replayed on the
@@ -344,15 +379,57 @@ def activation_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any]
         return PatchingResult(values, dims, labels, name, base_clean, base_corrupted)
     cols = _positions(positions, _seq_len(corrupted))
     values = torch.empty(len(rows), len(cols))
-    # position by position: the cells of one position change the same rows, and replay in one pass
-    cells = [(i, layer, j, p) for j, p in enumerate(cols) for i, layer in enumerate(rows)]
     donors = {layer: clean[f"blocks.{layer}.{site}"].out for layer in rows}
+    decision = _batched_decision(corrupted, batched_cells, scorer, rows[0])
+    if decision["batched"]:  # layer by layer: the cells of one layer edit one value, and run as one batch
+        for i, layer in track(list(enumerate(rows)), desc=f"patching {site}", unit="layer", progress=progress):
+            got = scorer.score_site(f"blocks.{layer}.{site}", [
+                (f"{corrupted.name}/patch[{layer}.{site}@{p}]", restore_rows(donors[layer], p)) for p in cols])
+            if isinstance(got, str):
+                decision["declined"][layer] = got
+            else:
+                values[i] = torch.tensor(got, dtype=values.dtype)
+    done = set(rows) - set(decision["declined"]) if decision["batched"] else set()
+    # position by position: the cells of one position change the same rows, and replay in one pass
+    cells = [(i, layer, j, p) for j, p in enumerate(cols) for i, layer in enumerate(rows) if layer not in done]
     todo = ((f"{corrupted.name}/patch[{layer}.{site}@{p}]", f"blocks.{layer}.{site}", restore_rows(donors[layer], p))
             for _, layer, _, p in track(cells, desc=f"patching {site}", unit="cell", progress=progress))
     for (i, _, j, _), got in zip(cells, scorer.score_all(todo)):
         values[i, j] = got
     return PatchingResult(values, ("layer", "position"), {"layer": rows, "position": cols}, name, base_clean,
-                          base_corrupted, {"ids": _prompt_ids(clean)})
+                          base_corrupted, {"ids": _prompt_ids(clean), "cells": decision})
+
+
+def _batched_decision(corrupted: Trace, batched: bool | None, scorer: _Cells, layer: int) -> dict[str, Any]:
+    """Whether a grid's cells run as batch entries (``torchlens.edit._cells``), and why: the
+    record kept in ``notes["cells"]`` (``"declined"`` gains each layer the batch could not take).
+
+    The rule, measured by ``bench/bench_encoder_grid.py`` on one CPU thread: batch when the
+    prompts hold at most :data:`BATCHED_TOKENS` tokens in all *and* the model's blocks carry an
+    edit of the last position back to the first (bidirectional attention: an encoder), so a cell
+    recomputes every row after its first block. A cell's rows then cost the read of each weight,
+    which the batch shares (BERT-base, 8 tokens: 0.33 of a forward per cell against 0.6-0.7
+    sliced; 16 tokens: 0.36 against 0.59; 32 tokens: even). Under causal attention slicing
+    recomputes only the rows at and after the patched position, and wins even on short prompts
+    (GPT-2 small, 8 tokens: 0.09 sliced against 0.16 batched).
+    """
+    if batched is not None and not isinstance(batched, bool):
+        raise InvalidArgumentError(f"batched_cells= is True, False or None, got {batched!r}",
+                                   remedy="None picks by the prompt's length; True or False forces the choice.")
+    ids = first_tensor(corrupted.args or tuple(corrupted.kwargs.values()))
+    tokens = None if ids is None or ids.dim() < 2 else ids.shape[0] * ids.shape[1]
+    if batched is None:
+        batched = tokens is not None and tokens <= BATCHED_TOKENS
+        reason = (f"{tokens} tokens {'<=' if batched else '>'} {BATCHED_TOKENS}" if tokens is not None
+                  else "unknown prompt length")
+        if batched:
+            mixes = scorer.mixes_back(layer)
+            batched = mixes is True
+            reason += ("; attention is bidirectional" if batched else "; attention is causal" if mixes is False
+                       else f"; cannot tell whether attention is causal: {mixes}")
+    else:
+        reason = f"batched_cells={batched}"
+    return {"batched": batched, "reason": reason, "declined": {}}
 
 
 def _head_grid(clean: Trace, corrupted: Trace, scorer: _Cells, rows: list[int], n_heads: int,
