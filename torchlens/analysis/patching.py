@@ -322,7 +322,10 @@ def activation_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any]
     """Patch each (layer, position) — or each (layer, head [, position]) — from the clean run into the corrupted one.
 
     Each cell is a fork of ``corrupted`` with one clean value restored and replayed on the
-    rows it reaches; ``values[cell]`` is ``metric`` of that fork's output.
+    rows it reaches; ``values[cell]`` is ``metric`` of that fork's output. On short prompts
+    through bidirectional attention (an encoder), the cells of one layer instead run as the
+    entries of one batch over the recorded graph (``batched_cells``); ``notes["cells"]`` says
+    which was used and why.
 
     Args:
         clean: the clean trace (``tl.trace(model, ids)``), or its inputs with ``model=``: token
@@ -345,6 +348,12 @@ def activation_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any]
         tokenizer: tokenizes text prompts (default: the model's ``tokenizer`` attribute); the
             traces made keep it, so ``positions`` may be token strings (as with traces made with
             ``tl.trace(model, text, tokenizer=tok)``).
+        batched_cells: None (default): batch a layer's cells (``batch_size`` at a time) when the
+            prompts hold at most :data:`BATCHED_TOKENS` tokens and the model's blocks carry an
+            edit of the last position back to the first, where it was measured to win; True: batch
+            wherever the graph allows; False: never. A layer the batch cannot take (a guard or an
+            in-place write its edit reaches) replays as forks, its reason in
+            ``notes["cells"]["declined"]``. Head grids always replay as forks.
 
     Returns:
         a :class:`PatchingResult` with dims ``("layer", "position")``, ``("layer", "head")`` or
@@ -353,7 +362,7 @@ def activation_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any]
 
     Raises:
         InvalidArgumentError: unknown ``site``, traces without a model, inputs of different
-            lengths, a position outside the prompt.
+            lengths, a position outside the prompt, ``batched_cells`` not a bool or None.
         SiteNotFoundError: a layer out of range, or a site the model's adapter does not give its blocks
             (the error names the adapter and the sites it has).
         TokenizerRequiredError: text prompts, or token-string positions, and no tokenizer.
@@ -363,6 +372,7 @@ def activation_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any]
     if site not in KINDS:
         raise InvalidArgumentError(f"site= is one of {KINDS}, got {site!r}")
     _check_batch(batch_size)
+    _check_batched(batched_cells)
     clean, corrupted = _as_trace(model, clean, "clean", tokenizer), _as_trace(model, corrupted, "corrupted", tokenizer)
     _check_pair(clean, corrupted)
     refuse_random("activation patching", clean, corrupted)
@@ -413,9 +423,6 @@ def _batched_decision(corrupted: Trace, batched: bool | None, scorer: _Cells, la
     recomputes only the rows at and after the patched position, and wins even on short prompts
     (GPT-2 small, 8 tokens: 0.09 sliced against 0.16 batched).
     """
-    if batched is not None and not isinstance(batched, bool):
-        raise InvalidArgumentError(f"batched_cells= is True, False or None, got {batched!r}",
-                                   remedy="None picks by the prompt's length; True or False forces the choice.")
     ids = first_tensor(corrupted.args or tuple(corrupted.kwargs.values()))
     tokens = None if ids is None or ids.dim() < 2 else ids.shape[0] * ids.shape[1]
     if batched is None:
@@ -462,6 +469,12 @@ def _check_batch(batch_size: Any) -> None:
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise InvalidArgumentError(f"batch_size= is a whole number of cells >= 1, got {batch_size!r}",
                                    remedy="Lower it to use less memory, raise it to share more weight reads.")
+
+
+def _check_batched(batched: Any) -> None:
+    if batched is not None and not isinstance(batched, bool):
+        raise InvalidArgumentError(f"batched_cells= is True, False or None, got {batched!r}",
+                                   remedy="None picks by the prompt and the model; True or False forces the choice.")
 
 
 def _chunks(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
