@@ -1,20 +1,22 @@
-"""Batched cells: the patching cells that edit one site, replayed as the entries of one batch.
+"""Batched cells: the patching cells of a grid replayed as the entries of one growing batch.
 
 A patching cell on a short prompt recomputes a few rows per op, so on a CPU each op costs
-the read of its weights, not its arithmetic: twelve cells replayed apart read every weight
-twelve times. Here the cells that edit the same op (one layer's ``resid_pre`` restored at
-each position) stack their edited values along a new leading axis, and the recorded ops
-downstream of the site run once on the stack under :func:`torch.vmap` (each entry is one
-cell, so shapes baked into the recorded arguments — ``view(1, 8, 12, 64)`` — stay right and
-entries never mix). Each cell then gets its model output (a fork holding the values it
-recomputed), or only the elements a patching metric reads (:class:`~torchlens.edit.reads.OutputRead`).
+the read of its weights, not its arithmetic: cells replayed apart read every weight once per
+cell. Here the cells stack their edited values along a new leading axis and the recorded ops
+downstream of their sites run on the stack under :func:`torch.vmap` (each entry is one cell,
+so shapes baked into the recorded arguments — ``view(1, 8, 12, 64)`` — stay right and entries
+never mix); the cells of a later site join the batch there (:func:`run_cells`), so each weight
+is read once per segment for every cell. Each cell then gets its model output (a fork holding
+the values it recomputed), or only the elements a patching metric reads
+(:class:`~torchlens.edit.reads.OutputRead`).
 
 :func:`plan_cells` declares, before anything runs, why a site cannot be replayed this way
 (a guard or an in-place op the edit reaches, a value rewritten through a view, a module edit
-whose readers include its own ops...); the caller then replays the cells as forks
-(``Trace.forks``) and records the reason. On long prompts the stacked rows make the
-arithmetic the cost and slicing (``torchlens.edit._slicing``, which recomputes only the rows
-an edit reaches) wins: when to batch is the caller's rule (``analysis.patching``).
+whose readers include its own ops...); the caller then replays those cells as forks
+(``Trace.forks``) and records the reason. Through causal attention or on long prompts slicing
+(``torchlens.edit._slicing``, which recomputes only the rows an edit reaches) wins:
+:func:`mixes_back` measures the first, and when to batch is the caller's rule
+(``analysis.patching``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..core.records import EDIT, GUARD, INPLACE, INPUT, ModuleCall, Op, build_args
-from ..core.tree import flatten, held_tensors
+from ..core.tree import flatten, held_tensors, unflatten
 from ._execute import UNINITIALISED, refuse_reason
 from .reads import OutputRead
 
@@ -92,34 +94,107 @@ def plan_cells(trace: Any, record: Op | ModuleCall, read: OutputRead | None = No
     return CellPass(site, tuple(ops), keep, read)
 
 
-def run_cells(trace: Any, cells: CellPass, values: Sequence[torch.Tensor], names: Sequence[str]) -> list[Any]:
-    """Replay cells ``values`` (each the site's edited value) as one batch.
+def run_cells(trace: Any, passes: Sequence[CellPass], values: Sequence[Sequence[torch.Tensor]],
+              names: Sequence[Sequence[str]]) -> list[list[Any]]:
+    """Replay the cells of several sites as one growing batch.
+
+    The batch starts at the first site with its cells; at each later site its cells join as new
+    entries (their values before that site are the recorded ones), so every op after the last
+    site runs once for every cell and each weight is read once per segment between two sites,
+    not once per site. Entries never mix (``torch.vmap``; each entry computes only from its own
+    site on).
 
     Args:
         trace: the trace planned on.
-        cells: :func:`plan_cells`'s pass.
-        values: per cell, the site's value after its edit (the recorded shape and dtype).
-        names: per cell, the name of the fork that holds its output.
+        passes: :func:`plan_cells`'s passes, one per site, in recorded order of their sites.
+        values: per pass, per cell, the site's value after the cell's edit (the recorded shape and dtype).
+        names: per pass, per cell, the name of the fork that holds its output.
 
     Returns:
-        per cell, the elements ``cells.read`` names (the LM head's row and columns, as
-        ``replay_reads`` gives them), or without a read the model output of a fork of
-        ``trace`` holding the values the cell recomputed.
+        per pass, per cell, the elements the passes' ``read`` names (the LM head's row and
+        columns, as ``replay_reads`` gives them: used when every pass has it), or else the model
+        output of a fork of ``trace`` holding the values the cell recomputed.
     """
-    keep, read = cells.keep, cells.read
+    sites = [c.site for c in passes]
+    if sites != sorted(set(sites)):
+        raise ValueError(f"run_cells takes passes of distinct sites in recorded order, got sites {sites}")
+    read = passes[0].read if all(c.read == passes[0].read for c in passes) else None
+    keep = tuple(sorted({i for c in passes for i in c.keep}))
     wanted = (read.index,) if read is not None else keep
+    ops = sorted({op.index: op for c in passes for op in c.ops}.values(), key=lambda op: op.index)
+    last = _last_reads(ops)
+    live: dict[int, torch.Tensor] = {}
     with torch.no_grad(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_NO_RULE)
-        got = torch.vmap(lambda x: _interpret(trace, cells, x, wanted))(torch.stack(list(values)))
-    if read is not None:
-        return list(got[0].unbind(0))
-    outputs = []
-    for i, name in enumerate(names):
-        fork = trace.fork(name)
-        for index, value in zip(keep, got):
-            fork.set_recomputed(index, _entry(value, i))
-        outputs.append(fork.output)
-    return outputs
+        for k, (c, vals) in enumerate(zip(passes, values)):
+            live = _join(trace, live, c.site, torch.stack(list(vals)))
+            stop = sites[k + 1] if k + 1 < len(sites) else len(trace.ops)
+            segment = CellPass(c.site, tuple(op for op in ops if c.site < op.index <= stop), (), read)
+            keep_after = tuple(i for i in set(live) | {op.index for op in segment.ops}
+                               if last.get(i, -1) > stop or i in wanted)
+            live = torch.vmap(lambda state, seg=segment, out=keep_after: _segment(trace, seg, state, out))(live)
+    got = [live[i] for i in wanted]
+    results: list[list[Any]] = []
+    n = 0
+    for group in names:
+        results.append([])
+        for name in group:
+            if read is not None:
+                results[-1].append(got[0][n])
+            else:
+                fork = trace.fork(name)
+                for index, value in zip(keep, got):
+                    fork.set_recomputed(index, _entry(value, n))
+                results[-1].append(fork.output)
+            n += 1
+    return results
+
+
+def _join(trace: Any, live: dict[int, torch.Tensor], site: int, entries: torch.Tensor) -> dict[int, torch.Tensor]:
+    """The batch with ``entries`` (new cells editing op ``site``) appended: their other values are
+    the recorded ones (nothing before their site changed), the batch's old entries keep theirs."""
+    if not live:
+        return {site: entries}
+    size = len(entries)
+    old = len(flatten(next(iter(live.values())))[0][0])
+    joined = {i: _cat(v, entries if i == site else _repeat(trace.value(i), size)) for i, v in live.items()}
+    if site not in joined:
+        joined[site] = torch.cat([_repeat(trace.value(site), old), entries])
+    return joined
+
+
+def _repeat(value: Any, n: int) -> Any:
+    """``n`` entries of a recorded value (a tensor, or a tuple of them), as views."""
+    leaves, spec = flatten(value)
+    return unflatten([t.unsqueeze(0).expand(n, *t.shape) for t in leaves], spec)
+
+
+def _cat(a: Any, b: Any) -> Any:
+    """Batches ``a`` then ``b`` of one value (tensors, or tuples of them), along the batch axis."""
+    (la, spec), lb = flatten(a), flatten(b)[0]
+    return unflatten([torch.cat([x, y]) for x, y in zip(la, lb)], spec)
+
+
+def _segment(trace: Any, seg: CellPass, state: dict[int, Any], out: tuple[int, ...]) -> dict[int, Any]:
+    """Run ``seg.ops`` for one cell (vmap runs it for a batch) from the values ``state`` holds
+    (the rest are the trace's); the values of ops ``out``."""
+    new = dict(state)
+    for op in seg.ops:
+        args, kwargs = build_args(op, lambda r, j=op.index: _seen(trace, new, r, j))
+        if seg.read is not None and op.index == seg.read.index:
+            new[op.index] = _read_part(op, args, kwargs, seg.read)
+        else:
+            new[op.index] = op.func(*args, **kwargs)
+    return {i: new[i] for i in out}
+
+
+def _last_reads(ops: Sequence[Op]) -> dict[int, int]:
+    """Per op index, the last position at which one of ``ops`` reads it."""
+    last: dict[int, int] = {}
+    for op in ops:
+        for r in op.parent_refs:
+            last[r.index] = max(last.get(r.index, -1), op.index)
+    return last
 
 
 def mixes_back(trace: Any, cells: CellPass, end: int, axis: int = 1) -> bool:
@@ -133,22 +208,9 @@ def mixes_back(trace: Any, cells: CellPass, end: int, axis: int = 1) -> bool:
     x.select(axis, x.shape[axis] - 1).add_(1.0)
     part = cells._replace(ops=tuple(op for op in cells.ops if op.index <= end), read=None)
     with torch.no_grad():
-        new = _interpret(trace, part, x, (end,))[0]
+        new = _segment(trace, part, {cells.site: x}, (end,))[end]
     old = trace.value(end)
     return not torch.equal(new.select(axis, 0), old.select(axis, 0))
-
-
-def _interpret(trace: Any, cells: CellPass, x: torch.Tensor, wanted: tuple[int, ...]) -> tuple[Any, ...]:
-    """The values of ops ``wanted`` when the site holds ``x`` (one cell; vmap runs it for a batch)."""
-    new: dict[int, Any] = {cells.site: x}
-    read = cells.read
-    for op in cells.ops:
-        args, kwargs = build_args(op, lambda r, j=op.index: _seen(trace, new, r, j))
-        if read is not None and op.index == read.index:
-            new[op.index] = _read_part(op, args, kwargs, read)
-        else:
-            new[op.index] = op.func(*args, **kwargs)
-    return tuple(new[i] for i in wanted)
 
 
 def _seen(trace: Any, new: dict[int, Any], ref: Any, consumer: int) -> Any:
