@@ -1,6 +1,6 @@
 """The encoder grid: activation patching on BERT-base (random weights, 1×8 tokens, CPU, one thread).
 
-usage: python bench/bench_encoder_grid.py [--quick]
+usage: python bench/bench_encoder_grid.py [--quick] [--sweep] [--encoder-only]
 
 - ``encoder_grid``: ``tl.patching.activation_patching(clean, corrupted, metric, site="resid_pre")``
   over 12 layers × 8 positions of ``transformers.BertModel(BertConfig())`` (seed 0); the
@@ -8,8 +8,14 @@ usage: python bench/bench_encoder_grid.py [--quick]
   per cell (the two traces included) in plain forwards timed back to back with it.
 - ``encoder_grid`` for ``plain_hooks``: every cell one plain forward with a pre-hook writing
   the clean row into the block's input (what TransformerLens / nnsight / baukit loops do).
+- ``encoder_grid_sliced``: the same grid with ``batched_cells=False`` (every cell a sliced fork,
+  as before batched cells existed).
 - ``gpt2_grid_quick``: GPT-2 small 1×64, 12 layers × 8 positions (0, 8, ..., 56) as
   ``bench_patching.py --quick`` runs it: the long-sequence reference that must not regress.
+- ``--sweep`` adds what the rule of ``activation_patching(batched_cells=None)`` was picked by:
+  ``encoder_grid_k{2,4}`` (``batch_size`` 2 or 4 positions of every layer per batch),
+  ``encoder_grid_seq{32,64}_{batched,sliced}`` (longer prompts, 8 positions each), and GPT-2
+  small batched on 64 tokens and both ways on 8 tokens (causal attention).
 Prints one JSON line per case (see ../shared/bench-spec.md).
 """
 
@@ -132,7 +138,7 @@ def main() -> None:
         for k in (2, 4):
             grid_case("torchlens", f"encoder_grid_k{k}", model, clean_ids, corrupt_ids, _feature_diff,
                       list(range(8)), rounds, hooks=False, batched_cells=True, batch_size=k)
-        for seq in (16, 32):
+        for seq in (32, 64):
             model, clean_ids, corrupt_ids = bert_prompts(seq)
             for batched in (True, False):
                 grid_case("torchlens", f"encoder_grid_seq{seq}_{'batched' if batched else 'sliced'}", model,

@@ -49,7 +49,7 @@ def test_encoder_grid_is_batched_by_default_and_equals_sliced_forks_and_plain_ho
     model = minilm.model
     clean, corrupted, kwargs, bad = _one_prompt(minilm)
     auto = tl.patching.activation_patching(clean, corrupted, _feature)
-    assert auto.notes["cells"] == {"batched": True, "reason": "7 tokens <= 16; attention is bidirectional",
+    assert auto.notes["cells"] == {"batched": True, "reason": "7 tokens <= 32; attention is bidirectional",
                                    "declined": {}}
     batched, sliced = _grids(clean, corrupted, _feature, "resid_pre")
     assert torch.equal(auto.values, batched.values)
@@ -80,7 +80,7 @@ def test_causal_grid_stays_sliced_by_default_and_forced_batches_equal_it(tiny_gp
     clean, corrupted = tl.trace(model, clean_ids), tl.trace(model, corrupt_ids)
     logit_diff = tl.patching.logit_diff(int(clean_ids[0, 3]), 11)
     auto = tl.patching.activation_patching(clean, corrupted, logit_diff)
-    assert auto.notes["cells"] == {"batched": False, "reason": "6 tokens <= 16; attention is causal", "declined": {}}
+    assert auto.notes["cells"] == {"batched": False, "reason": "6 tokens <= 32; attention is causal", "declined": {}}
     for metric in (logit_diff, _feature):  # the LM head's two logits alone, and the whole output (with its cache)
         for site in ("resid_pre", "attn", "mlp"):
             batched, sliced = _grids(clean, corrupted, metric, site)
@@ -94,10 +94,10 @@ def test_causal_grid_stays_sliced_by_default_and_forced_batches_equal_it(tiny_gp
 
 
 def test_long_prompts_stay_sliced(tiny_gpt2):
-    ids = tiny_gpt2.args[0].repeat(3, 1)  # three prompts of 6 tokens: counted together
+    ids = tiny_gpt2.args[0].repeat(6, 1)  # six prompts of 6 tokens: counted together
     trace = tl.trace(tiny_gpt2.model, ids)
     result = tl.patching.activation_patching(trace, trace, _feature, layers=[1], positions=[0])
-    assert result.notes["cells"] == {"batched": False, "reason": "18 tokens > 16", "declined": {}}
+    assert result.notes["cells"] == {"batched": False, "reason": "36 tokens > 32", "declined": {}}
 
 
 @pytest.mark.parametrize(("read", "reason"), [(lambda t: t.sum(), "branched on a value the edit reaches"),

@@ -46,7 +46,7 @@ __all__ = [
 DEFAULT_BATCH = 16
 # Grids on prompts of at most this many tokens (batch x positions) run their cells as batch entries
 # (``torchlens.edit._cells``): measured by bench/bench_encoder_grid.py, see _batched_decision.
-BATCHED_TOKENS = 16
+BATCHED_TOKENS = 32
 KINDS = ("resid_pre", "resid_mid", "resid_post", "attn", "mlp", "heads")
 
 
@@ -428,9 +428,9 @@ def _batched_decision(corrupted: Trace, batched: bool | None, scorer: _Cells, la
     prompts hold at most :data:`BATCHED_TOKENS` tokens in all *and* the model's blocks carry an
     edit of the last position back to the first (bidirectional attention: an encoder), so a cell
     recomputes every row after its first block. A cell's rows then cost the read of each weight,
-    which the batch shares (BERT-base, 8 tokens: 0.27 of a forward per cell against 0.6-0.7
-    sliced, one batch per layer 0.33; 16 tokens, one batch per layer: 0.36 against 0.59; 32
-    tokens: even). Under causal attention slicing
+    which the batch shares (BERT-base, 12 layers x 8 positions, traces excluded: 8 tokens 0.20-0.26
+    of a forward per cell against 0.42-0.61 sliced; 32 tokens 0.35-0.38 against 0.51-0.54; 64
+    tokens 0.47-0.49 against 0.47-0.52, even). Under causal attention slicing
     recomputes only the rows at and after the patched position, and wins even on short prompts
     (GPT-2 small, 8 tokens: 0.09 sliced against 0.16 batched).
     """
