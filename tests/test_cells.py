@@ -11,7 +11,7 @@ from conftest import build_tiny_gpt2, refused
 from test_patching import _corrupt, _patched, _read
 
 import torchlens as tl
-from torchlens.edit._cells import plan_cells
+from torchlens.edit._cells import plan_cells, run_cells
 from torchlens.errors import InvalidArgumentError
 
 EXACT = 1e-6  # batched against sliced, relative to the output's largest entry: float32 rounding of the same ops
@@ -135,3 +135,19 @@ def test_bad_batched_cells_raises_a_named_error_and_changes_nothing(tiny_gpt2):
     err = refused(model, lambda: tl.patching.activation_patching(
         ids, ids, _feature, model=model, batched_cells="yes"), InvalidArgumentError)
     assert "batched_cells" in str(err)
+
+
+def test_a_cells_whole_output_holds_its_own_kv_cache(tiny_gpt2):
+    """A metric of the whole output sees the cell's cache (an object the output holds), as the sliced fork's."""
+    model, clean_ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    clean, corrupted = tl.trace(model, clean_ids), tl.trace(model, _corrupt(clean_ids, 2, 11))
+    corrupted.ensure_graph()
+    cells = plan_cells(corrupted, corrupted.bind("blocks.0.resid_pre").match(corrupted)[0])
+    edit = tl.patching.restore_rows(clean["blocks.0.resid_pre"].out, 2)
+    got = run_cells(corrupted, [cells], [[edit(corrupted.value(cells.site), ctx=None)]], [["cell"]])[0][0]
+    want = corrupted.fork().do("blocks.0.resid_pre", edit).output  # the sliced fork
+    assert torch.allclose(got.logits, want.logits, atol=EXACT)
+    for mine, theirs in zip(got.past_key_values.layers, want.past_key_values.layers):
+        assert torch.allclose(mine.keys, theirs.keys, atol=EXACT) and torch.allclose(mine.values, theirs.values,
+                                                                                      atol=EXACT)
+    assert not torch.equal(got.past_key_values.layers[1].keys, corrupted.output.past_key_values.layers[1].keys)
