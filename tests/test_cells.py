@@ -12,7 +12,8 @@ from test_patching import _corrupt, _patched, _read
 
 import torchlens as tl
 from torchlens.edit._cells import plan_cells, run_cells
-from torchlens.errors import InvalidArgumentError
+from torchlens.edit._fallbacks import STRICT_ENV
+from torchlens.errors import InvalidArgumentError, ReplayFallbackError
 
 EXACT = 1e-6  # batched against sliced, relative to the output's largest entry: float32 rounding of the same ops
 ATOL = 1e-5  # against a re-executed forward (tests/test_patching.py)
@@ -102,7 +103,7 @@ def test_long_prompts_stay_sliced(tiny_gpt2):
 
 @pytest.mark.parametrize(("read", "reason"), [(lambda t: t.sum(), "branched on a value the edit reaches"),
                                               (lambda t: t.abs().max(), "is a guard")])
-def test_a_guard_the_edit_reaches_declines_the_batch_with_its_reason(read, reason):
+def test_a_guard_the_edit_reaches_declines_the_batch_with_its_reason(read, reason, monkeypatch):
     model = build_tiny_gpt2()
 
     def guard(module, args, out):  # the forward branches on block 0's attention output
@@ -118,6 +119,10 @@ def test_a_guard_the_edit_reaches_declines_the_batch_with_its_reason(read, reaso
     result = tl.patching.activation_patching(clean, corrupted, _feature, batched_cells=True)
     declined = result.notes["cells"]["declined"]
     assert list(declined) == [0] and reason in declined[0]  # block 1's cells start after it: batched
+    monkeypatch.setenv(STRICT_ENV, "1")  # a declared fallback raises, with its reason
+    with pytest.raises(ReplayFallbackError, match=reason):
+        tl.patching.activation_patching(clean, corrupted, _feature, batched_cells=True)
+    monkeypatch.delenv(STRICT_ENV)
     sliced = tl.patching.activation_patching(clean, corrupted, _feature, batched_cells=False)
     assert _same(result, sliced, corrupted)
 

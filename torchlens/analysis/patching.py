@@ -29,6 +29,7 @@ from ..core.text import HOW_TO_PASS, decode_tokens, input_ids_of, is_text, text_
 from ..core.trace import Trace
 from ..core.tree import first_tensor, flatten, unflatten
 from ..edit._cells import mixes_back, plan_cells, run_cells, site_index
+from ..edit._fallbacks import declare
 from ..edit.edits import when
 from ..edit.reads import OutputRead, replay_reads
 from ..errors import GuardChangedError, InvalidArgumentError, TokenizerRequiredError, TokenNotFoundError
@@ -405,8 +406,8 @@ def activation_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any]
             (f"{corrupted.name}/patch[{layer}.{site}@{p}]", restore_rows(donors[layer], p)) for p in cols])
             for layer in rows])
         for i, (layer, scores) in enumerate(zip(rows, got)):
-            if isinstance(scores, str):
-                decision["declined"][layer] = scores
+            if isinstance(scores, str):  # (raises with TORCHLENS_STRICT_FALLBACKS=1, so a test sees it)
+                decision["declined"][layer] = declare("batched cells", scores)[1]
             else:
                 values[i] = torch.tensor(scores, dtype=values.dtype)
     done = set(rows) - set(decision["declined"]) if decision["batched"] else set()
