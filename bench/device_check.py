@@ -6,7 +6,10 @@
 Per model and dtype it traces on the device, validates (tolerance by dtype, docs/big-models.md),
 replays an edit and compares it with a plain-hook edit, captures with
 ``offload_values="cpu"`` and validates that, then times an every-op trace against a plain
-forward. It prints one table; the exit status is 1 when a check failed.
+forward. It prints one table; the exit status is 1 when a check failed. Then the encoder
+grid (``bench_encoder_grid.py``: BERT-base, 1 x 8 tokens, ``resid_pre`` 12 x 8) on the device,
+its cells batched and as sliced forks: the cost per cell in forwards each way, and whether the
+two grids agree.
 """
 
 from __future__ import annotations
@@ -106,6 +109,30 @@ def check(name: str, model, ids, block: str, device: str, dtype) -> dict:
     return row
 
 
+def encoder_grid(device: str) -> dict:
+    """The encoder grid on ``device``, batched cells against sliced forks (float32)."""
+    import torch
+    from bench_encoder_grid import _feature_diff, bert_prompts
+
+    import torchlens as tl
+
+    model, clean_ids, corrupt_ids = bert_prompts(8)
+    model, clean_ids, corrupt_ids = model.to(device), clean_ids.to(device), corrupt_ids.to(device)
+    clean, corrupted = tl.trace(model, clean_ids), tl.trace(model, corrupt_ids)
+    with torch.no_grad():
+        base = _ms(lambda: model(clean_ids), device)
+    row, grids = {"model": "bert_base_grid", "dtype": "float32"}, {}
+    for batched in (True, False):
+        grids[batched] = tl.patching.activation_patching(clean, corrupted, _feature_diff, batched_cells=batched,
+                                                         progress=False)
+        ms = _ms(lambda batched=batched: tl.patching.activation_patching(
+            clean, corrupted, _feature_diff, batched_cells=batched, progress=False), device, n=1)
+        row["batched" if batched else "sliced"] = round(ms / base / grids[batched].values.numel(), 3)
+    err = float((grids[True].values - grids[False].values).abs().max())
+    row["grid"] = "ok" if err <= ATOL["float32"] and not grids[True].notes["cells"]["declined"] else f"DIFFERS {err}"
+    return row
+
+
 def main() -> int:
     device = _device()
     if device is None:
@@ -131,7 +158,10 @@ def main() -> int:
     for row in rows:
         print(" | ".join(str(row.get(k, "")) for k in keys))
     failed = [r for r in rows if any(r.get(k) != "ok" for k in ("validate", "replay", "offload_values"))]
-    return 1 if failed else 0
+    grid = encoder_grid(device)
+    print("model | dtype | grid | per cell batched | per cell sliced (forwards, traces excluded)")
+    print(" | ".join(str(grid[k]) for k in ("model", "dtype", "grid", "batched", "sliced")))
+    return 1 if failed or grid["grid"] != "ok" else 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,168 @@
+"""The encoder grid: activation patching on BERT-base (random weights, 1×8 tokens, CPU, one thread).
+
+usage: python bench/bench_encoder_grid.py [--quick] [--sweep] [--encoder-only]
+
+- ``encoder_grid``: ``tl.patching.activation_patching(clean, corrupted, metric, site="resid_pre")``
+  over 12 layers × 8 positions of ``transformers.BertModel(BertConfig())`` (seed 0); the
+  metric reads two features of the last position's final hidden state. The figure is the cost
+  per cell (the two traces included) in plain forwards timed back to back with it.
+- ``encoder_grid`` for ``plain_hooks``: every cell one plain forward with a pre-hook writing
+  the clean row into the block's input (what TransformerLens / nnsight / baukit loops do).
+- ``encoder_grid_sliced``: the same grid with ``batched_cells=False`` (every cell a sliced fork,
+  as before batched cells existed).
+- ``gpt2_grid_quick``: GPT-2 small 1×64, 12 layers × 8 positions (0, 8, ..., 56) as
+  ``bench_patching.py --quick`` runs it: the long-sequence reference that must not regress.
+- ``--sweep`` adds what the rule of ``activation_patching(batched_cells=None)`` was picked by:
+  ``encoder_grid_k{2,4}`` (``batch_size`` 2 or 4 positions of every layer per batch),
+  ``encoder_grid_seq{32,64}_{batched,sliced}`` (longer prompts, 8 positions each), and GPT-2
+  small batched on 64 tokens and both ways on 8 tokens (causal attention).
+Prints one JSON line per case (see ../shared/bench-spec.md).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+from common import emit, gpt2_small, median_ms, plain_forward, setup
+
+import torchlens as tl
+
+
+def bert_base():
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.BertModel(transformers.BertConfig()).eval()
+    ids = torch.randint(1000, 20000, (1, 8), generator=torch.Generator().manual_seed(0))
+    return model, ids
+
+
+def _feature_diff(out) -> torch.Tensor:
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    return hidden[:, -1, 0] - hidden[:, -1, 1]
+
+
+def _blocks(model):
+    return model.encoder.layer if hasattr(model, "encoder") else model.transformer.h
+
+
+def _hook_cell(model, ids, layer: int, p: int, donor: torch.Tensor):
+    def pre(m, args, kwargs):
+        x = (args[0] if args else kwargs["hidden_states"]).clone()
+        x[:, p] = donor[:, p]
+        return ((x, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": x})
+
+    handle = _blocks(model)[layer].register_forward_pre_hook(pre, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            return model(ids)
+    finally:
+        handle.remove()
+
+
+def _donors(model, ids) -> dict[int, torch.Tensor]:
+    donors = {}
+    for layer, block in enumerate(_blocks(model)):
+        seen = {}
+        h = block.register_forward_pre_hook(
+            lambda m, a, k, seen=seen: seen.update(v=(a[0] if a else k["hidden_states"]).clone()), with_kwargs=True)
+        with torch.no_grad():
+            model(ids)
+        h.remove()
+        donors[layer] = seen["v"]
+    return donors
+
+
+def grid_case(tool: str, case: str, model, clean_ids, corrupt_ids, metric, positions, rounds: int, *,
+              hooks: bool = True, **options) -> dict:
+    """The grid's per-cell cost (two traces included) over ``rounds`` runs, each against plain
+    forwards timed right before and after it; ``ok``: sampled cells equal plain hooks to 1e-4.
+    ``options`` go to ``activation_patching`` (``batched_cells=``, ``batch_size=``)."""
+    base = plain_forward(model, clean_ids)
+    layers = len(_blocks(model))
+    cells = layers * len(positions)
+    ratios, per_cell = [], []
+    grid = None
+    for _ in range(rounds):
+        before = median_ms(base, 3)
+        t0 = time.perf_counter()
+        clean, corrupted = tl.trace(model, clean_ids), tl.trace(model, corrupt_ids)
+        grid = tl.patching.activation_patching(clean, corrupted, metric, site="resid_pre", positions=positions,
+                                               progress=False, **options)
+        ms = (time.perf_counter() - t0) * 1000
+        b = (before + median_ms(base, 3)) / 2
+        ratios.append(ms / b / cells)
+        per_cell.append(ms / cells)
+    donors = _donors(model, clean_ids)
+    sample = [(layer, positions[(3 * layer) % len(positions)]) for layer in range(layers)]
+    ok = all(abs(float(metric(_hook_cell(model, corrupt_ids, layer, p, donors[layer])))
+                 - float(grid.values[layer, positions.index(p)])) < 1e-4 for layer, p in sample)
+    ratio = sorted(ratios)[len(ratios) // 2]
+    ms = sorted(per_cell)[len(per_cell) // 2]
+    decision = grid.notes["cells"]
+    how = ("batched cells" if decision["batched"] and not decision["declined"] else "sliced forks") \
+        + f" ({decision['reason']}{'; declined: ' + str(decision['declined']) if decision['declined'] else ''})"
+    emit(tool, case, ms, ms / ratio, ok, f"{layers}x{len(positions)} cells, per-cell cost incl. 2 traces; "
+         f"median of {rounds} grids, each over forwards timed around it; {how}; options {options}", ratio=ratio)
+    if not hooks:
+        return {"grid": grid}
+    before = median_ms(base, 3)
+    t0 = time.perf_counter()
+    for layer, p in sample:
+        _hook_cell(model, corrupt_ids, layer, p, donors[layer])
+    hook_ms = (time.perf_counter() - t0) * 1000 / len(sample)
+    b = (before + median_ms(base, 3)) / 2
+    emit("plain_hooks", case, hook_ms, b, True, f"one hooked forward per cell (timed on {len(sample)} cells)")
+    return {"grid": grid}
+
+
+def bert_prompts(seq: int):
+    model, clean_ids = bert_base()
+    clean_ids = torch.randint(1000, 20000, (1, seq), generator=torch.Generator().manual_seed(0))
+    corrupt_ids = clean_ids.clone()
+    corrupt_ids[0, 2], corrupt_ids[0, 5] = 777, 4242
+    return model, clean_ids, corrupt_ids
+
+
+def main() -> None:
+    setup()
+    quick = "--quick" in sys.argv
+    rounds = 1 if quick else 3
+    model, clean_ids, corrupt_ids = bert_prompts(8)
+    grid_case("torchlens", "encoder_grid", model, clean_ids, corrupt_ids, _feature_diff, list(range(8)), rounds)
+    grid_case("torchlens", "encoder_grid_sliced", model, clean_ids, corrupt_ids, _feature_diff, list(range(8)),
+              rounds, hooks=False, batched_cells=False)
+    if "--sweep" in sys.argv:  # the batch size, and the prompt length where batching stops winning
+        for k in (2, 4):
+            grid_case("torchlens", f"encoder_grid_k{k}", model, clean_ids, corrupt_ids, _feature_diff,
+                      list(range(8)), rounds, hooks=False, batched_cells=True, batch_size=k)
+        for seq in (32, 64):
+            model, clean_ids, corrupt_ids = bert_prompts(seq)
+            for batched in (True, False):
+                grid_case("torchlens", f"encoder_grid_seq{seq}_{'batched' if batched else 'sliced'}", model,
+                          clean_ids, corrupt_ids, _feature_diff, list(range(0, seq, seq // 8)), 1, hooks=False,
+                          batched_cells=batched)
+    if "--encoder-only" in sys.argv:
+        return
+    model, clean_ids = gpt2_small()
+    corrupt_ids = clean_ids.clone()
+    corrupt_ids[0, 20], corrupt_ids[0, 40] = 777, 4242
+    with torch.no_grad():
+        correct = int(model(clean_ids).logits[0, -1].argmax())
+        wrong = int(model(corrupt_ids).logits[0, -1].argmax())
+    metric = tl.patching.logit_diff(correct, wrong if wrong != correct else (correct + 1) % 50257)
+    grid_case("torchlens", "gpt2_grid_quick", model, clean_ids, corrupt_ids, metric, list(range(0, 64, 8)), 1)
+    if "--sweep" in sys.argv:
+        grid_case("torchlens", "gpt2_grid_quick_batched", model, clean_ids, corrupt_ids, metric,
+                  list(range(0, 64, 8)), 1, hooks=False, batched_cells=True)
+        short_clean, short_corrupt = clean_ids[:, :8], corrupt_ids[:, :8].clone()
+        short_corrupt[0, 5] = 4242
+        for batched in (True, False):
+            grid_case("torchlens", f"gpt2_grid_seq8_{'batched' if batched else 'sliced'}", model, short_clean,
+                      short_corrupt, metric, list(range(8)), 1, hooks=not batched, batched_cells=batched)
+
+
+if __name__ == "__main__":
+    main()
