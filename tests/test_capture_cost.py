@@ -434,6 +434,66 @@ def test_the_module_walk_equals_named_modules():
     assert not any(type(m) is torch.nn.Tanh for m in named_modules(walks_itself).values())
 
 
+class _Shadowing(torch.nn.Module):
+    """A child a class attribute hides (``getattr`` finds the property, not ``_modules``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(2, 2)
+        self.other = torch.nn.Linear(2, 2)
+
+    @property
+    def inner(self):  # noqa: F811 - the point: the class attribute wins over the child of that name
+        return self.other
+
+    @inner.setter
+    def inner(self, value) -> None:
+        self._modules["inner"] = value
+
+    def forward(self, x):
+        return self.other(x)
+
+
+class _Redirecting(torch.nn.Module):
+    """A type with its own ``__getattr__``: a name means what it says."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(2, 2)
+        self.b = torch.nn.Linear(2, 2)
+
+    def __getattr__(self, name):
+        return super().__getattr__("b" if name == "a" else name)
+
+    def forward(self, x):
+        return self.b(x)
+
+
+def test_the_module_lookup_equals_get_submodule():
+    from torchlens.capture.hooks import resolve_module
+    from torchlens.errors import SiteNotFoundError
+
+    shadowed = torch.nn.Sequential(_Shadowing(), _Redirecting())
+    hidden = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    object.__setattr__(hidden, "0", torch.nn.ReLU())  # an instance attribute over the child: getattr's pick
+    model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()), shadowed, hidden)
+    addresses = ["", "0", "0.0", "1.0.inner", "1.0.other", "1.1.a", "1.1.b", "2.0"]
+    for address in addresses:
+        assert resolve_module(model, address) is model.get_submodule(address), address
+    assert resolve_module(model, "1.0.inner") is shadowed[0].other
+    assert resolve_module(model, "1.1.a") is shadowed[1].b
+    assert type(resolve_module(model, "2.0")) is torch.nn.ReLU
+    for missing in ("3", "0.5", "0.0.weight.x", "1.0.nothing"):
+        with pytest.raises(SiteNotFoundError):
+            resolve_module(model, missing)
+    x = torch.randn(1, 2)
+    want, _ = hook_reads(model, (x,))
+    before = hook_state(model)
+    got = tl.extract(model, x, ["1.0.other", "0.0"])
+    assert torch.equal(got["1.0.other"], want["1.0.other"][0]) and torch.equal(got["0.0"], want["0.0"][0])
+    assert_model_clean(model, before)
+
+
 _Pair = collections.namedtuple("_Pair", ["first", "second"])
 
 

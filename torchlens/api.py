@@ -18,7 +18,7 @@ from .capture._estimate import estimate_capture
 from .capture._offload import ValueOffload
 from .capture.request import CaptureRequest, module_address
 from .core.inputs import call_inputs, split_inputs
-from .core.selectors import Selector, as_selector, as_sites
+from .core.selectors import Selector, as_selector, as_sites, split_pass
 from .core.steps import Step
 from .core.text import tokenizer_for
 from .core.trace import Trace
@@ -534,7 +534,7 @@ def stops_on_modules(model: nn.Module, sites: Any, intervene: Any = None) -> boo
 
 
 def _module_value(result: Trace, path: str, key: str) -> Any:
-    address, _ = module_address(result.model, path)
+    address, _ = split_pass(path)  # a bound path: the capture hooked that module
     calls = result.calls_of(address)
     if not calls:
         raise SiteNotFoundError(f"module {address!r} exists but did not run in this forward", site=key,

@@ -226,6 +226,12 @@ def _bind_label(model: nn.Module, selector: Label, strings_as_modules: bool) -> 
     sub = _bind_sub_site(model, selector.label)
     if sub is not None:
         return sub
+    try:  # a real module address (every capture's commonest site): looked up once
+        resolve_module(model, split_pass(selector.label)[0])
+    except LookupError:
+        pass
+    else:
+        return ModuleOutput(selector.label) if strings_as_modules else selector
     bound = _bind_module(model, selector.label)
     if bound is not None:
         return bound

@@ -10,6 +10,7 @@ import torch
 
 from .._interrupts import Attached
 from ..core.records import INPUT, OPEN, ModuleCall, Op
+from ..core.selectors import split_pass
 from ..core.steps import Step
 from ..core.trace import Trace
 from ..core.tree import clone_value, flatten
@@ -66,7 +67,7 @@ class HooksEngine:
         wanted: dict[str, None] = {}
         for sel in [request.sites] if request.sites is not None else []:
             for path in sel.module_paths() or ():
-                wanted[module_address(request.model, path)[0]] = None
+                wanted[split_pass(path)[0]] = None  # the module is looked up (or refused) as it is hooked
         hooks = ModuleHooks(request.model)
         handed: list[tuple[ModuleCall, object, object]] = []
         unread = dict(wanted) if request.stop_after_sites else {}
