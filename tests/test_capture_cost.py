@@ -494,6 +494,47 @@ def test_the_module_lookup_equals_get_submodule():
     assert_model_clean(model, before)
 
 
+class _WritesThroughData(torch.nn.Module):
+    """Changes a child's output after its hook ran, through ``.data`` (no version bump) or in place."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(3, 3)
+        self.b = torch.nn.Linear(3, 3)
+        self.how = how
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.how == "data":
+            h.data.add_(1)
+        elif self.how == "inplace":
+            h.add_(1)
+        return self.b(h)
+
+
+@pytest.mark.parametrize("how", ["data", "inplace", "none"])
+def test_a_module_read_is_the_value_its_hook_saw(how):
+    torch.manual_seed(0)
+    model = _WritesThroughData(how).eval()
+    x = torch.randn(2, 3)
+    seen = []
+    handle = model.a.register_forward_hook(lambda m, i, o: seen.append((o, o.clone())))
+    with torch.no_grad():
+        model(x)
+    handle.remove()
+    before = hook_state(model)
+    got = tl.extract(model, x, ["a"])["a"]
+    assert_model_clean(model, before)
+    assert torch.equal(got, seen[0][1])  # the value when the module returned, not after the model changed it
+    seen.clear()
+    handle = model.a.register_forward_hook(lambda m, i, o: seen.append(o))
+    try:
+        got = tl.extract(model, x, ["a"])["a"]
+    finally:
+        handle.remove()
+    assert (got is seen[0]) == (how == "none")  # the forward's own tensor when left as it was, else the copy
+
+
 _Pair = collections.namedtuple("_Pair", ["first", "second"])
 
 

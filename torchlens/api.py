@@ -476,13 +476,13 @@ def extract(model: nn.Module, x: Any, sites: Any, *, grad: bool = False, backend
     args, kwargs = split_inputs(x, model=model, tokenizer=tokenizer)
     splices = feature_steps(model, features) if features is not None else []
     # Sub-sites of a spliced dictionary are read from the splice itself when module hooks serve the rest.
-    subs = sub_site_reads(selectors, splices)
+    subs = sub_site_reads(selectors, splices) if splices else {}
     union = None
     for key, sel in selectors.items():
         if key not in subs:
             union = sel if union is None else union | sel
     request = CaptureRequest(model, args, kwargs, record_ops=False, sites=union, save=union, grad=grad,
-                             intervene=splices + _bound_steps(model, intervene))
+                             intervene=splices + _bound_steps(model, intervene) if intervene is not None else splices)
     if not request.module_only():
         request.record_ops = True
         for key in subs:

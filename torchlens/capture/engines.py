@@ -62,12 +62,11 @@ class HooksEngine:
     def capture(self, request: CaptureRequest) -> Trace:
         trace = Trace(request.model, request.args, request.kwargs, engine=self.name, op_graph=False,
                       strict=request.strict)
-        edits, _ = _module_steps(request)
-        stops = _until_addresses(request)
-        wanted: dict[str, None] = {}
-        for sel in [request.sites] if request.sites is not None else []:
-            for path in sel.module_paths() or ():
-                wanted[split_pass(path)[0]] = None  # the module is looked up (or refused) as it is hooked
+        edits = _module_steps(request)[0] if request.intervene else {}
+        stops = _until_addresses(request) if request.until is not None else {}
+        # the module of each site is looked up (or refused) as it is hooked
+        paths = request.sites.module_paths() if request.sites is not None else None
+        wanted = dict.fromkeys([split_pass(path)[0] for path in paths or ()])
         hooks = ModuleHooks(request.model)
         handed: list[tuple[ModuleCall, object, object]] = []
         unread = dict(wanted) if request.stop_after_sites else {}
@@ -141,6 +140,11 @@ class _GradMode:
 
 def _versions(value: object) -> list[int | None]:
     """The version counter of each tensor leaf (bumped by every in-place change, views included)."""
+    if type(value) is torch.Tensor:  # the commonest module output: no tree walk
+        try:
+            return [value._version]
+        except RuntimeError:
+            return [None]
     found: list[int | None] = []
     for leaf in flatten(value)[0]:
         try:
@@ -152,6 +156,10 @@ def _versions(value: object) -> list[int | None]:
 
 def _unchanged(value: object, copy: object, versions: list[int | None]) -> bool:
     """Whether ``value`` still holds what ``copy`` was taken from: same structure and elements."""
+    if type(value) is torch.Tensor and type(copy) is torch.Tensor:  # a bare tensor: no tree walk
+        # Writes through ``.data`` bypass the version counter: compare the elements too.
+        return _versions(value) == versions and value.shape == copy.shape and value.dtype == copy.dtype \
+            and torch.equal(value, copy)
     leaves, spec = flatten(value)
     copies, copy_spec = flatten(copy)
     if spec != copy_spec or len(leaves) != len(copies) or _versions(value) != versions:
