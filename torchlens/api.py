@@ -377,17 +377,14 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict, *, save: Any = None, int
     saved = _as_save(save)
     if saved is not None:
         saved = bind(model, saved)
+    if backend is None and features is None and whens and saved is not None and saved.module_paths() is not None \
+            and all(w.site.module_paths() is not None for w in whens):
+        # An edit plus a module read needs no op graph: module hooks serve it at hook cost.
+        return _capture(CaptureRequest(model, args, kwargs, record_ops=False, sites=saved, intervene=whens, grad=grad,
+                                       strict=strict, max_bytes=max_bytes), backend)
     request = CaptureRequest(model, args, kwargs, record_ops=True, intervene=whens, save=saved, grad=grad,
                              strict=strict, sink=sink, max_bytes=max_bytes)
-    if backend is None and features is None:
-        # (the module-only request is built only where it may serve: a dataclass replace per capture was
-        # a few percent of a tiny model's every-op capture)
-        if whens and saved is not None:
-            module_request = replace(request, record_ops=False, sites=saved, save=None, sink=None)
-            if module_request.module_only():
-                # An edit plus a module read needs no op graph: module hooks serve it at hook cost.
-                request = module_request
-    elif backend is not None:
+    if backend is not None:
         named = engines().get(backend)
         if named is not None and not getattr(named, "records_ops", True):
             # an engine that records module outputs only (a capability it declares)

@@ -27,8 +27,12 @@ from .request import CaptureRequest, module_address
 __all__ = ["FunctionModeEngine", "FunctionModeEnginePlugin", "HooksEngine", "HooksEnginePlugin"]
 
 
-def _module_steps(request: CaptureRequest) -> tuple[dict[str, list[tuple[int | None, Step]]], list[Step]]:
-    """Split capture-time edits into per-module (hook) edits and per-op (recorder) edits."""
+def _module_steps(request: CaptureRequest, *, check: bool = True
+                  ) -> tuple[dict[str, list[tuple[int | None, Step]]], list[Step]]:
+    """Split capture-time edits into per-module (hook) edits and per-op (recorder) edits.
+
+    ``check``: refuse an address the model lacks here (``False``: the caller hooks each one, which refuses it).
+    """
     by_address: dict[str, list[tuple[int | None, Step]]] = {}
     op_steps: list[Step] = []
     for when in request.intervene:
@@ -37,7 +41,7 @@ def _module_steps(request: CaptureRequest) -> tuple[dict[str, list[tuple[int | N
             op_steps.append(when)
             continue
         for path in paths:
-            address, pass_index = module_address(request.model, path)
+            address, pass_index = module_address(request.model, path) if check else split_pass(path)
             by_address.setdefault(address, []).append((pass_index, when))
     return by_address, op_steps
 
@@ -62,7 +66,7 @@ class HooksEngine:
     def capture(self, request: CaptureRequest) -> Trace:
         trace = Trace(request.model, request.args, request.kwargs, engine=self.name, op_graph=False,
                       strict=request.strict)
-        edits = _module_steps(request)[0] if request.intervene else {}
+        edits = _module_steps(request, check=False)[0] if request.intervene else {}
         stops = _until_addresses(request) if request.until is not None else {}
         # the module of each site is looked up (or refused) as it is hooked
         paths = request.sites.module_paths() if request.sites is not None else None
