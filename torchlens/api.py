@@ -39,6 +39,8 @@ __all__ = ["check_model", "extract", "rerun", "stops_on_modules", "trace", "trac
 
 def check_model(model: Any) -> nn.Module:
     """Refuse objects TorchLens cannot capture eagerly, with what to pass instead."""
+    if type(model) in _EAGER_TYPES:  # a type checked before (every check below reads the type alone)
+        return model
     if isinstance(model, torch.jit.ScriptModule) or isinstance(model, torch.jit.ScriptFunction):
         raise UnsupportedModelError(
             f"{type(model).__name__} is a TorchScript module; its forward does not run Python ops",
@@ -57,7 +59,12 @@ def check_model(model: Any) -> nn.Module:
             else "Wrap the callable in an nn.Module."
         )
         raise UnsupportedModelError(f"expected a torch.nn.Module, got {type(model).__name__}", remedy=hint)
+    if type(model).__name__ != "OptimizedModule":  # (that one is refused by its instance's _orig_mod)
+        _EAGER_TYPES.add(type(model))
     return model
+
+
+_EAGER_TYPES: set[type] = set()  # module types check_model accepted
 
 
 def _as_steps(intervene: Any, model: nn.Module | None = None) -> list[Step]:
@@ -105,9 +112,8 @@ def _check_fired(whens: list[Step], trace: Trace) -> None:
 
 
 def _capture(request: CaptureRequest, backend: str | None) -> Trace:
-    engine = choose_engine(request, backend)
-    trace = engine.capture(request)
-    if trace.complete:
+    trace = choose_engine(request, backend).capture(request)
+    if request.intervene and trace.complete:
         _check_fired(request.intervene, trace)
     return trace
 

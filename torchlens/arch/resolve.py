@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-from ..capture._splice import SUB_SITE, sub_site_label
+from ..capture._splice import SUB_SITE, SUB_SITE_PARTS, sub_site_label
 from ..capture.hooks import resolve_module
 from ..core.names import nearest
 from ..core.selectors import InModule, Label, ModuleOutput, Selector, _And, _Or, split_pass
@@ -30,6 +30,7 @@ _views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # How op labels look (``linear_3``, ``scaled_dot_product_attention_1``, ``input_0``, ``input_ids``).
 # A canonical name with a negative block index (``blocks.-1.mlp``): refused, saying what it would mean.
 _NEGATIVE_BLOCK = re.compile(r"^blocks\.(-\d+)(?=\.|$)")
+_SUB_SITE_ENDS = tuple("." + part for part in SUB_SITE_PARTS)  # how every sub-site label (or its address) ends
 _OP_LABEL = re.compile(r"^(?:[A-Za-z0-9_]+_\d+|input_.+)$")
 
 
@@ -207,6 +208,8 @@ def _bind_in_module(model: nn.Module, selector: InModule) -> Selector:
 def _bind_sub_site(model: nn.Module, label: str) -> Label | None:
     """A splice's sub-site (``blocks.6.features``: ``torchlens.capture._splice``) as the label the capture
     gives it (``transformer.h.6.features``), its module named however the caller likes; None otherwise."""
+    if not (label.endswith(_SUB_SITE_ENDS) or label.rpartition(":")[0].endswith(_SUB_SITE_ENDS)):
+        return None  # (what SUB_SITE would say, without running the pattern on every module site bound)
     found = SUB_SITE.match(label)
     if found is None:
         return None
