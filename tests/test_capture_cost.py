@@ -134,6 +134,9 @@ def test_the_model_is_left_as_it_was_when_the_forward_raises_or_stops():
     assert torch.equal(partial["fc1"].out, want)
 
 
+ModuleCallStub = collections.namedtuple("ModuleCallStub", ["address", "pass_index"])  # what a row reads of its call
+
+
 def test_a_recorded_op_record_equals_one_built_by_its_constructor():
     from torchlens.core.records import Op
 
@@ -143,6 +146,18 @@ def test_a_recorded_op_record_equals_one_built_by_its_constructor():
     fast = Op.recorded(3, "add_1", torch.add, "add", out, "fc1", 2, code, None, 0, args, kwargs, None)
     for slot in Op.__slots__:  # every field set, to the same value (a new slot must be set by both)
         assert getattr(fast, slot) is getattr(made, slot) or getattr(fast, slot) == getattr(made, slot), slot
+    # the recorder's rows, made records in one loop, set the same fields
+    from torchlens.capture._classify import info_for
+    from torchlens.core.trace import Trace
+
+    graph = Trace(None)
+    call = ModuleCallStub("fc1", 2)
+    graph.ops.extend([None, None, None])  # the row becomes op 3
+    graph.add_recorded_tensor_ops([(torch.add, info_for(torch.add), out, call, code, None, 0, args, kwargs)],
+                                  {"add": 0}, None)
+    rowed = graph.ops[3]
+    for slot in Op.__slots__:
+        assert getattr(rowed, slot) is getattr(made, slot) or getattr(rowed, slot) == getattr(made, slot), slot
     assert fast.source == made.source == f"{code.co_filename}:{code.co_firstlineno}"
     from torchlens.core.records import OPEN, ModuleCall
 
