@@ -6,6 +6,9 @@
 
 from __future__ import annotations
 
+import operator
+from itertools import repeat
+
 import torch
 
 from .._interrupts import Attached
@@ -180,17 +183,14 @@ def _unchanged(value: object, copy: object, versions: list[int | None]) -> bool:
 
 def _any_offload(modules: list[torch.nn.Module]) -> bool:
     """Whether some module carries an accelerate hook (``_hf_hook``), which may offload its weights."""
-    for module in modules:
-        if "_hf_hook" in module.__dict__:
-            return True
+    # (looked for in each module's __dict__ by C-level iteration: this runs on every capture, for every module)
+    if any(map(operator.contains, map(vars, modules), repeat("_hf_hook"))):
+        return True
+    kinds = set(map(type, modules))
     # a failed class attribute lookup is slow (an exception): once per module type, not per capture
-    for kind in set(map(type, modules)):
-        found = _CLASS_HOOK.get(kind)
-        if found is None:
-            found = _CLASS_HOOK[kind] = hasattr(kind, "_hf_hook")
-        if found:
-            return True
-    return False
+    for kind in kinds - _CLASS_HOOK.keys():
+        _CLASS_HOOK[kind] = hasattr(kind, "_hf_hook")
+    return any(map(_CLASS_HOOK.__getitem__, kinds))
 
 
 _CLASS_HOOK: dict[type, bool] = {}  # module type -> whether the class itself carries ``_hf_hook``
