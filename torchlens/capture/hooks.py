@@ -18,7 +18,7 @@ from typing import Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .._interrupts import HoldInterrupts
+from .._interrupts import HoldInterrupts, interrupts_held
 from ..core.names import nearest
 from ..errors import SiteNotFoundError
 from ._attach import (
@@ -198,25 +198,33 @@ class ModuleHooks:
     # -- lifetime --------------------------------------------------------------
     def __enter__(self) -> ModuleHooks:
         self._owner = threading.get_ident()
-        pre, post, handles = self._pre, self._post, self._handles
         try:
-            with HoldInterrupts():  # a Ctrl-C meanwhile is raised once every hook is on, then all come off
-                self._held = hold_types(self.modules() if self._every else [self.module(a) for a in pre])
-                for address in pre:
-                    module = self.module(address)
-                    if pre[address]:
-                        handles.append(attach(module, self._make_pre(address, module), pre=True))
-                    if post[address]:
-                        handles.append(attach(module, self._make_post(address, module, bool(pre[address])),
-                                              pre=False))
-                if self._every:
-                    self._attach_every()
+            if interrupts_held():  # (inside ``Attached``, every capture's case)
+                self._attach()
+            else:
+                with HoldInterrupts():  # a Ctrl-C meanwhile is raised once every hook is on, then all come off
+                    self._attach()
         except BaseException:
             self.__exit__(None, None, None)
             raise
         return self
 
+    def _attach(self) -> None:
+        pre, post, handles = self._pre, self._post, self._handles
+        self._held = hold_types(self.modules() if self._every else [self.module(a) for a in pre])
+        for address in pre:
+            module = self.module(address)
+            if pre[address]:
+                handles.append(attach(module, self._make_pre(address, module), pre=True))
+            if post[address]:
+                handles.append(attach(module, self._make_post(address, module, bool(pre[address])), pre=False))
+        if self._every:
+            self._attach_every()
+
     def __exit__(self, *exc: object) -> None:
+        if interrupts_held():
+            self._detach()
+            return
         with HoldInterrupts():  # a Ctrl-C meanwhile is raised once every hook and wrapper is off
             self._detach()
 
