@@ -537,11 +537,13 @@ def stops_on_modules(model: nn.Module, sites: Any, intervene: Any = None) -> boo
 
 
 def _module_value(result: Trace, path: str, key: str) -> Any:
-    address, _ = split_pass(path)  # a bound path: the capture hooked that module
+    address, pass_index = split_pass(path)  # a bound path: the capture hooked that module
     calls = result.calls_of(address)
     if not calls:
         raise SiteNotFoundError(f"module {address!r} exists but did not run in this forward", site=key,
                                 remedy="Check the model's forward: this module is skipped for this input.")
+    if pass_index is None and len(calls) == 1:  # its one call (what module_call would pick)
+        return result.module_output(calls[0])
     # The trace picks the pass (and names the real passes when the address alone is ambiguous).
     return result.module_output(result.module_call(path))
 
