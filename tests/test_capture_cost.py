@@ -134,6 +134,9 @@ def test_the_model_is_left_as_it_was_when_the_forward_raises_or_stops():
     assert torch.equal(partial["fc1"].out, want)
 
 
+ModuleCallStub = collections.namedtuple("ModuleCallStub", ["address", "pass_index"])  # what a row reads of its call
+
+
 def test_a_recorded_op_record_equals_one_built_by_its_constructor():
     from torchlens.core.records import Op
 
@@ -143,6 +146,18 @@ def test_a_recorded_op_record_equals_one_built_by_its_constructor():
     fast = Op.recorded(3, "add_1", torch.add, "add", out, "fc1", 2, code, None, 0, args, kwargs, None)
     for slot in Op.__slots__:  # every field set, to the same value (a new slot must be set by both)
         assert getattr(fast, slot) is getattr(made, slot) or getattr(fast, slot) == getattr(made, slot), slot
+    # the recorder's rows, made records in one loop, set the same fields
+    from torchlens.capture._classify import info_for
+    from torchlens.core.builder import TraceBuilder
+
+    build = TraceBuilder(None, (), {})
+    call = ModuleCallStub("fc1", 2)
+    build.graph.ops.extend([None, None, None])  # the row becomes op 3
+    build.add_recorded_tensor_ops([(torch.add, info_for(torch.add), out, call, code, None, 0, args, kwargs)],
+                                  {"add": 0}, None)
+    rowed = build.graph.ops[3]
+    for slot in Op.__slots__:
+        assert getattr(rowed, slot) is getattr(made, slot) or getattr(rowed, slot) == getattr(made, slot), slot
     assert fast.source == made.source == f"{code.co_filename}:{code.co_firstlineno}"
     from torchlens.core.records import OPEN, ModuleCall
 
@@ -432,6 +447,107 @@ def test_the_module_walk_equals_named_modules():
         got = named_modules(m)
         assert list(got.items()) == list(m.named_modules())  # same names, same order, shared modules once
     assert not any(type(m) is torch.nn.Tanh for m in named_modules(walks_itself).values())
+
+
+class _Shadowing(torch.nn.Module):
+    """A child a class attribute hides (``getattr`` finds the property, not ``_modules``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(2, 2)
+        self.other = torch.nn.Linear(2, 2)
+
+    @property
+    def inner(self):  # noqa: F811 - the point: the class attribute wins over the child of that name
+        return self.other
+
+    @inner.setter
+    def inner(self, value) -> None:
+        self._modules["inner"] = value
+
+    def forward(self, x):
+        return self.other(x)
+
+
+class _Redirecting(torch.nn.Module):
+    """A type with its own ``__getattr__``: a name means what it says."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(2, 2)
+        self.b = torch.nn.Linear(2, 2)
+
+    def __getattr__(self, name):
+        return super().__getattr__("b" if name == "a" else name)
+
+    def forward(self, x):
+        return self.b(x)
+
+
+def test_the_module_lookup_equals_get_submodule():
+    from torchlens.capture.hooks import resolve_module
+    from torchlens.errors import SiteNotFoundError
+
+    shadowed = torch.nn.Sequential(_Shadowing(), _Redirecting())
+    hidden = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    object.__setattr__(hidden, "0", torch.nn.ReLU())  # an instance attribute over the child: getattr's pick
+    model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()), shadowed, hidden)
+    addresses = ["", "0", "0.0", "1.0.inner", "1.0.other", "1.1.a", "1.1.b", "2.0"]
+    for address in addresses:
+        assert resolve_module(model, address) is model.get_submodule(address), address
+    assert resolve_module(model, "1.0.inner") is shadowed[0].other
+    assert resolve_module(model, "1.1.a") is shadowed[1].b
+    assert type(resolve_module(model, "2.0")) is torch.nn.ReLU
+    for missing in ("3", "0.5", "0.0.weight.x", "1.0.nothing"):
+        with pytest.raises(SiteNotFoundError):
+            resolve_module(model, missing)
+    x = torch.randn(1, 2)
+    want, _ = hook_reads(model, (x,))
+    before = hook_state(model)
+    got = tl.extract(model, x, ["1.0.other", "0.0"])
+    assert torch.equal(got["1.0.other"], want["1.0.other"][0]) and torch.equal(got["0.0"], want["0.0"][0])
+    assert_model_clean(model, before)
+
+
+class _WritesThroughData(torch.nn.Module):
+    """Changes a child's output after its hook ran, through ``.data`` (no version bump) or in place."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(3, 3)
+        self.b = torch.nn.Linear(3, 3)
+        self.how = how
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.how == "data":
+            h.data.add_(1)
+        elif self.how == "inplace":
+            h.add_(1)
+        return self.b(h)
+
+
+@pytest.mark.parametrize("how", ["data", "inplace", "none"])
+def test_a_module_read_is_the_value_its_hook_saw(how):
+    torch.manual_seed(0)
+    model = _WritesThroughData(how).eval()
+    x = torch.randn(2, 3)
+    seen = []
+    handle = model.a.register_forward_hook(lambda m, i, o: seen.append((o, o.clone())))
+    with torch.no_grad():
+        model(x)
+    handle.remove()
+    before = hook_state(model)
+    got = tl.extract(model, x, ["a"])["a"]
+    assert_model_clean(model, before)
+    assert torch.equal(got, seen[0][1])  # the value when the module returned, not after the model changed it
+    seen.clear()
+    handle = model.a.register_forward_hook(lambda m, i, o: seen.append(o))
+    try:
+        got = tl.extract(model, x, ["a"])["a"]
+    finally:
+        handle.remove()
+    assert (got is seen[0]) == (how == "none")  # the forward's own tensor when left as it was, else the copy
 
 
 _Pair = collections.namedtuple("_Pair", ["first", "second"])

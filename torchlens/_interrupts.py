@@ -18,12 +18,18 @@ import sys
 import threading
 from typing import Any
 
-__all__ = ["Attached", "HoldInterrupts"]
+__all__ = ["Attached", "HoldInterrupts", "interrupts_held"]
 
 _MAIN = threading.main_thread().ident
 _get_ident = threading.get_ident
 _SIGINT = int(signal.SIGINT)
 _STATE: list[Any] = [0, None, None]  # (holds open in the main thread, the handler before, a SIGINT noted meanwhile)
+
+
+def interrupts_held() -> bool:
+    """Whether a ``HoldInterrupts`` block is open already where it would act (a nested one adds
+    nothing then; outside the main thread one does nothing at all)."""
+    return _STATE[0] > 0 or _get_ident() != _MAIN
 
 
 def _note(signum: int, frame: Any) -> None:

@@ -19,7 +19,7 @@ from .capture._offload import ValueOffload
 from .capture._trace_store import TraceStore, check_recompute
 from .capture.request import CaptureRequest, module_address
 from .core.inputs import call_inputs, split_inputs
-from .core.selectors import Selector, as_selector, as_sites
+from .core.selectors import Selector, as_selector, as_sites, split_pass
 from .core.steps import Step
 from .core.text import tokenizer_for
 from .core.trace import Trace
@@ -39,6 +39,8 @@ __all__ = ["check_model", "extract", "rerun", "stops_on_modules", "trace", "trac
 
 def check_model(model: Any) -> nn.Module:
     """Refuse objects TorchLens cannot capture eagerly, with what to pass instead."""
+    if type(model) in _EAGER_TYPES:  # a type checked before (every check below reads the type alone)
+        return model
     if isinstance(model, torch.jit.ScriptModule) or isinstance(model, torch.jit.ScriptFunction):
         raise UnsupportedModelError(
             f"{type(model).__name__} is a TorchScript module; its forward does not run Python ops",
@@ -57,7 +59,12 @@ def check_model(model: Any) -> nn.Module:
             else "Wrap the callable in an nn.Module."
         )
         raise UnsupportedModelError(f"expected a torch.nn.Module, got {type(model).__name__}", remedy=hint)
+    if type(model).__name__ != "OptimizedModule":  # (that one is refused by its instance's _orig_mod)
+        _EAGER_TYPES.add(type(model))
     return model
+
+
+_EAGER_TYPES: set[type] = set()  # module types check_model accepted
 
 
 def _as_steps(intervene: Any, model: nn.Module | None = None) -> list[Step]:
@@ -105,9 +112,8 @@ def _check_fired(whens: list[Step], trace: Trace) -> None:
 
 
 def _capture(request: CaptureRequest, backend: str | None) -> Trace:
-    engine = choose_engine(request, backend)
-    trace = engine.capture(request)
-    if trace.complete:
+    trace = choose_engine(request, backend).capture(request)
+    if request.intervene and trace.complete:
         _check_fired(request.intervene, trace)
     return trace
 
@@ -377,17 +383,14 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict, *, save: Any = None, int
     saved = _as_save(save)
     if saved is not None:
         saved = bind(model, saved)
+    if backend is None and features is None and whens and saved is not None and saved.module_paths() is not None \
+            and all(w.site.module_paths() is not None for w in whens):
+        # An edit plus a module read needs no op graph: module hooks serve it at hook cost.
+        return _capture(CaptureRequest(model, args, kwargs, record_ops=False, sites=saved, intervene=whens, grad=grad,
+                                       strict=strict, max_bytes=max_bytes), backend)
     request = CaptureRequest(model, args, kwargs, record_ops=True, intervene=whens, save=saved, grad=grad,
                              strict=strict, sink=sink, max_bytes=max_bytes)
-    if backend is None and features is None:
-        # (the module-only request is built only where it may serve: a dataclass replace per capture was
-        # a few percent of a tiny model's every-op capture)
-        if whens and saved is not None:
-            module_request = replace(request, record_ops=False, sites=saved, save=None, sink=None)
-            if module_request.module_only():
-                # An edit plus a module read needs no op graph: module hooks serve it at hook cost.
-                request = module_request
-    elif backend is not None:
+    if backend is not None:
         named = engines().get(backend)
         if named is not None and not getattr(named, "records_ops", True):
             # an engine that records module outputs only (a capability it declares)
@@ -476,13 +479,13 @@ def extract(model: nn.Module, x: Any, sites: Any, *, grad: bool = False, backend
     args, kwargs = split_inputs(x, model=model, tokenizer=tokenizer)
     splices = feature_steps(model, features) if features is not None else []
     # Sub-sites of a spliced dictionary are read from the splice itself when module hooks serve the rest.
-    subs = sub_site_reads(selectors, splices)
+    subs = sub_site_reads(selectors, splices) if splices else {}
     union = None
     for key, sel in selectors.items():
         if key not in subs:
             union = sel if union is None else union | sel
     request = CaptureRequest(model, args, kwargs, record_ops=False, sites=union, save=union, grad=grad,
-                             intervene=splices + _bound_steps(model, intervene))
+                             intervene=splices + _bound_steps(model, intervene) if intervene is not None else splices)
     if not request.module_only():
         request.record_ops = True
         for key in subs:
@@ -534,11 +537,13 @@ def stops_on_modules(model: nn.Module, sites: Any, intervene: Any = None) -> boo
 
 
 def _module_value(result: Trace, path: str, key: str) -> Any:
-    address, _ = module_address(result.model, path)
+    address, pass_index = split_pass(path)  # a bound path: the capture hooked that module
     calls = result.calls_of(address)
     if not calls:
         raise SiteNotFoundError(f"module {address!r} exists but did not run in this forward", site=key,
                                 remedy="Check the model's forward: this module is skipped for this input.")
+    if pass_index is None and len(calls) == 1:  # its one call (what module_call would pick)
+        return result.module_output(calls[0])
     # The trace picks the pass (and names the real passes when the address alone is ambiguous).
     return result.module_output(result.module_call(path))
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-from ..capture._splice import SUB_SITE, sub_site_label
+from ..capture._splice import SUB_SITE, SUB_SITE_PARTS, sub_site_label
 from ..capture.hooks import resolve_module
 from ..core.names import nearest
 from ..core.selectors import Selector, split_pass
@@ -33,6 +33,7 @@ _views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # How op labels look (``linear_3``, ``scaled_dot_product_attention_1``, ``input_0``, ``input_ids``).
 # A canonical name with a negative block index (``blocks.-1.mlp``): refused, saying what it would mean.
 _NEGATIVE_BLOCK = re.compile(r"^blocks\.(-\d+)(?=\.|$)")
+_SUB_SITE_ENDS = tuple("." + part for part in SUB_SITE_PARTS)  # how every sub-site label (or its address) ends
 
 
 def arch_view(model: Any) -> ArchView:
@@ -172,6 +173,8 @@ class ModelNames:
     def sub_site(self, label: str) -> str | None:
         """A splice's sub-site (``blocks.6.features``: ``torchlens.capture._splice``) as the label the
         capture gives it (``transformer.h.6.features``), its module named however the caller likes."""
+        if not (label.endswith(_SUB_SITE_ENDS) or label.rpartition(":")[0].endswith(_SUB_SITE_ENDS)):
+            return None  # (what SUB_SITE would say, without running the pattern on every module site bound)
         found = SUB_SITE.match(label)
         if found is None or self.is_module(label):  # a real module of that name wins
             return None

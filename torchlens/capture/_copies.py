@@ -67,7 +67,7 @@ _PLAINLY: dict[type, bool] = {}
 def hold_types(modules: Iterable[nn.Module]) -> list[type]:
     """Give the types of ``modules`` the capture-free reduction while a capture runs; returns
     the types held, for :func:`release_types`."""
-    kinds = {type(m) for m in modules}
+    kinds = set(map(type, modules))
     held = []
     with _LOCK:
         for kind in kinds:

@@ -185,10 +185,8 @@ class Recorder(TorchFunctionMode, CopyOnWrite, ModuleCalls):
             else:
                 internal = None  # a frame not seen yet, or a dispatcher's: the general record
             if internal is not None:
-                for a in args:
-                    if type(a) is list:  # a list may be appended to later by the model: keep our own
-                        args = tuple(list(a) if type(a) is list else a for a in args)
-                        break
+                if list in map(type, args):  # a list may be appended to later by the model: keep our own
+                    args = tuple(list(a) if type(a) is list else a for a in args)
                 # Noted as a row; ``flush`` makes the records, many at once, before anything reads
                 # them (a general record, a data read, copy on write, an edit, the forward's end).
                 pending = self.pending

@@ -6,11 +6,15 @@
 
 from __future__ import annotations
 
+import operator
+from itertools import repeat
+
 import torch
 
 from .._interrupts import Attached
 from ..core.builder import TraceBuilder
 from ..core.records import INPUT, OPEN, ModuleCall, Op
+from ..core.selectors import split_pass
 from ..core.steps import Step
 from ..core.trace import Trace
 from ..core.tree import clone_value, flatten
@@ -27,8 +31,12 @@ from .request import CaptureRequest, module_address
 __all__ = ["FunctionModeEngine", "FunctionModeEnginePlugin", "HooksEngine", "HooksEnginePlugin"]
 
 
-def _module_steps(request: CaptureRequest) -> tuple[dict[str, list[tuple[int | None, Step]]], list[Step]]:
-    """Split capture-time edits into per-module (hook) edits and per-op (recorder) edits."""
+def _module_steps(request: CaptureRequest, *, check: bool = True
+                  ) -> tuple[dict[str, list[tuple[int | None, Step]]], list[Step]]:
+    """Split capture-time edits into per-module (hook) edits and per-op (recorder) edits.
+
+    ``check``: refuse an address the model lacks here (``False``: the caller hooks each one, which refuses it).
+    """
     by_address: dict[str, list[tuple[int | None, Step]]] = {}
     op_steps: list[Step] = []
     for when in request.intervene:
@@ -37,7 +45,7 @@ def _module_steps(request: CaptureRequest) -> tuple[dict[str, list[tuple[int | N
             op_steps.append(when)
             continue
         for path in paths:
-            address, pass_index = module_address(request.model, path)
+            address, pass_index = module_address(request.model, path) if check else split_pass(path)
             by_address.setdefault(address, []).append((pass_index, when))
     return by_address, op_steps
 
@@ -63,12 +71,11 @@ class HooksEngine:
         build = TraceBuilder(request.model, request.args, request.kwargs, engine=self.name, op_graph=False,
                              strict=request.strict)
         trace = build.trace
-        edits, _ = _module_steps(request)
-        stops = _until_addresses(request)
-        wanted: dict[str, None] = {}
-        for sel in [request.sites] if request.sites is not None else []:
-            for path in sel.module_paths() or ():
-                wanted[module_address(request.model, path)[0]] = None
+        edits = _module_steps(request, check=False)[0] if request.intervene else {}
+        stops = _until_addresses(request) if request.until is not None else {}
+        # the module of each site is looked up (or refused) as it is hooked
+        paths = request.sites.module_paths() if request.sites is not None else None
+        wanted = dict.fromkeys([split_pass(path)[0] for path in paths or ()])
         hooks = ModuleHooks(request.model)
         handed: list[tuple[ModuleCall, object, object]] = []
         unread = dict(wanted) if request.stop_after_sites else {}
@@ -141,6 +148,11 @@ class _GradMode:
 
 def _versions(value: object) -> list[int | None]:
     """The version counter of each tensor leaf (bumped by every in-place change, views included)."""
+    if type(value) is torch.Tensor:  # the commonest module output: no tree walk
+        try:
+            return [value._version]
+        except RuntimeError:
+            return [None]
     found: list[int | None] = []
     for leaf in flatten(value)[0]:
         try:
@@ -152,6 +164,10 @@ def _versions(value: object) -> list[int | None]:
 
 def _unchanged(value: object, copy: object, versions: list[int | None]) -> bool:
     """Whether ``value`` still holds what ``copy`` was taken from: same structure and elements."""
+    if type(value) is torch.Tensor and type(copy) is torch.Tensor:  # a bare tensor: no tree walk
+        # Writes through ``.data`` bypass the version counter: compare the elements too.
+        return _versions(value) == versions and value.shape == copy.shape and value.dtype == copy.dtype \
+            and torch.equal(value, copy)
     leaves, spec = flatten(value)
     copies, copy_spec = flatten(copy)
     if spec != copy_spec or len(leaves) != len(copies) or _versions(value) != versions:
@@ -168,17 +184,14 @@ def _unchanged(value: object, copy: object, versions: list[int | None]) -> bool:
 
 def _any_offload(modules: list[torch.nn.Module]) -> bool:
     """Whether some module carries an accelerate hook (``_hf_hook``), which may offload its weights."""
-    for module in modules:
-        if "_hf_hook" in module.__dict__:
-            return True
+    # (looked for in each module's __dict__ by C-level iteration: this runs on every capture, for every module)
+    if any(map(operator.contains, map(vars, modules), repeat("_hf_hook"))):
+        return True
+    kinds = set(map(type, modules))
     # a failed class attribute lookup is slow (an exception): once per module type, not per capture
-    for kind in set(map(type, modules)):
-        found = _CLASS_HOOK.get(kind)
-        if found is None:
-            found = _CLASS_HOOK[kind] = hasattr(kind, "_hf_hook")
-        if found:
-            return True
-    return False
+    for kind in kinds - _CLASS_HOOK.keys():
+        _CLASS_HOOK[kind] = hasattr(kind, "_hf_hook")
+    return any(map(_CLASS_HOOK.__getitem__, kinds))
 
 
 _CLASS_HOOK: dict[type, bool] = {}  # module type -> whether the class itself carries ``_hf_hook``

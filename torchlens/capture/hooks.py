@@ -18,7 +18,7 @@ from typing import Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .._interrupts import HoldInterrupts
+from .._interrupts import HoldInterrupts, interrupts_held
 from ..core.names import nearest
 from ..errors import SiteNotFoundError
 from ._copies import forget_hooks, forget_slot, hold_types, note_hooks, note_slot, release_types
@@ -42,9 +42,28 @@ from ._interpose import (
 __all__ = ["CallInfo", "ForwardSlots", "ModuleHooks", "PostHook", "PreHook", "resolve_module"]
 
 def resolve_module(model: nn.Module, address: str) -> nn.Module:
-    """The submodule at ``address`` ('' is the model itself), or a SiteNotFoundError."""
+    """The submodule at ``address`` ('' is the model itself), or a SiteNotFoundError.
+
+    What ``model.get_submodule(address)`` returns. Every capture resolves its sites several
+    times, and ``get_submodule`` (a ``hasattr`` and a ``getattr`` through ``Module.__getattr__``
+    per name) was a good part of a module read's fixed cost: a name that only ``_modules``
+    holds, of a module type whose attribute lookup is torch's own, is read from ``_modules``
+    directly (what ``getattr`` would end up returning); anything else asks ``get_submodule``.
+    """
     if address == "":
         return model
+    module = model
+    names = _CLASS_NAMES
+    for name in address.split("."):
+        found = module._modules.get(name)
+        shadowed = names.get(type(module)) or _class_names(type(module))
+        if found is None or name in shadowed or name in module.__dict__:
+            return _get_submodule(model, address)
+        module = found
+    return module
+
+
+def _get_submodule(model: nn.Module, address: str) -> nn.Module:
     try:
         return model.get_submodule(address)
     except AttributeError:
@@ -54,6 +73,21 @@ def resolve_module(model: nn.Module, address: str) -> nn.Module:
             site=address,
             candidates=nearest(address, names),
         ) from None
+
+
+_CLASS_NAMES: dict[type, Any] = {}  # module type -> names its classes define (all names: a custom lookup)
+_EVERY_NAME = type("_EveryName", (), {"__contains__": lambda self, name: True})()
+
+
+def _class_names(kind: type) -> Any:
+    """The attribute names ``kind``'s classes define, which ``getattr`` finds before ``_modules``
+    (or, for a type with its own ``__getattr__``/``__getattribute__``, every name: ask it)."""
+    if kind.__getattr__ is not nn.Module.__getattr__ or kind.__getattribute__ is not object.__getattribute__:
+        found: Any = _EVERY_NAME
+    else:
+        found = frozenset(name for klass in kind.__mro__ for name in vars(klass))
+    _CLASS_NAMES[kind] = found
+    return found
 
 
 class ModuleHooks:
@@ -75,6 +109,7 @@ class ModuleHooks:
         self._open: dict[str, list[CallInfo]] = {}
         self._owner: int | None = None
         self._named: dict[str, nn.Module] | None = None
+        self._found: dict[str, nn.Module] = {}  # addresses looked up so far
         # Callbacks on every module (``on_every_module``): kept once, not copied into a list per
         # address, so a capture attaches two shared hooks per module and builds no closures.
         self._every: list[tuple[PreHook, PostHook]] = []
@@ -82,26 +117,32 @@ class ModuleHooks:
         self._held: list[type] = []
 
     def module(self, address: str) -> nn.Module:
-        """The submodule at ``address``; one ``named_modules`` walk serves every lookup."""
+        """The submodule at ``address``: from the ``named_modules`` walk once some caller needed it
+        (every-module callbacks), else resolved alone (a read of a few modules walks no others)."""
+        found = self._found.get(address)
+        if found is None:
+            found = self._named.get(address) if self._named is not None else None
+            if found is None:
+                found = resolve_module(self.model, address)
+            self._found[address] = found  # the tree does not change between registering and attaching
+        return found
+
+    def _walk(self) -> dict[str, nn.Module]:
         if self._named is None:
             self._named = named_modules(self.model)
-        found = self._named.get(address)
-        return found if found is not None else resolve_module(self.model, address)
+        return self._named
 
     def names(self) -> list[str]:
         """Every module address of the model (shared modules once, under their first name)."""
-        self.module("")
-        return list(self._named)
+        return list(self._walk())
 
     def named(self) -> dict[str, nn.Module]:
         """Every module of the model by address (shared modules once, under their first name)."""
-        self.module("")
-        return self._named
+        return self._walk()
 
     def modules(self) -> list[nn.Module]:
         """Every module of the model (shared modules once), in ``names()`` order."""
-        self.module("")
-        return list(self._named.values())
+        return list(self._walk().values())
 
     # -- registration ----------------------------------------------------------
     def on_input(self, address: str, fn: PreHook) -> None:
@@ -122,7 +163,7 @@ class ModuleHooks:
         if address not in self._pre:
             # An alias of a shared module is not one of ``names()``: every-module callbacks run
             # for the module under its first name only.
-            every = self._every if address in self._named else ()
+            every = self._every if self._every and address in self._walk() else ()
             self._pre[address] = [pre for pre, _ in every]
             self._post[address] = [post for _, post in every]
         return self._pre[address], self._post[address]
@@ -139,10 +180,10 @@ class ModuleHooks:
         """
         if self._owner is not None:
             raise RuntimeError("register callbacks before entering the hooks context")
-        self.module("")
+        named = self._walk()
         self._every.append((pre, post))
         for address in self._pre:  # modules with callbacks of their own (aliases excepted)
-            if address in self._named:
+            if address in named:
                 self._pre[address].append(pre)
                 self._post[address].append(post)
 
@@ -157,25 +198,33 @@ class ModuleHooks:
     # -- lifetime --------------------------------------------------------------
     def __enter__(self) -> ModuleHooks:
         self._owner = threading.get_ident()
-        pre, post, handles = self._pre, self._post, self._handles
         try:
-            with HoldInterrupts():  # a Ctrl-C meanwhile is raised once every hook is on, then all come off
-                self._held = hold_types(self.modules() if self._every else [self.module(a) for a in pre])
-                for address in pre:
-                    module = self.module(address)
-                    if pre[address]:
-                        handles.append(attach(module, self._make_pre(address, module), pre=True))
-                    if post[address]:
-                        handles.append(attach(module, self._make_post(address, module, bool(pre[address])),
-                                              pre=False))
-                if self._every:
-                    self._attach_every()
+            if interrupts_held():  # (inside ``Attached``, every capture's case)
+                self._attach()
+            else:
+                with HoldInterrupts():  # a Ctrl-C meanwhile is raised once every hook is on, then all come off
+                    self._attach()
         except BaseException:
             self.__exit__(None, None, None)
             raise
         return self
 
+    def _attach(self) -> None:
+        pre, post, handles = self._pre, self._post, self._handles
+        self._held = hold_types(self.modules() if self._every else [self.module(a) for a in pre])
+        for address in pre:
+            module = self.module(address)
+            if pre[address]:
+                handles.append(attach(module, self._make_pre(address, module), pre=True))
+            if post[address]:
+                handles.append(attach(module, self._make_post(address, module, bool(pre[address])), pre=False))
+        if self._every:
+            self._attach_every()
+
     def __exit__(self, *exc: object) -> None:
+        if interrupts_held():
+            self._detach()
+            return
         with HoldInterrupts():  # a Ctrl-C meanwhile is raised once every hook and wrapper is off
             self._detach()
 

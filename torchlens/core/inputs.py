@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from torch import Tensor
+
 from ..errors import InvalidArgumentError
 from .text import is_text, text_inputs
 
@@ -28,6 +30,8 @@ def split_inputs(x: Any, *, model: Any = None, tokenizer: Any = None) -> tuple[t
         TokenizerRequiredError: ``x`` is text and neither ``tokenizer`` nor ``model.tokenizer`` is given.
         PaddingNotSupportedError: strings of different lengths for a forward without ``attention_mask``.
     """
+    if type(x) is Tensor:  # the commonest input: one tensor (no abstract-class check)
+        return (x,), {}
     if isinstance(x, Mapping):
         return (), dict(x)
     if isinstance(x, tuple):
