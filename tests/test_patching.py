@@ -14,7 +14,7 @@ from conftest import assert_model_clean, hook_state
 
 import torchlens as tl
 from torchlens.analysis.patching import _output_read
-from torchlens.edit import _batch
+from torchlens.edit import replay as _replay
 from torchlens.edit._sweep import sweep
 from torchlens.errors import InvalidArgumentError, SiteNotFoundError
 
@@ -91,7 +91,7 @@ def _spy_sweeps(monkeypatch) -> list[int]:
         swept.append(sum(r is not None for r in got or ()))
         return got
 
-    monkeypatch.setattr(_batch, "sweep", spy)
+    monkeypatch.setattr(_replay, "sweep", spy)
     return swept
 
 

@@ -20,6 +20,7 @@ import torchlens as tl
 from torchlens.core.steps import REPLAY, Step
 from torchlens.edit import _sweep
 from torchlens.edit._fallbacks import STRICT_ENV
+from torchlens.edit._run import Replayer
 from torchlens.edit._sweep import sweep
 
 ATOL = 1e-5
@@ -163,7 +164,7 @@ def test_an_edit_that_raises_leaves_its_fork_untouched_and_the_others_swept(tiny
     pairs = [("transformer.h.0", scale_row_edit(5)), ("transformer.h.1", _broken),
              ("transformer.h.1", scale_row_edit(5))]
     forks, got = _swept(trace, pairs)
-    assert got is not None and isinstance(got[0], _sweep.Replayer) and isinstance(got[2], _sweep.Replayer)
+    assert got is not None and isinstance(got[0], Replayer) and isinstance(got[2], Replayer)
     assert isinstance(got[1], ValueError) and str(got[1]) == "edit bug"  # handed back as that fork's error
     assert _untouched(forks[1])
     for fork, (site, _) in zip((forks[0], forks[2]), (pairs[0], pairs[2])):

@@ -20,8 +20,7 @@ from .core.records import ModuleCall, Op
 from .core.selectors import Selector
 from .core.services import install
 from .core.steps import Step
-from .edit._batch import replay_many
-from .edit.replay import replay_step
+from .edit.replay import replay_many, replay_step
 from .edit.validate import validate
 from .plugins import facets_for
 from .store.recipes import save_intervention

@@ -33,6 +33,7 @@ from ..errors import GuardChangedError, ReplayError, ValueNotSavedError
 from ._execute import ROW_VIEWS, UNINITIALISED, execute, refuse_reason
 from ._fallbacks import declare
 from ._regions import WHOLE, Corner, RowPatch, Rows, as_built, refine_corner, rows_from_zero
+from ._run import Replayer, Target
 from ._slicing import ELEMENTWISE, collect_rows, plan_op
 from ._stack import WHOLE_ROWS, BlockPatch, Outputs, Stack, forks_batch, refine_forks
 from ._stacked_ops import (
@@ -47,7 +48,6 @@ from ._stacked_ops import (
     several,
     shaped,
 )
-from .replay import Replayer, Target
 
 __all__ = ["sweep"]
 
@@ -239,8 +239,10 @@ class _Sweep:
             forks = tuple(sorted({f for s in stacks for f in s.forks}))
             if self.read is not None and j == self.read.index:
                 # the read op (an LM head nothing else reads): each fork computes only what is read
-                if not all(self.read.compute(self.replayers[i], op) for i in forks):
+                if any(self.read.cannot(self.replayers[i], op) for i in forks):
                     raise _Abort(f"the read op {op.label} cannot compute only what is read for every fork")
+                for i in forks:
+                    self.read.compute(self.replayers[i], op)
                 continue
             note = f"stacked with {len(forks) - 1} other fork(s)" if len(forks) > 1 else ""
             try:
@@ -458,7 +460,7 @@ class _Sweep:
         if isinstance(region, Corner):  # each fork's whole value, as all its rows along axis 0
             s = self.stack[j] = _checked(Stack(base, 0, 0, rows, forks, region))
             for k, i in enumerate(forks):
-                self.replayers[i]._store(j, rows.narrow(0, k * s.block, s.block), region)
+                self.replayers[i].store(j, rows.narrow(0, k * s.block, s.block), region)
                 self.replayers[i].log.entries.append((op.label, op.func_name, how, None, note))
             return
         if several(region):
@@ -473,7 +475,7 @@ class _Sweep:
             for k, i in enumerate(forks):  # several outputs: built together when read
                 value = Outputs(tuple(b if s is None else p[k] if whole else RowPatch(b, s.axis, s.start, p[k])
                                        for b, s, p in zip(base, stacks, parts)))
-                self.replayers[i]._store(j, value, WHOLE if whole else region)
+                self.replayers[i].store(j, value, WHOLE if whole else region)
                 self.replayers[i].log.entries.append((op.label, op.func_name, how, None, note))
             return
         if not isinstance(base, torch.Tensor):
@@ -486,10 +488,10 @@ class _Sweep:
         for k, i in enumerate(forks):
             replayer = self.replayers[i]
             if whole:
-                replayer._store(j, rows.narrow(axis, k * m, m), WHOLE)
+                replayer.store(j, rows.narrow(axis, k * m, m), WHOLE)
                 replayer.log.entries.append((op.label, op.func_name, how, None, note))
                 continue
-            replayer._store(j, BlockPatch(base, region.axis, region.start, rows, k * m), region)
+            replayer.store(j, BlockPatch(base, region.axis, region.start, rows, k * m), region)
             replayer.log.entries.append((op.label, op.func_name, how, size, note))
 
 
