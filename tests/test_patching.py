@@ -14,8 +14,7 @@ from conftest import assert_model_clean, hook_state
 
 import torchlens as tl
 from torchlens.analysis.patching import _output_read
-from torchlens.edit import replay as _replay
-from torchlens.edit._sweep import sweep
+from torchlens.edit._sweep import Sweep
 from torchlens.errors import InvalidArgumentError, SiteNotFoundError
 
 ATOL = 1e-5  # sliced replay vs a re-executed forward: float32 rounding (see tests/test_slicing.py)
@@ -83,15 +82,16 @@ def _patched(model, ids, kind: str, layer: int, position: int, donor: torch.Tens
 
 
 def _spy_sweeps(monkeypatch) -> list[int]:
-    """How many forks each one-pass sweep (``torchlens.edit._sweep``) covered, appended as it returns."""
+    """How many forks each one-pass sweep (``torchlens.edit._sweep.Sweep``) took, appended as it begins."""
     swept = []
+    begin = Sweep.begin.__func__
 
-    def spy(*args, **kwargs):
-        got = sweep(*args, **kwargs)
-        swept.append(sum(r is not None for r in got or ()))
+    def spy(cls, engine, read=None):
+        got = begin(cls, engine, read)
+        swept.append(0 if got is None else len(got.groups_of))
         return got
 
-    monkeypatch.setattr(_replay, "sweep", spy)
+    monkeypatch.setattr(Sweep, "begin", classmethod(spy))
     return swept
 
 

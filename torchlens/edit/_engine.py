@@ -30,7 +30,7 @@ on several forks at once propagates, every fork restored.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -56,6 +56,7 @@ class Strategy:
     """
 
     name = ""
+    alone = True  # it recomputes an op for one run at a time (an error there is that run's); False: several
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -109,15 +110,16 @@ class Engine:
 
     # -- the loop --------------------------------------------------------------------------------
 
-    def run(self, chain: list[Strategy]) -> list[Any]:
-        """Walk the graph once for every live run, offering each op some reach to ``chain``.
+    def run(self, build: Callable[[Engine], list[Strategy]]) -> list[Any]:
+        """Walk the graph once for every live run, offering each op some reach to the strategies
+        ``build(self)`` gives (in order; a strategy may prepare there, e.g. land every edit).
 
         Returns:
             per fork, its run (the fork holds its edit) or the error its replay met (the fork is
             as it was).
         """
-        self.chain = chain
         try:
+            chain = self.chain = build(self)
             live = self.active()
             if live:
                 ops, end = live[0].ops, len(live[0].ops)
@@ -162,7 +164,10 @@ class Engine:
                 seen.update(map(id, group))
                 reason = strategy.cannot(op, group)
                 if reason is None:
-                    self.each_of(group, strategy.run_op, op, group)
+                    if strategy.alone:
+                        self.each(group[0], strategy.run_op, op, group)
+                    else:
+                        self.each_of(group, strategy.run_op, op, group)
                     for r in group:
                         r.log.chosen[strategy.name] = r.log.chosen.get(strategy.name, 0) + 1
                     continue
@@ -208,9 +213,6 @@ class Engine:
     def each_of(self, runs: list[Replayer], work: Any, *args: Any) -> None:
         """``work(*args)`` for several runs at once: a typed replay error fails each of them; any
         other error propagates (a bug in a strategy is never hidden by a slower path)."""
-        if len(runs) == 1:
-            self.each(runs[0], work, *args)
-            return
         try:
             work(*args)
         except ReplayFallbackError:

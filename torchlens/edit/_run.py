@@ -107,6 +107,14 @@ class Replayer:
             self._check_read(reads[self._read_i])
             self._read_i += 1
 
+    def steps_at(self, j: int) -> list[tuple[Step, Target, bool]]:
+        """The steps (with where they land, and whether each is the new one) still to apply at position ``j``."""
+        return self._steps_at.get(j, [])
+
+    def landings(self) -> int:
+        """How many places the steps still to apply land on."""
+        return sum(len(entries) for entries in self._steps_at.values())
+
     def land(self, j: int) -> list[tuple[Step, Target, bool]]:
         """Apply now the steps landing at position ``j`` (a sweep lands every fork's edit before
         the walk); :meth:`before` will not apply them again. Returns them."""

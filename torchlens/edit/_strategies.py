@@ -19,7 +19,7 @@ from ._guards import changed_choice, index_leaves, same_value
 from ._regions import WHOLE, Corner, Plan, RowPatch, Rows, refine_corner
 from ._run import Replayer
 
-__all__ = ["ChangedRows", "PartialRead", "WholeValue"]
+__all__ = ["ChangedRows", "PartialRead", "WholeValue", "check_path", "reissue"]
 
 
 class PartialRead(Strategy):
@@ -118,8 +118,8 @@ class WholeValue(Strategy):
     def run_op(self, op: Op, runs: list[Replayer]) -> None:
         run = runs[0]
         args, kwargs = run.built_args(op)
-        new = _reissue(op, args, kwargs)
-        _check_path(run, op, new)
+        new = reissue(op, args, kwargs)
+        check_path(run, op, new)
         plan = run.planned(op)
         region = WHOLE if plan is None else plan.region
         if isinstance(region, Corner):  # did a causal mask leave the corner's extra block as it was?
@@ -130,7 +130,7 @@ class WholeValue(Strategy):
         run.log.entries.append((op.label, op.func_name, how, _rows_of(plan, new), plan.reason if plan else ""))
 
 
-def _reissue(op: Op, args: tuple, kwargs: dict) -> Any:
+def reissue(op: Op, args: tuple, kwargs: dict) -> Any:
     """``execute(op, ...)``; an op that ran fine in the recorded forward but fails on edited inputs
     means the edit changed something (usually a shape) its recorded arguments baked in."""
     try:
@@ -144,7 +144,7 @@ def _reissue(op: Op, args: tuple, kwargs: dict) -> Any:
         ) from exc
 
 
-def _check_path(run: Replayer, op: Op, new: Any) -> None:
+def check_path(run: Replayer, op: Op, new: Any) -> None:
     """Raise GuardChangedError when ``new`` shows the edited run leaves the recorded path: another
     shape than recorded, or another choice at an op the forward branched on."""
     if not op.flags & EDIT:

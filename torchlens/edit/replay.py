@@ -34,9 +34,9 @@ from ._engine import Engine, Strategy
 from ._execute import REEXECUTE
 from ._fallbacks import declare
 from ._regions import ReplayLog
-from ._run import Replayer, Target
+from ._run import Target
 from ._strategies import ChangedRows, PartialRead, WholeValue
-from ._sweep import sweep
+from ._sweep import Sweep
 
 __all__ = ["REPLAY_MODES", "check_against_forward", "replay_forks", "replay_many", "replay_step",
            "unsaved_for_replay"]
@@ -126,21 +126,6 @@ def replay_forks(forks: Sequence[Any], steps: Sequence[Step], *, read: Any = Non
     Raises:
         EmptySelectionError: a step's site matches nothing (raised before any fork changes).
     """
-    if one_pass and len(forks) > 1:  # (folded into the engine as a strategy next)
-        declined: dict[int, str] = {}
-        got = sweep(forks, steps, read=read, declined=declined) or [None] * len(forks)
-        rest = [k for k, r in enumerate(got) if r is None]
-        if rest:
-            pushed = _walk([forks[k] for k in rest], [steps[k] for k in rest], read, sliced)
-            for k, r in zip(rest, pushed):
-                got[k] = r
-                if k in declined and isinstance(r, Replayer):
-                    r.log.decisions.insert(0, ("sweep", declined[k]))
-        return got
-    return _walk(forks, steps, read, sliced)
-
-
-def _walk(forks: Sequence[Any], steps: Sequence[Step], read: Any, sliced: bool) -> list[Any]:
     targets = []
     for fork, step in zip(forks, steps):
         fork.require_op_graph("replaying an edit")
@@ -149,13 +134,28 @@ def _walk(forks: Sequence[Any], steps: Sequence[Step], read: Any, sliced: bool) 
             raise EmptySelectionError(f"{step.site.describe()} matches nothing in this trace",
                                       site=step.site.describe())
         targets.append([Target(r) for r in records])
-    engine = Engine(forks, steps, targets, sliced=sliced, read=read)
+    by_records: dict[int, list[int]] = {}  # forks of one trace share its records (an engine walks one graph)
+    for i, fork in enumerate(forks):
+        by_records.setdefault(id(fork.ops), []).append(i)
+    got: list[Any] = [None] * len(forks)
+    for members in by_records.values():
+        engine = Engine([forks[i] for i in members], [steps[i] for i in members], [targets[i] for i in members],
+                        sliced=sliced, read=read)
+        for i, outcome in zip(members, engine.run(lambda e: _chain(e, read, one_pass))):
+            got[i] = outcome
+    return got
+
+
+def _chain(engine: Engine, read: Any, one_pass: bool) -> list[Strategy]:
+    """The strategies the engine offers each op, fastest first (``docs/replay-engine.md``)."""
     rows = ChangedRows(engine)
     chain: list[Strategy] = [] if read is None else [PartialRead(engine, read)]
-    if len(forks) > 1:
+    sweep = Sweep.begin(engine, read) if one_pass else None  # lands every fork's edit and groups them
+    if sweep is not None:
+        chain.append(sweep)
+    if len(engine.runs) > 1:
         chain.append(RowBatch(engine, rows))
-    chain += [rows, WholeValue(engine)]
-    return engine.run(chain)
+    return [*chain, rows, WholeValue(engine)]
 
 
 def replay_many(forks: Sequence[Any], steps: Sequence[Sequence[Step]], *, rerun: Any, replay: str = "auto",
