@@ -230,7 +230,8 @@ def test_only_fresh_forks_of_one_trace_are_swept(tiny_gpt2):
     forks = [trace.fork(), other.fork()]
     got = replay_forks(forks, _steps(forks, [("transformer.h.0", edit)] * 2))
     for fork, r in zip(forks, got):  # one walk per trace: a sweep of one fork declines it
-        assert r.log.decisions == [("sweep", "a one-pass sweep takes two forks or more")] and "sweep" not in r.log.chosen
+        assert r.log.decisions == [("sweep", "a one-pass sweep takes two forks or more")]
+        assert "sweep" not in r.log.chosen
         assert torch.allclose(fork.output.logits, want, atol=ATOL)
     edited = trace.fork().do("transformer.h.0", edit)
     forks = [edited, trace.fork()]
