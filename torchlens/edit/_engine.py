@@ -97,7 +97,8 @@ class Engine:
         self.forks = list(forks)
         self.runs: list[Replayer] = []
         self.outcome: list[Any] = []
-        self.live: dict[int, int] = {}  # id(run) -> its fork's index, while it replays
+        self.live: dict[Replayer, int] = {}  # run -> its fork's index, while it replays
+        self._active: list[Replayer] = []
         self.chain: list[Strategy] = []
         for i, (fork, step, found) in enumerate(zip(forks, steps, targets)):
             run = Replayer(fork, sliced=sliced, read=read)
@@ -105,8 +106,10 @@ class Engine:
             fork.add_step(step)
             self.runs.append(run)
             self.outcome.append(run)
-            self.live[id(run)] = i
+            self.live[run] = i
             self.each(run, run.prepare, fork.recipe[-1], found)
+        self._active = [r for r in self.runs if r in self.live]
+        self._rewrites = any(r.rewrites for r in self.runs)  # some fork's memory was written through a view
 
     # -- the loop --------------------------------------------------------------------------------
 
@@ -120,13 +123,14 @@ class Engine:
         """
         try:
             chain = self.chain = build(self)
+            holding = [s for s in chain if type(s).flush is not Strategy.flush]  # (those that hold work back)
             live = self.active()
             if live:
                 ops, end = live[0].ops, len(live[0].ops)
                 with torch.set_grad_enabled(any(r.fork.grad for r in live)):
                     for j in range(min(r.start for r in live), end + 1):
                         for r in self.active():
-                            if r.start <= j:
+                            if r.due <= j:  # a step lands or a data read is checked at j
                                 self.each(r, r.before, j)
                         if j == end:
                             for r in self.active():
@@ -135,10 +139,17 @@ class Engine:
                         op = ops[j]
                         if op.flags & INPUT:
                             continue
-                        reaching = [r for r in self.active() if r.start <= j and r.reaches(op)]
+                        parents = None
+                        reaching = []
+                        for r in self.active():
+                            if r.changed and r.start <= j:
+                                if parents is None:
+                                    parents = {ref.index for ref in op.parent_refs}
+                                if r.reaches(op, parents):
+                                    reaching.append(r)
                         if reaching:
                             self.run_op(op, reaching)
-                        for strategy in chain:
+                        for strategy in holding:
                             strategy.flush()
         except BaseException:  # interrupted, or an unexpected error: no fork is left half replayed
             for r in self.active():
@@ -151,31 +162,34 @@ class Engine:
         ``after``) that can takes each; each refusal is recorded with its reason."""
         why = refuse_reason(op)
         for r in runs:
-            reason = why or r.refusal(op)
+            reason = why or (r.refusal(op) if r.rewrites else None)
             if reason:
                 self.each(r, _refuse, op, reason)
-        pending = [r for r in runs if id(r) in self.live]
+        pending = [r for r in runs if r in self.live] if why or self._rewrites else runs
         chain = self.chain if after is None else self.chain[self.chain.index(after) + 1:]
         for strategy in chain:
             if not pending:
                 return
-            rest, seen = [], set()
+            rest: list[Replayer] = []
+            seen: set[Replayer] = set()
             for group in strategy.groups(op, pending):
-                seen.update(map(id, group))
+                seen.update(group)
                 reason = strategy.cannot(op, group)
                 if reason is None:
                     if strategy.alone:
                         self.each(group[0], strategy.run_op, op, group)
                     else:
                         self.each_of(group, strategy.run_op, op, group)
+                    name = strategy.name
                     for r in group:
-                        r.log.chosen[strategy.name] = r.log.chosen.get(strategy.name, 0) + 1
+                        chosen = r.log.chosen
+                        chosen[name] = chosen.get(name, 0) + 1
                     continue
                 if reason:
                     self.decline(strategy, group, f"op {op.label} ({op.func_name}): {reason}")
                 strategy.release(group)
                 rest += group
-            pending = [r for r in rest if id(r) in self.live] + [r for r in pending if id(r) not in seen]
+            pending = [r for r in rest if r in self.live] + [r for r in pending if r not in seen]
         for r in pending:  # (the last strategy, ``whole``, takes every op the engine did not refuse)
             self.each(r, _refuse, op, f"op {op.label} ({op.func_name}) at {op.source}: no replay strategy takes it")
 
@@ -198,7 +212,8 @@ class Engine:
     # -- runs ------------------------------------------------------------------------------------
 
     def active(self) -> list[Replayer]:
-        return [r for r in self.runs if id(r) in self.live]
+        """The runs still replaying, in order."""
+        return self._active
 
     def each(self, run: Replayer, work: Any, *args: Any) -> None:
         """``work(*args)`` for ``run`` alone: an error fails that run (its fork restored, the error
@@ -219,12 +234,12 @@ class Engine:
             raise
         except TorchLensError as exc:  # which run met it is not known: each fails with it (and replays alone)
             for r in runs:
-                if id(r) in self.live:
+                if r in self.live:
                     self.fail(r, exc)
 
     def fail(self, run: Replayer, exc: BaseException) -> None:
         """``run``'s replay met ``exc``: restore its fork and hand the error back in its place."""
-        i = self.live.get(id(run))
+        i = self.live.get(run)
         if i is None:
             return
         self.restore(run)
@@ -233,7 +248,8 @@ class Engine:
             strategy.drop(run)
 
     def restore(self, run: Replayer) -> None:
-        i = self.live.pop(id(run))
+        i = self.live.pop(run)
+        self._active = [r for r in self._active if r is not run]
         fork = self.forks[i]
         fork.restore_fork(run.saved, fork.unsaved_steps)
 

@@ -7,6 +7,7 @@ lands. The engine (``edit/_engine``) walks the graph and its strategies recomput
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -70,6 +71,8 @@ class Replayer:
         self.saved: Any = None  # the fork's state before this push (the engine restores it on failure)
         self._stale = fork.stale_positions()  # op index -> position an in-place op overwrote it (usually empty)
         self._writes = bool(self._stale)  # some memory was written through another view: readers may depend on it
+        self.rewrites = self._writes
+        self.due = math.inf  # the next position where a step lands or a data read is checked
         self._watch: set[int] = set()
         self._planned: tuple[int, Plan, tuple, dict, bool] | None = None  # the last op planned, see plan()
 
@@ -93,7 +96,13 @@ class Replayer:
         self._reads = [r for r in fork.data_reads if r.position >= start]
         self._read_i = 0
         self.start = start
+        self._set_due()
         return start
+
+    def _set_due(self) -> None:
+        reads = self._reads
+        self.due = min(min(self._steps_at, default=math.inf),
+                       reads[self._read_i].position if self._read_i < len(reads) else math.inf)
 
     def before(self, j: int) -> None:
         """What happens at position ``j`` before op ``j`` runs: the steps landing there are
@@ -106,6 +115,7 @@ class Replayer:
         while self._read_i < len(reads) and reads[self._read_i].position <= j:
             self._check_read(reads[self._read_i])
             self._read_i += 1
+        self._set_due()
 
     def steps_at(self, j: int) -> list[tuple[Step, Target, bool]]:
         """The steps (with where they land, and whether each is the new one) still to apply at position ``j``."""
@@ -119,15 +129,18 @@ class Replayer:
         """Apply now the steps landing at position ``j`` (a sweep lands every fork's edit before
         the walk); :meth:`before` will not apply them again. Returns them."""
         entries = self._steps_at.pop(j)
+        self._set_due()
         self._apply_steps(entries)
         return entries
 
-    def reaches(self, op: Op) -> bool:
-        """Whether the edit reaches ``op``: it reads a value this push changed (or memory an
-        in-place op it reached wrote through another view)."""
+    def reaches(self, op: Op, parents: set[int]) -> bool:
+        """Whether the edit reaches ``op`` (whose parents' op indices are ``parents``): it reads a
+        value this push changed (or memory an in-place op it reached wrote through another view)."""
         changed = self.changed
         if not changed:
             return False
+        if not self._writes:
+            return not changed.isdisjoint(parents)
         for r in op.parent_refs:
             if r.index in changed or (self._writes and self._written(r.index, op.index)):
                 return True

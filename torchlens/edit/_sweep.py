@@ -70,6 +70,7 @@ class Sweep(Strategy):
         self.read = read
         self.parent: Any = None
         self.groups_of: dict[int, _Group] = {}  # id(run) -> its group, while it is swept
+        self.index_of = {id(r): k for k, r in enumerate(engine.runs)}  # id(run) -> its index in engine.runs
 
     @classmethod
     def begin(cls, engine: Engine, read: Any = None) -> Sweep | None:
@@ -96,7 +97,7 @@ class Sweep(Strategy):
                 engine.each(run, sweep._land, run, landed)
         groups: dict[tuple, list[Replayer]] = {}
         still = []
-        for run, edited in ((r, landed[id(r)]) for r in runs if id(r) in landed and id(r) in engine.live):
+        for run, edited in ((r, landed[id(r)]) for r in runs if id(r) in landed and r in engine.live):
             if edited is None:
                 still.append(run)
             else:
@@ -144,17 +145,23 @@ class Sweep(Strategy):
     # -- the strategy ------------------------------------------------------------------------------
 
     def groups(self, op: Op, runs: list[Replayer]) -> list[list[Replayer]]:
-        found: dict[int, list[Replayer]] = {}
+        found: dict[_Group, list[Replayer]] = {}
+        get = self.groups_of.get
         for run in runs:
-            group = self.groups_of.get(id(run))
+            group = get(id(run))
             if group is not None:
-                found.setdefault(id(group), []).append(run)
+                members = found.get(group)
+                if members is None:
+                    members = found[group] = []
+                members.append(run)
         out = []
-        for members in found.values():
-            group = self.groups_of[id(members[0])]
-            group.land_until(op.index)
-            out.append([r for r in members if id(r) in self.groups_of])
-        return [m for m in out if m]
+        for group, members in found.items():
+            if group.land_at:
+                group.land_until(op.index)
+                members = [r for r in members if id(r) in self.groups_of]
+            if members:
+                out.append(members)
+        return out
 
     def cannot(self, op: Op, runs: list[Replayer]) -> str | None:
         return self.groups_of[id(runs[0])].cannot(op, runs)
@@ -187,10 +194,12 @@ class _Group:
         self.land_at: dict[int, list[tuple[int, Any]]] = {}
         for run in members:
             if landed[id(run)] is not None:
-                self.land_at.setdefault(run.start, []).append((self.replayers.index(run), landed[id(run)]))
+                self.land_at.setdefault(run.start, []).append((sweep.index_of[id(run)], landed[id(run)]))
 
     def land_until(self, j: int) -> None:
         """Stack the edited rows of every fork whose edit landed at a position up to ``j``."""
+        if not self.land_at:
+            return
         for p in sorted(p for p in self.land_at if p <= j):
             for i, edited in self.land_at.pop(p):
                 if id(self.replayers[i]) in self.sweep.groups_of:
@@ -217,8 +226,8 @@ class _Group:
 
     def run_op(self, op: Op, runs: list[Replayer]) -> None:
         stacks = [s for s in (self._stack_of(r) for r in op.parent_refs) if s is not None]
-        index = {id(r): self.replayers.index(r) for r in runs}
-        forks = tuple(sorted({f for s in stacks for f in s.forks} & set(index.values())))
+        index_of = self.sweep.index_of
+        forks = tuple(sorted({f for s in stacks for f in s.forks} & {index_of[id(r)] for r in runs}))
         if not forks:
             return
         note = f"stacked with {len(forks) - 1} other fork(s)" if len(forks) > 1 else ""
@@ -489,7 +498,7 @@ class _Group:
         if isinstance(region, Corner):  # each fork's whole value, as all its rows along axis 0
             s = self.stack[j] = _checked(Stack(base, 0, 0, rows, forks, region))
             for k, i in enumerate(forks):
-                if id(self.replayers[i]) in live:
+                if self.replayers[i] in live:
                     self.replayers[i].store(j, rows.narrow(0, k * s.block, s.block), region)
                     self.replayers[i].log.entries.append((op.label, op.func_name, how, None, note))
             return
@@ -501,7 +510,7 @@ class _Group:
             whole = all(r is not None and r.start == 0 for r in region)  # every output whole
             how = _as_whole(how) if whole else how
             for k, i in enumerate(forks):  # several outputs: built together when read
-                if id(self.replayers[i]) not in live:
+                if self.replayers[i] not in live:
                     continue
                 value = Outputs(tuple(b if s is None else p[k] if whole else RowPatch(b, s.axis, s.start, p[k])
                                       for b, s, p in zip(base, stacks, parts)))
@@ -515,7 +524,7 @@ class _Group:
         how = _as_whole(how) if whole else how
         for k, i in enumerate(forks):
             replayer = self.replayers[i]
-            if id(replayer) not in live:
+            if replayer not in live:
                 continue
             if whole:
                 replayer.store(j, rows.narrow(axis, k * m, m), WHOLE)
