@@ -69,8 +69,8 @@ class Sweep(Strategy):
         super().__init__(engine)
         self.read = read
         self.parent: Any = None
-        self.groups_of: dict[int, _Group] = {}  # id(run) -> its group, while it is swept
-        self.index_of = {id(r): k for k, r in enumerate(engine.runs)}  # id(run) -> its index in engine.runs
+        self.groups_of: dict[Replayer, _Group] = {}  # run -> its group, while it is swept
+        self.index_of = {r: k for k, r in enumerate(engine.runs)}  # run -> its index in engine.runs
 
     @classmethod
     def begin(cls, engine: Engine, read: Any = None) -> Sweep | None:
@@ -109,7 +109,7 @@ class Sweep(Strategy):
             if members:
                 group = _Group(sweep, members, landed)
                 for run in members:
-                    sweep.groups_of[id(run)] = group
+                    sweep.groups_of[run] = group
         return sweep if sweep.groups_of else None
 
     def _land(self, run: Replayer, landed: dict[int, Any]) -> None:
@@ -148,7 +148,7 @@ class Sweep(Strategy):
         found: dict[_Group, list[Replayer]] = {}
         get = self.groups_of.get
         for run in runs:
-            group = get(id(run))
+            group = get(run)
             if group is not None:
                 members = found.get(group)
                 if members is None:
@@ -158,25 +158,25 @@ class Sweep(Strategy):
         for group, members in found.items():
             if group.land_at:
                 group.land_until(op.index)
-                members = [r for r in members if id(r) in self.groups_of]
+                members = [r for r in members if r in self.groups_of]
             if members:
                 out.append(members)
         return out
 
     def cannot(self, op: Op, runs: list[Replayer]) -> str | None:
-        return self.groups_of[id(runs[0])].cannot(op, runs)
+        return self.groups_of[runs[0]].cannot(op, runs)
 
     def run_op(self, op: Op, runs: list[Replayer]) -> None:
-        self.groups_of[id(runs[0])].run_op(op, runs)
+        self.groups_of[runs[0]].run_op(op, runs)
 
     def release(self, runs: list[Replayer]) -> None:
         """The group of ``runs`` cannot go on stacked: its forks go on alone."""
-        group = self.groups_of[id(runs[0])]
+        group = self.groups_of[runs[0]]
         for run in group.members:
-            self.groups_of.pop(id(run), None)
+            self.groups_of.pop(run, None)
 
     def drop(self, run: Replayer) -> None:
-        self.groups_of.pop(id(run), None)
+        self.groups_of.pop(run, None)
 
 
 class _Group:
@@ -194,7 +194,7 @@ class _Group:
         self.land_at: dict[int, list[tuple[int, Any]]] = {}
         for run in members:
             if landed[id(run)] is not None:
-                self.land_at.setdefault(run.start, []).append((sweep.index_of[id(run)], landed[id(run)]))
+                self.land_at.setdefault(run.start, []).append((sweep.index_of[run], landed[id(run)]))
 
     def land_until(self, j: int) -> None:
         """Stack the edited rows of every fork whose edit landed at a position up to ``j``."""
@@ -202,7 +202,7 @@ class _Group:
             return
         for p in sorted(p for p in self.land_at if p <= j):
             for i, edited in self.land_at.pop(p):
-                if id(self.replayers[i]) in self.sweep.groups_of:
+                if self.replayers[i] in self.sweep.groups_of:
                     self._stack_edit(i, *edited)
 
     def cannot(self, op: Op, runs: list[Replayer]) -> str | None:
@@ -227,7 +227,7 @@ class _Group:
     def run_op(self, op: Op, runs: list[Replayer]) -> None:
         stacks = [s for s in (self._stack_of(r) for r in op.parent_refs) if s is not None]
         index_of = self.sweep.index_of
-        forks = tuple(sorted({f for s in stacks for f in s.forks} & {index_of[id(r)] for r in runs}))
+        forks = tuple(sorted({f for s in stacks for f in s.forks} & {index_of[r] for r in runs}))
         if not forks:
             return
         note = f"stacked with {len(forks) - 1} other fork(s)" if len(forks) > 1 else ""
@@ -460,7 +460,7 @@ class _Group:
             out.append(value)
 
         self.engine.each(run, work)
-        if out and id(run) in self.sweep.groups_of:
+        if out and run in self.sweep.groups_of:
             return out[0]
         return None
 
