@@ -38,7 +38,7 @@ from conftest import TINY_GPT2_IDS, build_tiny_gpt2, global_state, hook_state  #
 
 import torchlens as tl  # noqa: E402
 from torchlens.capture import _copies, _interpose  # noqa: E402
-from torchlens.edit import replay  # noqa: E402
+from torchlens.edit import _strategies  # noqa: E402  (the whole strategy re-issues ops: replay's N-th op)
 from torchlens.store import _ondisk, _shards  # noqa: E402
 
 ROWS = [[(3 * i + j) % 60 + 1 for j in range(1 + (i * 5) % 7)] for i in range(12)]
@@ -164,7 +164,7 @@ def run_scenario(operation: str, point: str, work: pathlib.Path) -> dict:
     elif kind in ("enter", "exit"):
         on_nth_call(_interpose, "note_slot" if kind == "enter" else "forget_slot", int(arg))
     elif kind == "op":
-        on_nth_call(replay, "execute", int(arg))
+        on_nth_call(_strategies, "execute", int(arg))
     elif kind == "write":
         real_open, opened = _shards._open_for_write, [0]
 

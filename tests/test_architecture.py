@@ -269,20 +269,49 @@ def _broad(handler: ast.ExceptHandler) -> bool:
     return any(k is None or isinstance(k, ast.Name) and k.id in BROAD for k in kinds)
 
 
+# A call handing a caught exception back as a fork's error: the engine's ``fail(run, exc)``.
+HAND_BACK = frozenset({"fail"})
+
+
 def _hands_on(handler: ast.ExceptHandler) -> bool:
-    """Whether ``handler`` lets the error go on: it raises (re-raise or wrap), or passes the bound
-    exception to someone (returns it, stores it, hands it to a callback) instead of dropping it."""
+    """Whether ``handler`` lets the error go on, and does nothing else with it: it re-raises (a bare
+    ``raise``), raises a new error ``from`` it (the cause kept), returns it, or hands it to ``fail``
+    (a fork's error, handed back as data to the caller). Logging it, storing it somewhere, turning it
+    into a value or raising another error without its cause is a fallback: refused."""
+    name = handler.name
     nodes = [n for stmt in handler.body for n in ast.walk(stmt)]
-    if any(isinstance(n, ast.Raise) for n in nodes):
-        return True
-    return handler.name is not None and any(isinstance(n, ast.Name) and n.id == handler.name for n in nodes)
+    for n in nodes:
+        if isinstance(n, ast.Raise):
+            if n.exc is None or name is not None and isinstance(n.cause, ast.Name) and n.cause.id == name:
+                continue
+            return False  # a new error that drops the one caught
+    raises = any(isinstance(n, ast.Raise) for n in nodes)
+    if name is None:
+        return raises
+    uses = [n for n in nodes if isinstance(n, ast.Name) and n.id == name]
+    handed = set()
+    for n in nodes:
+        if isinstance(n, ast.Return) and isinstance(n.value, ast.Name) and n.value.id == name:
+            handed.add(id(n.value))
+        if isinstance(n, ast.Raise) and isinstance(n.cause, ast.Name) and n.cause.id == name:
+            handed.add(id(n.cause))
+        if isinstance(n, ast.Call) and _called(n) in HAND_BACK:
+            handed.update(id(a) for a in n.args if isinstance(a, ast.Name) and a.id == name)
+    # every use of the exception hands it on (a message built from it for a raise ``from`` it is fine)
+    return (raises or bool(handed)) and all(id(u) in handed or raises for u in uses)
+
+
+def _called(call: ast.Call) -> str | None:
+    f = call.func
+    return f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
 
 
 def test_edit_has_no_broad_except_fallback():
     """In ``torchlens/edit/`` no handler catches every exception to take a fallback: a strategy that
-    cannot do something declares it before it runs (``edit/_fallbacks.declare``, its reason in the
-    fork's replay record), so an error it does not expect propagates. A broad handler must raise
-    (re-raise or wrap) or hand the exception on as some fork's error."""
+    cannot do something declares it before it runs (``edit/_engine``: its reason in the fork's
+    replay record), so an error it does not expect propagates. A broad handler may only re-raise
+    (after restoring state), wrap the error with its cause, or hand it back as some fork's error
+    (``return exc`` or ``fail(run, exc)``)."""
     bad = []
     for module, path in MODULES["torchlens"].items():
         if not _in_package(module, "torchlens.edit"):
@@ -293,15 +322,25 @@ def test_edit_has_no_broad_except_fallback():
     assert not bad, "broad except fallbacks in edit/ (declare the fallback instead):\n  " + "\n  ".join(bad)
 
 
-def test_the_broad_except_rule_sees_a_swallowing_handler():
-    swallowing = ast.parse("try:\n    f()\nexcept Exception:\n    return_value = None\n").body[0].handlers[0]
-    handing = ast.parse("try:\n    f()\nexcept Exception as exc:\n    failed(exc)\n").body[0].handlers[0]
-    bare = ast.parse("try:\n    f()\nexcept (ValueError, BaseException) as exc:\n    pass\n").body[0].handlers[0]
-    narrow = ast.parse("try:\n    f()\nexcept ValueError:\n    pass\n").body[0].handlers[0]
-    assert _broad(swallowing) and not _hands_on(swallowing)
-    assert _broad(handing) and _hands_on(handing)
-    assert _broad(bare) and not _hands_on(bare)
-    assert not _broad(narrow)
+def _handler(body: str, caught: str = "Exception as exc") -> ast.ExceptHandler:
+    return ast.parse(f"try:\n    f()\nexcept {caught}:\n    {body}\n").body[0].handlers[0]
+
+
+@pytest.mark.parametrize(("caught", "body", "handed_on"), [
+    ("Exception", "return_value = None", False),  # swallowed
+    ("(ValueError, BaseException) as exc", "pass", False),
+    ("Exception as exc", "log.append(str(exc))", False),  # kept as a message: a fallback that hides it
+    ("Exception as exc", "errors[i] = exc", False),  # stored where no caller is told
+    ("Exception as exc", "raise ValueError('other')", False),  # the caught error's cause dropped
+    ("Exception as exc", "self.fail(run, exc)", True),  # a fork's error, handed back
+    ("Exception as exc", "return exc", True),
+    ("Exception as exc", "raise ReplayError(f'op failed: {exc}') from exc", True),  # wrapped, cause kept
+    ("BaseException", "restore()\n    raise", True),  # cleaned up, re-raised
+])
+def test_the_broad_except_rule_sees_a_handler_that_does_not_hand_the_error_on(caught, body, handed_on):
+    handler = _handler(body, caught)
+    assert _broad(handler) and _hands_on(handler) == handed_on
+    assert not _broad(_handler("pass", "ValueError"))
 
 
 # -- a Trace that reads ------------------------------------------------------------------------

@@ -13,8 +13,7 @@ import torch
 from conftest import assert_model_clean, hook_state
 
 import torchlens as tl
-from torchlens.edit import _batch
-from torchlens.edit._sweep import sweep
+from torchlens.edit._sweep import Sweep
 from torchlens.errors import InvalidArgumentError, SiteNotFoundError
 from torchlens.patching.activation import _output_read
 
@@ -83,15 +82,16 @@ def _patched(model, ids, kind: str, layer: int, position: int, donor: torch.Tens
 
 
 def _spy_sweeps(monkeypatch) -> list[int]:
-    """How many forks each one-pass sweep (``torchlens.edit._sweep``) covered, appended as it returns."""
+    """How many forks each one-pass sweep (``torchlens.edit._sweep.Sweep``) took, appended as it begins."""
     swept = []
+    begin = Sweep.begin.__func__
 
-    def spy(*args, **kwargs):
-        got = sweep(*args, **kwargs)
-        swept.append(sum(r is not None for r in got or ()))
+    def spy(cls, engine, read=None):
+        got = begin(cls, engine, read)
+        swept.append(0 if got is None else len(got.groups_of))
         return got
 
-    monkeypatch.setattr(_batch, "sweep", spy)
+    monkeypatch.setattr(Sweep, "begin", classmethod(spy))
     return swept
 
 

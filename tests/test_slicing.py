@@ -232,8 +232,9 @@ def test_partial_read_falls_back_and_says_so_where_the_op_is_read_by_others(tiny
     got = replay_read(fork, step, OutputRead(norm, 1, 4, None))
     want = _full_replay(trace, "transformer.h.0", scale_row_edit(2)).value(norm)[:, 4]
     assert torch.allclose(got, want, atol=ATOL)
-    fallbacks = fork.edits[-1].replay.fallbacks
-    assert any(label == trace.ops[norm].label and "partial read" in why for label, _, why in fallbacks)
+    decisions = fork.edits[-1].replay.decisions  # the read strategy's refusal, with its reason
+    assert ("read", f"op {trace.ops[norm].label} (layer_norm): partial read: not a linear that nothing else reads") \
+        in decisions
     assert torch.allclose(fork.output.logits,  # the op ran whole, so the fork stays readable
                           edited_forward(tiny_gpt2.model, "transformer.h.0", scale_row_hook(2), tiny_gpt2.args).logits,
                           atol=ATOL)

@@ -20,7 +20,8 @@ import torchlens as tl
 from torchlens.core.steps import REPLAY, Step
 from torchlens.edit import _sweep
 from torchlens.edit._fallbacks import STRICT_ENV
-from torchlens.edit._sweep import sweep
+from torchlens.edit._replay_run import Replayer
+from torchlens.edit.replay import replay_forks
 
 ATOL = 1e-5
 
@@ -30,10 +31,18 @@ def _blocks(case) -> list[str]:
     return [f"{prefix}.{i}" for i in range(len(case.model.get_submodule(prefix)))]
 
 
+def _steps(forks, pairs):
+    return [Step(f.bind(site, strings_as_modules=True), edit, REPLAY) for f, (site, edit) in zip(forks, pairs)]
+
+
 def _swept(trace, pairs):
     forks = [trace.fork() for _ in pairs]
-    steps = [Step(f.bind(site, strings_as_modules=True), edit, REPLAY) for f, (site, edit) in zip(forks, pairs)]
-    return forks, sweep(forks, steps)
+    return forks, replay_forks(forks, _steps(forks, pairs))
+
+
+def _all_swept(got) -> bool:
+    """Every fork replayed, each op the edit reached by the sweep strategy, nothing declined."""
+    return all(isinstance(r, Replayer) and set(r.log.chosen) == {"sweep"} and not r.log.decisions for r in got)
 
 
 def _broken(act, *, ctx):
@@ -56,7 +65,7 @@ def test_each_swept_fork_equals_its_edit_alone_op_by_op_and_a_hooked_forward(cas
     sites = blocks * 2  # two forks per block, each its own scale
     pairs = [(b, scale_row_edit(p, 0.5 + i)) for i, b in enumerate(sites)]
     forks, got = _swept(trace, pairs)
-    assert got is not None and len(got) == len(forks) and all(r is not None for r in got)
+    assert len(got) == len(forks) and _all_swept(got)
     for i, (fork, (b, edit)) in enumerate(zip(forks, pairs)):
         _assert_like_alone(case, trace, fork, b, edit, scale_row_hook(p, 0.5 + i), len(forks) - 1)
     assert torch.equal(trace.output.logits, edited_forward(case.model, blocks[0], lambda o: o, case.args).logits)
@@ -95,7 +104,7 @@ def test_a_grid_of_layers_and_positions_is_swept_in_one_group_per_position(case_
     cells = [(b, p, 0.5 + i) for i, (p, b) in enumerate((p, b) for p in positions for b in blocks)]
     pairs = [(b, scale_row_edit(p, k)) for b, p, k in cells]
     forks, got = _swept(trace, pairs)
-    assert got is not None and all(r is not None for r in got)
+    assert _all_swept(got)
     for fork, (b, edit), (_, p, k) in zip(forks, pairs, cells):
         _assert_like_alone(case, trace, fork, b, edit, scale_row_hook(p, k), len(blocks) - 1)
     # trace.forks goes the same way
@@ -112,7 +121,7 @@ def test_eager_attention_is_swept_its_scores_whole_until_the_mask(case_name, bat
     call; or, where that does not apply, once per fork), and once the mask restores the
     corner's block their rows join the stack again, as replay alone decides."""
     if not batched:
-        monkeypatch.setattr(_sweep._Sweep, "_scores", lambda self, op, forks, stacks: None)
+        monkeypatch.setattr(_sweep._Group, "_scores", lambda self, op, forks, stacks: None)
     case = request.getfixturevalue(case_name)
     case = dataclasses.replace(case, model=eager_copy(case.model))
     trace = tl.trace(case.model, *case.args)
@@ -121,7 +130,7 @@ def test_eager_attention_is_swept_its_scores_whole_until_the_mask(case_name, bat
     cells = [(b, p, 0.5 + i) for i, (p, b) in enumerate((p, b) for p in (seq - 1, seq // 2) for b in blocks * 2)]
     pairs = [(b, scale_row_edit(p, k)) for b, p, k in cells]
     forks, got = _swept(trace, pairs)
-    assert got is not None and all(r is not None for r in got)
+    assert _all_swept(got)
     for fork, (b, edit), (_, p, k) in zip(forks, pairs, cells):
         _assert_like_alone(case, trace, fork, b, edit, scale_row_hook(p, k), 2 * len(blocks) - 1)
         entries = fork.edits[-1].replay.entries
@@ -151,7 +160,7 @@ def test_forks_changing_whole_values_run_once_on_all_of_them(case_name, request)
     cells = [(b, 0.5 + i) for i, b in enumerate(blocks * 2)]
     pairs = [(b, lambda act, *, ctx, k=k: _scale_features(5, k)(act)) for b, k in cells]
     forks, got = _swept(trace, pairs)
-    assert got is not None and all(r is not None for r in got)
+    assert _all_swept(got)
     for fork, (b, edit), (_, k) in zip(forks, pairs, cells):
         # a later block's fork joins the whole values the first block's forks made there
         _assert_like_alone(case, trace, fork, b, edit, _scale_features(5, k), len(forks) - 1, b == blocks[0])
@@ -163,7 +172,7 @@ def test_an_edit_that_raises_leaves_its_fork_untouched_and_the_others_swept(tiny
     pairs = [("transformer.h.0", scale_row_edit(5)), ("transformer.h.1", _broken),
              ("transformer.h.1", scale_row_edit(5))]
     forks, got = _swept(trace, pairs)
-    assert got is not None and isinstance(got[0], _sweep.Replayer) and isinstance(got[2], _sweep.Replayer)
+    assert _all_swept([got[0], got[2]])
     assert isinstance(got[1], ValueError) and str(got[1]) == "edit bug"  # handed back as that fork's error
     assert _untouched(forks[1])
     for fork, (site, _) in zip((forks[0], forks[2]), (pairs[0], pairs[2])):
@@ -203,7 +212,7 @@ def test_a_group_meeting_a_changed_data_read_is_restored_and_the_others_stay_swe
     cells = [(0, 2.0), (0, 3.0), (5, 2.0), (5, -1.0)]
     pairs = [("inner", scale_row_edit(p, k)) for p, k in cells]
     forks, got = _swept(trace, pairs)
-    assert got is not None and [r is not None for r in got] == [False, False, True, True]
+    assert [type(r) for r in got[:2]] == [tl.errors.GuardChangedError] * 2 and _all_swept(got[2:])
     assert _untouched(forks[0]) and _untouched(forks[1])  # their edit changes what the forward read
     for fork, (p, k) in zip(forks[2:], cells[2:]):
         assert torch.allclose(fork.output, edited_forward(model, "inner", scale_row_hook(p, k), (x,)), atol=1e-6)
@@ -217,20 +226,28 @@ def test_only_fresh_forks_of_one_trace_are_swept(tiny_gpt2):
     trace = tl.trace(tiny_gpt2.model, *tiny_gpt2.args)
     other = tl.trace(tiny_gpt2.model, *tiny_gpt2.args)
     edit = scale_row_edit(5)
+    want = edited_forward(tiny_gpt2.model, "transformer.h.0", scale_row_hook(5), tiny_gpt2.args).logits
     forks = [trace.fork(), other.fork()]
-    steps = [Step(f.bind("transformer.h.0", strings_as_modules=True), edit, REPLAY) for f in forks]
-    assert sweep(forks, steps) is None and all(_untouched(f) for f in forks)
+    got = replay_forks(forks, _steps(forks, [("transformer.h.0", edit)] * 2))
+    for fork, r in zip(forks, got):  # one walk per trace: a sweep of one fork declines it
+        assert r.log.decisions == [("sweep", "a one-pass sweep takes two forks or more")]
+        assert "sweep" not in r.log.chosen
+        assert torch.allclose(fork.output.logits, want, atol=ATOL)
     edited = trace.fork().do("transformer.h.0", edit)
     forks = [edited, trace.fork()]
-    steps = [Step(f.bind("transformer.h.1", strings_as_modules=True), edit, REPLAY) for f in forks]
-    assert sweep(forks, steps) is None and len(edited.recipe) == 1 and _untouched(forks[1])
+    got = replay_forks(forks, _steps(forks, [("transformer.h.1", edit)] * 2))
+    why = ("sweep", "a one-pass sweep takes fresh forks of one trace, without grad or in-place overwrites")
+    assert [r.log.decisions for r in got] == [[why], [why]] and len(edited.recipe) == 2
+    both = {"transformer.h.0": scale_row_hook(5), "transformer.h.1": scale_row_hook(5)}
+    assert torch.allclose(edited.output.logits, hooked_forward(tiny_gpt2.model, both, tiny_gpt2.args).logits,
+                          atol=ATOL)
 
 
 def test_a_swept_fork_edited_again_equals_both_edits_chained_and_two_hooks(tiny_gpt2):
     model, args = tiny_gpt2.model, tiny_gpt2.args
     trace = tl.trace(model, *args)
     forks, got = _swept(trace, [("transformer.h.0", scale_row_edit(5, 2.0)), ("transformer.h.1", scale_row_edit(5))])
-    assert got is not None
+    assert _all_swept(got)
     both = forks[0].do("transformer.h.1", scale_row_edit(3, 0.5))
     chained = trace.fork().do("transformer.h.0", scale_row_edit(5, 2.0)).do("transformer.h.1", scale_row_edit(3, 0.5))
     want = hooked_forward(model, {"transformer.h.0": scale_row_hook(5, 2.0), "transformer.h.1": scale_row_hook(3, 0.5)},
@@ -270,7 +287,7 @@ def test_other_decoders_sweep_and_equal_their_edits_alone_and_hooks(kind):
     trace = tl.trace(model, ids)
     pairs = [(b, scale_row_edit(6, 0.5 + i)) for i, b in enumerate(blocks * 2)]
     forks, got = _swept(trace, pairs)
-    assert got is not None
+    assert _all_swept(got)
     for i, (fork, (b, _)) in enumerate(zip(forks, pairs)):
         alone = trace.fork().do(b, scale_row_edit(6, 0.5 + i))
         want = edited_forward(model, b, scale_row_hook(6, 0.5 + i), (ids,)).logits
@@ -293,7 +310,7 @@ def test_an_op_reading_only_rows_no_edit_changed_is_skipped():
     trace = tl.trace(model, x)
     pairs = [("inner", scale_row_edit(5, k)) for k in (2.0, -1.0, 0.0)]
     forks, got = _swept(trace, pairs)
-    assert got is not None
+    assert _all_swept(got)
     for fork, k in zip(forks, (2.0, -1.0, 0.0)):
         want = edited_forward(model, "inner", scale_row_hook(5, k), (x,))
         assert torch.allclose(fork.output, want, atol=1e-6)
@@ -328,25 +345,26 @@ def test_strict_fallbacks_make_a_declared_fallback_raise_and_the_fast_path_pass(
                               atol=ATOL)
     forks = [trace.fork() for _ in range(3)]
     pairs = [*rows, ("transformer.h.1", tl.scale(0.5))]
-    steps = [Step(f.bind(site, strings_as_modules=True), edit, REPLAY) for f, (site, edit) in zip(forks, pairs)]
+    steps = _steps(forks, pairs)
     with pytest.raises(tl.errors.ReplayFallbackError, match="whole value") as info:
-        sweep(forks, steps)
+        replay_forks(forks, steps)
     assert info.value.strategy == "sweep" and all(_untouched(f) for f in forks)
     monkeypatch.setenv(STRICT_ENV, "0")
-    assert [r is not None for r in sweep(forks, steps)] == [True, True, False]
+    got = replay_forks(forks, steps)
+    assert _all_swept(got[:2]) and got[2].log.decisions == [
+        ("sweep", "its edit changes the whole value (or its shape or dtype), not rows of it")]
 
 
 def test_an_unexpected_error_inside_the_sweep_propagates_and_restores_every_fork(tiny_gpt2, monkeypatch):
     def bug(self, op, forks):
         raise RuntimeError("a bug in a stacked rule")
 
-    monkeypatch.setattr(_sweep._Sweep, "_stacked", bug)
+    monkeypatch.setattr(_sweep._Group, "_stacked", bug)
     trace = tl.trace(tiny_gpt2.model, *tiny_gpt2.args)
-    forks, steps = [trace.fork() for _ in range(2)], []
-    for f, site in zip(forks, ("transformer.h.0", "transformer.h.1")):
-        steps.append(Step(f.bind(site, strings_as_modules=True), scale_row_edit(5), REPLAY))
+    forks = [trace.fork() for _ in range(2)]
+    steps = _steps(forks, [("transformer.h.0", scale_row_edit(5)), ("transformer.h.1", scale_row_edit(5))])
     with pytest.raises(RuntimeError, match="a bug in a stacked rule"):
-        sweep(forks, steps)
+        replay_forks(forks, steps)
     assert all(_untouched(f) for f in forks)
     with pytest.raises(RuntimeError, match="a bug in a stacked rule"):  # not hidden by a slower path
         trace.forks([("transformer.h.0", scale_row_edit(5)), ("transformer.h.1", scale_row_edit(5))])

@@ -17,8 +17,7 @@ from .core.selectors import Selector
 from .core.services import install
 from .core.steps import Step
 from .core.trace import Fork, Trace
-from .edit._batch import replay_many
-from .edit.replay import replay_step
+from .edit.replay import replay_many, replay_step
 
 __all__ = ["Services", "install_services"]
 

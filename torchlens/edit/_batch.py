@@ -4,11 +4,12 @@ A sweep of edits (zero block ``i`` at the last position, for every ``i``; restor
 row per patching cell) replays each fork from its edit on, and a sliced replay recomputes
 only a few rows per op. On a CPU a few rows of a ``linear`` cost what reading its weight
 costs, whatever the row count: twelve forks each recomputing one row read every weight of
-the blocks they reach twelve times. :func:`push_together` walks the forks' replayers in step,
-op by op; every fork whose op is recomputed on some rows by a row rule (``linear``,
-``addmm``, norms, elementwise ops ...; see :mod:`torchlens.edit._slicing`) hands over the call
-instead of making it (:class:`RowBatch`), and the calls of one op are run as one, their rows
-concatenated along the axis the rule cut them on, then split back per fork.
+the blocks they reach twelve times. :class:`RowBatch` is the replay engine's strategy for it
+(``edit/_engine``): the engine walks every fork in step, op by op; every fork whose op is
+recomputed on some rows by a row rule (``linear``, ``addmm``, norms, elementwise ops ...; see
+:mod:`torchlens.edit._slicing`) hands the call to it instead of making it, and once the op has
+been offered for every fork the calls are run as one, their rows concatenated along the axis
+the rule cut them on, then split back per fork.
 
 Stacking changes BLAS blocking, not what is computed: results equal each fork replayed alone
 to float rounding (the tolerance of sliced replay). Attention is not stacked (each fork's
@@ -18,22 +19,18 @@ functions, arguments that differ other than along the cut axis) runs once per fo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
 
 from ..core.records import Op
-from ..core.steps import Step
-from ..core.sweeping import check_batch_size
-from ..errors import EmptySelectionError, GuardChangedError, InvalidArgumentError, ValueNotSavedError
-from ._fallbacks import declare
+from ._engine import NOT_MINE, Engine, Strategy
 from ._regions import Plan
+from ._replay_run import Replayer
 from ._slicing import StackedCall, collect_rows
-from ._sweep import sweep
-from .replay import REPLAY_MODES, Replayer, Target, check_against_forward, replay_step, unsaved_for_replay
 
-__all__ = ["RowBatch", "push_all", "push_together", "replay_many"]
+__all__ = ["RowBatch"]
 
 # Each fork's queries attend to its own keys, values and mask: stacking their rows would mix forks.
 UNSTACKED = frozenset({"scaled_dot_product_attention"})
@@ -49,33 +46,47 @@ class _Entry(NamedTuple):
     call: StackedCall
 
 
-class RowBatch:
-    """The row recomputations of one op, handed over by several forks' replayers
-    (:meth:`defer`) and run stacked (:meth:`flush`)."""
+class RowBatch(Strategy):
+    """Batched row groups across forks: each fork's row recomputation of an op is held back
+    (:meth:`run_op`) and the calls of one op run stacked (:meth:`flush`).
 
-    def __init__(self) -> None:
+    Declares what the one-fork ``rows`` strategy declares (it recomputes the same rows), and takes
+    only row recomputations whose call it can hold: not attention (each fork reads its own keys).
+    """
+
+    name = "row batch"
+
+    def __init__(self, engine: Engine, rows: Strategy) -> None:
+        super().__init__(engine)
+        self.rows = rows  # the ``rows`` strategy: the same rules decide which rows
         self.entries: list[_Entry] = []
+        self._call: tuple[int, StackedCall] | None = None  # the call cannot() collected, for run_op
 
-    def defer(self, replayer: Replayer, op: Op, plan: Plan) -> bool:
-        """Take ``replayer``'s recomputation of ``plan``'s rows of ``op`` (False: it runs it now)."""
+    def cannot(self, op: Op, runs: list[Replayer]) -> str | None:
         if op.func_name in UNSTACKED:
-            return False
-        old = replayer.row_base(op)
-        if old is None:
-            return False
+            return NOT_MINE
+        why = self.rows.cannot(op, runs)
+        if why is not None:
+            return why
+        plan = runs[0].plan(op)[0]
+        if plan.kind != "rows":  # skipped, or a shape op mapping its rows: nothing to batch
+            return NOT_MINE
         call = collect_rows(plan)
         if call is None:
-            return False
-        self.entries.append(_Entry(replayer, op, plan, old, call))
-        return True
+            return NOT_MINE  # its rule builds the rows some other way than one call
+        self._call = (id(runs[0]), call)
+        return None
 
-    def drop(self, replayer: Replayer) -> None:
-        """Forget what ``replayer`` handed over (its fork failed and was restored)."""
-        self.entries = [e for e in self.entries if e.replayer is not replayer]
+    def run_op(self, op: Op, runs: list[Replayer]) -> None:
+        run = runs[0]
+        _, call = self._call  # type: ignore[misc]  # (cannot() collected it for this run just before)
+        self.entries.append(_Entry(run, op, run.plan(op)[0], run.row_base(op), call))
 
-    def flush(self, failed: Callable[[Replayer, BaseException], None]) -> None:
-        """Run the held calls (stacked where they line up) and give each replayer its rows;
-        an error while finishing one fork's op goes to ``failed(replayer, error)``."""
+    def drop(self, run: Replayer) -> None:
+        self.entries = [e for e in self.entries if e.replayer is not run]
+
+    def flush(self) -> None:
+        """Run the held calls (stacked where they line up) and give each fork its rows."""
         entries, self.entries = self.entries, []
         if not entries:
             return
@@ -83,19 +94,20 @@ class RowBatch:
         if len(entries) > 1:
             lined = _line_up(entries)
             if isinstance(lined, str):
-                decision = declare("row batch", f"op {entries[0].op.label} ({entries[0].op.func_name}): {lined}")
-                for e in entries:
-                    e.replayer.log.decisions.append(decision)
+                self.engine.decline(self, [e.replayer for e in entries],
+                                    f"op {entries[0].op.label} ({entries[0].op.func_name}): {lined}")
             else:
                 stacked = _run_stacked(entries, *lined)
                 note = f"stacked with {len(entries) - 1} other fork(s)"
         for k, entry in enumerate(entries):
-            try:
-                rows = stacked[k] if stacked is not None else entry.call.func(*entry.call.args, **entry.call.kwargs)
-                if rows is None or not entry.replayer.finish_rows(entry.op, entry.plan, entry.old, rows, note):
-                    entry.replayer.rerun_alone(entry.op)
-            except Exception as exc:  # noqa: BLE001 - handed to the caller, which restores that fork
-                failed(entry.replayer, exc)
+            self.engine.each(entry.replayer, self._finish, entry, None if stacked is None else stacked[k], note)
+
+    def _finish(self, entry: _Entry, rows: Any, note: str) -> None:
+        run, op = entry.replayer, entry.op
+        if rows is None:
+            rows = entry.call.func(*entry.call.args, **entry.call.kwargs)
+        if not run.finish_rows(op, entry.plan, entry.old, rows, note):
+            self.engine.hand_on(self, op, [run], "its rule's rows do not fit the recorded value")
 
 
 def _line_up(entries: list[_Entry]) -> tuple[list[Any], dict[str, Any]] | str:
@@ -152,166 +164,3 @@ def _plain(value: Any) -> bool:
     if isinstance(value, (list, tuple)):
         return all(_plain(v) for v in value)
     return isinstance(value, _PLAIN)
-
-
-def push_together(forks: Sequence[Any], steps: Sequence[Step], *, read: Any = None,
-                  decisions: Sequence[Sequence[tuple[str, str]]] | None = None) -> list[Any]:
-    """Push ``steps[i]`` (a bound replay step) down ``forks[i]``, every fork of the same trace,
-    op by op in step, row recomputations stacked (:class:`RowBatch`).
-
-    A fork whose replay raises is restored to what it was and its error returned in its place;
-    the others go on.
-
-    Args:
-        forks: fresh forks of one trace (or forks sharing its records).
-        steps: one bound replay step per fork.
-        read: an ``OutputRead`` (``torchlens.edit.reads``) every fork computes only part of.
-        decisions: per fork, the ``(strategy, reason)`` fallbacks that led here, for its replay record.
-
-    Returns:
-        per fork, its :class:`~torchlens.edit.replay.Replayer` (the fork now holds the edit),
-        or the exception its replay raised (the fork is as it was).
-
-    Raises:
-        EmptySelectionError: a step's site matches nothing (raised before any fork changes).
-    """
-    targets = []
-    for fork, step in zip(forks, steps):
-        fork.require_op_graph("replaying an edit")
-        records = step.site.match(fork)
-        if not records:
-            raise EmptySelectionError(f"{step.site.describe()} matches nothing in this trace",
-                                      site=step.site.describe())
-        targets.append([Target(r) for r in records])
-    batch = RowBatch()
-    outcome: list[Any] = [None] * len(forks)
-    active: dict[int, tuple[Replayer, int]] = {}
-    before = {}
-    by_replayer: dict[int, int] = {}
-
-    def failed(replayer: Replayer, exc: BaseException) -> None:
-        i = by_replayer[id(replayer)]
-        if i not in active:
-            return
-        del active[i]
-        batch.drop(replayer)
-        fork = forks[i]
-        fork.changes.restore_fork(before[i], fork.unsaved_steps)
-        outcome[i] = exc
-
-    for i, (fork, step) in enumerate(zip(forks, steps)):
-        before[i] = fork.fork_state()
-        fork.changes.add_step(step)
-        replayer = Replayer(fork, sliced=True, read=read)
-        if decisions is not None:
-            replayer.log.decisions.extend(decisions[i])
-        replayer.batch = batch
-        by_replayer[id(replayer)] = i
-        outcome[i] = replayer
-        try:
-            active[i] = (replayer, replayer.prepare(fork.recipe[-1], targets[i]))
-        except Exception as exc:  # noqa: BLE001 - that fork alone fails: its error is handed back in its place
-            active[i] = (replayer, 0)
-            failed(replayer, exc)
-    if not active:
-        return outcome
-    n = max(len(r.ops) for r, _ in active.values())
-    try:
-        with torch.set_grad_enabled(any(f.grad for f in forks)):
-            for j in range(min(start for _, start in active.values()), n + 1):
-                for replayer, start in list(active.values()):
-                    if start <= j <= len(replayer.ops):  # (forks of one trace share its ops)
-                        try:
-                            replayer.visit(j)
-                        except Exception as exc:  # noqa: BLE001 - that fork alone fails: its error is handed back in its place
-                            failed(replayer, exc)
-                batch.flush(failed)
-    except BaseException as exc:  # interrupted: no fork is left half replayed
-        for replayer, _ in list(active.values()):
-            failed(replayer, exc)
-        raise
-    return outcome
-
-
-def push_all(forks: Sequence[Any], steps: Sequence[Step], *, read: Any = None, one_pass: bool = True) -> list[Any]:
-    """:func:`push_together`, but fresh forks whose edits change the same rows as others first
-    go down the graph in one pass per group (:func:`torchlens.edit._sweep.sweep`); the forks no
-    sweep covers are then pushed in step. ``one_pass=False`` skips the sweep (forks that
-    already hold edits: a sweep takes fresh forks only).
-
-    Returns:
-        per fork, its replayer or the exception its replay raised, as :func:`push_together`.
-    """
-    declined: dict[int, str] = {}
-    got = sweep(forks, steps, read=read, declined=declined) if one_pass else None
-    if got is None:
-        got = [None] * len(forks)
-    rest = [k for k, r in enumerate(got) if r is None]
-    if rest:
-        why = [[("sweep", declined[k])] if k in declined else [] for k in rest]
-        for k, r in zip(rest, push_together([forks[k] for k in rest], [steps[k] for k in rest], read=read,
-                                            decisions=why)):
-            got[k] = r
-    return got
-
-
-def replay_many(forks: Sequence[Any], steps: Sequence[Sequence[Step]], *, rerun: Any, replay: str = "auto",
-                check: bool = False, batch_size: int | None = None, collect_errors: bool = False) -> list[Any]:
-    """Replay ``steps[i]`` (bound replay steps, in order) on ``forks[i]`` (fresh forks of one
-    trace), ``batch_size`` forks at a time in step (:func:`push_together`: the first step of
-    every fork together, then the second of those that have one ...). A fork whose edit changes
-    a guard is handled alone, as ``fork.do(..., replay=replay)`` would (``rerun`` re-executes
-    for a fallback).
-
-    With ``collect_errors`` a fork's error does not stop the others: that fork is left as it was
-    before its failing step (its later steps are not applied) and the error is returned in its place.
-
-    Returns:
-        the forks, each holding its edits; with ``collect_errors``, per fork the error its replay
-        met (None: every step applied).
-
-    Raises:
-        InvalidArgumentError: an unknown ``replay`` or a ``batch_size`` below 1.
-        GuardChangedError: a guard changed and no fallback was allowed or possible.
-        ReplayNotExactError: the recorded graph cannot reproduce an edit exactly.
-        EmptySelectionError: a site matches nothing in the trace.
-    """
-    if replay not in REPLAY_MODES:
-        raise InvalidArgumentError(f"replay= is one of {REPLAY_MODES}, got {replay!r}")
-    check_batch_size(batch_size)
-    size = batch_size or max(1, len(forks))
-    errors: list[BaseException | None] = [None] * len(forks)
-    for k in range(0, len(forks), size):
-        chunk = range(k, min(k + size, len(forks)))
-        for r in range(max((len(steps[i]) for i in chunk), default=0)):
-            now = [i for i in chunk if len(steps[i]) > r and errors[i] is None]
-            # fresh forks first go in one pass per group changing the same rows (_sweep), the rest in step
-            pushed = push_all([forks[i] for i in now], [steps[i][r] for i in now], one_pass=r == 0)
-            for i, got in zip(now, pushed):
-                err = _outcome(forks[i], steps[i][r], got, rerun, replay, collect_errors)
-                if err is not None:
-                    if not collect_errors:
-                        raise err
-                    errors[i] = err
-        if check:
-            for i in chunk:
-                if errors[i] is None:
-                    check_against_forward(forks[i])
-    return errors if collect_errors else list(forks)
-
-
-def _outcome(fork: Any, step: Step, got: Any, rerun: Any, replay: str, collect: bool) -> BaseException | None:
-    """The error pushing ``step`` down ``fork`` ended with (``got``: what :func:`push_all` gave
-    it), after a changed guard is handled alone, as ``fork.do(..., replay=replay)`` would."""
-    if isinstance(got, GuardChangedError):
-        if not collect:
-            replay_step(fork, step, rerun=rerun, replay=replay)  # alone: falls back or raises
-            return None
-        try:
-            replay_step(fork, step, rerun=rerun, replay=replay)
-        except Exception as exc:  # noqa: BLE001 - handed back as that fork's error (collect_errors)
-            return exc
-        return None
-    if isinstance(got, ValueNotSavedError):
-        return unsaved_for_replay(fork, step, got)
-    return got if isinstance(got, BaseException) else None

@@ -1,10 +1,11 @@
-"""Declared replay fallbacks: a faster strategy that does not apply says so, with its reason.
+"""Declared replay fallbacks: a strategy that cannot take an op (or a fork) says so, with its reason.
 
-A replay strategy (the one-pass sweep of fresh forks, ``torchlens.edit._sweep``; stacked row
-batches, ``torchlens.edit._batch``) checks what it cannot do and, when it cannot, hands the
-work to the general path with a reason. The decision is kept in each concerned fork's replay
-record (``ReplayLog.decisions``, on the fork's ``edits[-1].replay``); a fallback is never a
-caught exception, so an error a strategy does not expect propagates.
+Each strategy of the replay engine (``torchlens.edit._engine``: the sweep of fresh forks,
+batched rows, one fork's rows, partial reads; re-execution when a guard changes) checks what it
+cannot do before it runs and, when it cannot, the engine hands the work to the next strategy
+and records the decision in each concerned fork's replay record (``ReplayLog.decisions``, on the
+fork's ``edits[-1].replay``); a fallback is never a caught exception, so an error a strategy
+does not expect propagates.
 
 With ``TORCHLENS_STRICT_FALLBACKS=1`` in the environment a declared fallback raises
 ``ReplayFallbackError`` instead: a test proves the fast path ran, not a slower one beside it.

@@ -155,16 +155,18 @@ class ReplayLog:
     ``"read"`` (a final ``linear`` computed only on the row and columns a patching metric
     declared it reads; ``rows`` counts it as one row, ``reason`` says which).
 
-    ``decisions`` holds ``(strategy, reason)``: each faster replay strategy that declared it
-    could not take this edit (``torchlens.edit._fallbacks``), so a slower one did.
+    ``decisions`` holds ``(strategy, reason)``: each time a replay strategy declared it could not
+    take this edit (or one op of it), so a slower one did (``torchlens.edit._engine``; the reason
+    names the op). ``chosen`` counts, per strategy, the ops it recomputed for this edit.
     """
 
-    __slots__ = ("decisions", "entries", "sliced")
+    __slots__ = ("chosen", "decisions", "entries", "sliced")
 
     def __init__(self, sliced: bool) -> None:
         self.sliced = sliced
         self.entries: list[tuple[str, str, str, tuple[int, int, int] | None, str]] = []
         self.decisions: list[tuple[str, str]] = []
+        self.chosen: dict[str, int] = {}
 
     @property
     def fallbacks(self) -> list[tuple[str, str, str]]:

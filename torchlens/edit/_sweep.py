@@ -1,38 +1,42 @@
-"""Replaying a sweep of fresh forks as one pass: every fork's changed rows of an op in one tensor.
+"""The sweep strategy: fresh forks whose edits change the same rows, each op run once on all of them.
 
-:func:`torchlens.edit._batch.push_together` walks one replayer per fork in step; each fork
-still plans, builds and stores every op it reaches, so twelve forks pay the Python of twelve
-replays. :func:`sweep` lands every edit first, groups the forks whose edits change the same
-rows (a grid of layers and positions: one group per position), and walks the recorded graph
-once per group: an op some forks changed holds one :class:`~torchlens.edit._stack.Stack`,
-the rows ``start:`` along ``axis`` of each fork, one block per fork (rows from 0: whole
-values); row rules, shape ops and attention (one batch entry per fork) run once on it, other
-ops once per fork. Each fork then stores its own rows of each op as its own replayer would,
-with the same replay log. A fork that has not reached an op yet is not in its stack, so
-results equal each fork replayed alone to float rounding (stacking changes BLAS blocking).
+A sweep of edits (zero block ``i`` at the last position, for every ``i``; restore one clean row per
+patching cell) replays each fork from its edit on, and a sliced replay recomputes only a few rows
+per op. :class:`Sweep`, a strategy of the replay engine (``edit/_engine``), lands every edit first,
+groups the forks whose edits change the same rows (a grid of layers and positions: one group per
+position), and, for each op some forks of a group reach, holds one
+:class:`~torchlens.edit._stack.Stack`: the rows ``start:`` along ``axis`` of each fork, one block
+per fork (rows from 0: whole values); row rules, shape ops and attention (one batch entry per
+fork) run once on it, other ops once per fork. Each fork stores its own rows of each op as the
+one-fork strategies would, with the same replay log. A fork that has not reached an op yet is not
+in its stack, so results equal each fork replayed alone to float rounding (stacking changes BLAS
+blocking).
 
-Eager attention's scores ``q @ k.T`` change in a corner (later keys reach earlier queries):
-they are computed whole, one batch entry per fork, until a causal mask restores the corner's
-block (``_regions.refine_corner``, as replay alone decides). What the sweep does not cover
-restores the forks it concerns, which the caller replays the general way: an edit changing
-a whole value (or raising) restores its fork; an in-place, guard or random op, a data read
-the edits reach, or an error in the walk restores that fork's group.
+Eager attention's scores ``q @ k.T`` change in a corner (later keys reach earlier queries): they
+are computed whole, one batch entry per fork, until a causal mask restores the corner's block
+(``_regions.refine_corner``, as replay alone decides).
+
+What the sweep cannot do it declares before it runs, and the engine records it in the forks'
+replay records: before the walk, a fork it does not take (not fresh, its edit changes a whole
+value); during it, an op a group cannot run stacked (in-place, a guard, uninitialised memory, an
+op no rule bounds): that group's forks then go on alone, each with the one-fork strategies,
+from that op on. A rule of the stacked variant that reads a stacked argument other than by its
+changed rows says so while it is planned (``_stacked_ops.PerFork``): the op then runs once per
+fork, still in the sweep.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from ..core.records import EDIT, GUARD, INPLACE, INPUT, ModuleCall, build_args
-from ..core.steps import Step
-from ..errors import GuardChangedError, ReplayError, ValueNotSavedError
-from ._execute import ROW_VIEWS, UNINITIALISED, execute, refuse_reason
-from ._fallbacks import declare
+from ..core.records import EDIT, GUARD, INPLACE, ModuleCall, Op, build_args
+from ._engine import Engine, Strategy
+from ._execute import ROW_VIEWS, UNINITIALISED, execute
 from ._regions import WHOLE, Corner, RowPatch, Rows, as_built, refine_corner, rows_from_zero
+from ._replay_run import Replayer
 from ._slicing import ELEMENTWISE, collect_rows, plan_op
 from ._stack import WHOLE_ROWS, BlockPatch, Outputs, Stack, forks_batch, refine_forks
 from ._stacked_ops import (
@@ -47,226 +51,205 @@ from ._stacked_ops import (
     several,
     shaped,
 )
-from .replay import Replayer, Target
+from ._strategies import check_path, reissue
 
-__all__ = ["sweep"]
+__all__ = ["Sweep"]
 
-class _Abort(Exception):
-    """The sweep does not cover this (the message says why): the forks concerned are restored and
-    replayed the general way, the reason in their replay record."""
+_MIXED = object()  # a read of one output of a multi-output value the forks changed whole
 
 
-def sweep(forks: Sequence[Any], steps: Sequence[Step], *, read: Any = None,
-          declined: dict[int, str] | None = None) -> list[Replayer | BaseException | None] | None:
-    """Push ``steps[i]`` (a bound replay step) down ``forks[i]`` for every fork, in one pass over
-    the recorded graph per group of forks whose edits change the same rows, their changed rows
-    stacked per op.
+class Sweep(Strategy):
+    """Stacked forks: fresh forks of one trace whose edits change the same rows, each op they
+    reach run once on all their rows (see the module docstring). Made by :meth:`begin`."""
 
-    Every edit lands first (a fresh fork's edit reads the recorded value); the forks are then
-    grouped by the rows their edit changed (a grid of layers and positions: one group per
-    position), and each group walks the graph once.
+    name = "sweep"
+    alone = False
 
-    What the sweep cannot do it declares (``_fallbacks.declare``) before the general path takes
-    over; an error it does not expect propagates, every fork restored.
-
-    Args:
-        forks: fresh forks (no edits yet) of one trace, two or more.
-        steps: one bound replay step per fork, each landing on one module call or op.
-        read: an ``OutputRead`` (``torchlens.edit.reads``): of its op each fork computes only
-            what it names (the replayer's ``read_value``).
-        declined: filled with, per fork the sweep does not cover (by index), why.
-
-    Returns:
-        per fork, its :class:`~torchlens.edit.replay.Replayer` (the fork now holds its edit), the
-        error its edit raised (the fork is as it was), or None for a fork the sweep does not
-        cover (that fork is as it was; ``declined`` says why); None when it covers none.
-    """
-    why = declined if declined is not None else {}
-
-    def decline(members: Sequence[int], reason: str) -> None:
-        for i in members:
-            why[i] = reason
-        declare("sweep", reason)
-
-    everyone = range(len(forks))
-    if len(forks) < 2:
-        decline(everyone, "a one-pass sweep takes two forks or more")
-        return None
-    parent = getattr(forks[0], "parent", None)
-    if parent is None or any(getattr(f, "parent", None) is not parent or f.recipe or f.grad or f.stale_positions()
-                             for f in forks):
-        decline(everyone, "a one-pass sweep takes fresh forks of one trace, without grad or in-place overwrites")
-        return None
-    records = []
-    for fork, step in zip(forks, steps):
-        if not fork.has_op_graph:
-            decline(everyone, "the trace holds no op graph")  # (the general path raises it)
-            return None
-        found = step.site.match(fork)
-        if len(found) != 1:  # nothing (the general path raises) or several landing places
-            decline(everyone, f"{step.site.describe()} lands on {len(found)} records, not one")
-            return None
-        records.append(found[0])
-    before = [f.fork_state() for f in forks]
-    swept: list[Replayer | BaseException | None] = [None] * len(forks)
-
-    def restore(members: Sequence[int]) -> None:
-        for i in members:
-            forks[i].changes.restore_fork(before[i], forks[i].unsaved_steps)
-            swept[i] = None
-
-    landed: dict[int, tuple[int, Any]] = {}
-    try:
-        replayers = []
-        for fork, step, record in zip(forks, steps, records):
-            fork.changes.add_step(step)
-            replayer = Replayer(fork, sliced=True, read=read)
-            replayer.prepare(fork.recipe[-1], [Target(record)])
-            replayers.append(replayer)
-        with torch.no_grad():
-            for i, replayer in enumerate(replayers):
-                j = Target(records[i]).position
-                try:
-                    landed[i] = (j, _land(parent, replayer, j))
-                except _Abort as exc:
-                    restore([i])
-                    decline([i], str(exc))
-                except Exception as exc:  # noqa: BLE001 - the edit itself raised: handed back as that fork's error
-                    restore([i])
-                    swept[i] = exc
-            for members in _groups(parent, landed):
-                try:
-                    _Sweep(parent, replayers, members, landed, read).run()
-                except _Abort as exc:
-                    restore(members)
-                    decline(members, str(exc))
-                except (GuardChangedError, ReplayError, ValueNotSavedError) as exc:
-                    # which fork of the stack met it is not known: each replays alone, which says
-                    restore(members)
-                    decline(members, f"the walk met {type(exc).__name__}: each fork replays alone")
-                else:
-                    for i in members:
-                        swept[i] = replayers[i]
-    except BaseException:
-        restore(everyone)  # an unexpected error, or interrupted: no fork is left half replayed
-        raise
-    return swept if any(r is not None for r in swept) else None
-
-
-def _land(parent: Any, replayer: Replayer, j: int) -> tuple[int, Rows, torch.Tensor] | None:
-    """Apply a fork's edit at position ``j`` on the fork itself: the op whose value it changed,
-    the changed rows and the value readers from ``j`` on see (None: it changed nothing)."""
-    entries = replayer._steps_at[j]
-    refs = [r for _, t, _ in entries
-            for r in (t.record.out_refs if isinstance(t.record, ModuleCall) else [t.record]) if r is not None]
-    if any(getattr(r, "elem", None) is not None for r in refs):
-        raise _Abort("its edit lands on one element of a multi-output op")
-    replayer._apply_steps(entries)
-    changed = [r for r in refs if replayer.regions.get(r.index) is not None]
-    if not changed:
-        return None  # the edit changed nothing
-    if len(changed) != 1:  # (a module's other outputs, e.g. attention weights, unchanged are fine)
-        raise _Abort("its edit changed several outputs of the module")
-    o = changed[0].index
-    region = replayer.regions[o]
-    base = parent.value(o)
-    edited = replayer.fork.seen_value(changed[0], j) if isinstance(entries[0][1].record, ModuleCall) \
-        else replayer.fork.value(o)
-    if not isinstance(region, Rows) or not isinstance(base, torch.Tensor) or not isinstance(edited, torch.Tensor) \
-            or edited.shape != base.shape or edited.dtype != base.dtype:
-        raise _Abort("its edit changes the whole value (or its shape or dtype), not rows of it")
-    return o, region, edited
-
-
-def _groups(parent: Any, landed: dict[int, tuple[int, Any]]) -> list[list[int]]:
-    """The landed forks grouped by the rows their edit changed and that value's shape: stacking a
-    fork changing fewer rows would recompute (and hold) rows it never changed, up to a whole
-    forward per fork on a grid of positions. Forks whose edit changed nothing join the first group."""
-    groups: dict[tuple, list[int]] = {}
-    still = []
-    for i, (_, edited) in landed.items():
-        if edited is None:
-            still.append(i)
-            continue
-        o, region, _ = edited
-        groups.setdefault((region, tuple(parent.value(o).shape)), []).append(i)
-    found = list(groups.values()) or [[]]
-    found[0] = sorted(found[0] + still)
-    return [g for g in found if g]
-
-
-class _Sweep:
-    """One walk of the recorded graph for ``members`` (indices into ``replayers``), whose edits
-    have landed (``landed[i]``: position and what ``_land`` gave) and change the same rows."""
-
-    def __init__(self, parent: Any, replayers: list[Replayer], members: list[int],
-                 landed: dict[int, tuple[int, Any]], read: Any) -> None:
-        self.parent = parent
+    def __init__(self, engine: Engine, read: Any) -> None:
+        super().__init__(engine)
         self.read = read
-        self.replayers = replayers
-        self.members = [replayers[i] for i in members]
-        self.ops = parent.ops
+        self.parent: Any = None
+        self.groups_of: dict[Replayer, _Group] = {}  # run -> its group, while it is swept
+        self.index_of = {r: k for k, r in enumerate(engine.runs)}  # run -> its index in engine.runs
+
+    @classmethod
+    def begin(cls, engine: Engine, read: Any = None) -> Sweep | None:
+        """Land every fork's edit and group the forks by the rows it changed; each fork the sweep
+        does not take is declared (it goes on with the strategies after this one). None: it takes none."""
+        sweep = cls(engine, read)
+        runs = engine.active()
+        if len(runs) < 2:
+            engine.decline(sweep, runs, "a one-pass sweep takes two forks or more")
+            return None
+        parent = sweep.parent = getattr(runs[0].fork, "parent", None)
+        if parent is None or any(getattr(r.fork, "parent", None) is not parent or r.saved.recipe or r.fork.grad
+                                 or r.fork.stale_positions() for r in runs):
+            engine.decline(sweep, runs, "a one-pass sweep takes fresh forks of one trace, without grad or in-place "
+                                        "overwrites")
+            return None
+        landed: dict[int, Any] = {}
+        with torch.no_grad():
+            for run in runs:
+                if run.landings() != 1:  # several landing places
+                    site = run.steps_at(run.start)[0][0].site.describe()
+                    engine.decline(sweep, [run], f"{site} lands on {run.landings()} records, not one")
+                    continue
+                engine.each(run, sweep._land, run, landed)
+        groups: dict[tuple, list[Replayer]] = {}
+        still = []
+        for run, edited in ((r, landed[id(r)]) for r in runs if id(r) in landed and r in engine.live):
+            if edited is None:
+                still.append(run)
+            else:
+                o, region, _ = edited
+                groups.setdefault((region, tuple(parent.value(o).shape)), []).append(run)
+        found = list(groups.values()) or [[]]
+        found[0] = sorted(found[0] + still, key=engine.runs.index)
+        for members in found:
+            if members:
+                group = _Group(sweep, members, landed)
+                for run in members:
+                    sweep.groups_of[run] = group
+        return sweep if sweep.groups_of else None
+
+    def _land(self, run: Replayer, landed: dict[int, Any]) -> None:
+        """Apply ``run``'s edit at its position on its fork: ``landed[id(run)]`` is then the op whose
+        value it changed, the changed rows and the value readers from there on see (None: it changed
+        nothing); a fork whose edit does not change rows of one tensor is declared."""
+        j = run.start
+        entries = run.steps_at(j)
+        refs = [r for _, t, _ in entries
+                for r in (t.record.out_refs if isinstance(t.record, ModuleCall) else [t.record]) if r is not None]
+        if any(getattr(r, "elem", None) is not None for r in refs):
+            self.engine.decline(self, [run], "its edit lands on one element of a multi-output op")
+            return
+        run.land(j)
+        changed = [r for r in refs if run.regions.get(r.index) is not None]
+        if not changed:
+            landed[id(run)] = None  # the edit changed nothing
+            return
+        if len(changed) != 1:  # (a module's other outputs, e.g. attention weights, unchanged are fine)
+            self.engine.decline(self, [run], "its edit changed several outputs of the module")
+            return
+        o = changed[0].index
+        region = run.regions[o]
+        base = self.parent.value(o)
+        edited = run.fork.seen_value(changed[0], j) if isinstance(entries[0][1].record, ModuleCall) \
+            else run.fork.value(o)
+        if not isinstance(region, Rows) or not isinstance(base, torch.Tensor) or not isinstance(edited, torch.Tensor) \
+                or edited.shape != base.shape or edited.dtype != base.dtype:
+            self.engine.decline(self, [run], "its edit changes the whole value (or its shape or dtype), not rows of it")
+            return
+        landed[id(run)] = (o, region, edited)
+
+    # -- the strategy ------------------------------------------------------------------------------
+
+    def groups(self, op: Op, runs: list[Replayer]) -> list[list[Replayer]]:
+        found: dict[_Group, list[Replayer]] = {}
+        get = self.groups_of.get
+        for run in runs:
+            group = get(run)
+            if group is not None:
+                members = found.get(group)
+                if members is None:
+                    members = found[group] = []
+                members.append(run)
+        out = []
+        for group, members in found.items():
+            if group.land_at:
+                group.land_until(op.index)
+                members = [r for r in members if r in self.groups_of]
+            if members:
+                out.append(members)
+        return out
+
+    def cannot(self, op: Op, runs: list[Replayer]) -> str | None:
+        return self.groups_of[runs[0]].cannot(op, runs)
+
+    def run_op(self, op: Op, runs: list[Replayer]) -> None:
+        self.groups_of[runs[0]].run_op(op, runs)
+
+    def release(self, runs: list[Replayer]) -> None:
+        """The group of ``runs`` cannot go on stacked: its forks go on alone."""
+        group = self.groups_of[runs[0]]
+        for run in group.members:
+            self.groups_of.pop(run, None)
+
+    def drop(self, run: Replayer) -> None:
+        self.groups_of.pop(run, None)
+
+
+class _Group:
+    """The forks of one sweep whose edits change the same rows, and the stacks of the ops they reached."""
+
+    def __init__(self, sweep: Sweep, members: list[Replayer], landed: dict[int, Any]) -> None:
+        self.sweep = sweep
+        self.engine = sweep.engine
+        self.parent = sweep.parent
+        self.read = sweep.read
+        self.replayers = sweep.engine.runs
+        self.members = members
+        self.ops = self.parent.ops
         self.stack: dict[int, Any] = {}  # op index -> Stack, or a tuple of them (None: unchanged) per output
         self.land_at: dict[int, list[tuple[int, Any]]] = {}
-        for i in members:
-            j, edited = landed[i]
-            self.land_at.setdefault(j, []).append((i, edited))
+        for run in members:
+            if landed[id(run)] is not None:
+                self.land_at.setdefault(run.start, []).append((sweep.index_of[run], landed[id(run)]))
 
-    def run(self) -> None:
-        n = len(self.ops)
-        next_read = self._next_read()
-        for j in range(min(self.land_at), n + 1):
-            for i, edited in self.land_at.get(j, ()):
-                if edited is not None:
+    def land_until(self, j: int) -> None:
+        """Stack the edited rows of every fork whose edit landed at a position up to ``j``."""
+        if not self.land_at:
+            return
+        for p in sorted(p for p in self.land_at if p <= j):
+            for i, edited in self.land_at.pop(p):
+                if self.replayers[i] in self.sweep.groups_of:
                     self._stack_edit(i, *edited)
-            if j >= next_read:
-                for replayer in self.members:
-                    reads = replayer._reads
-                    while replayer._read_i < len(reads) and reads[replayer._read_i].position <= j:
-                        replayer._check_read(reads[replayer._read_i])
-                        replayer._read_i += 1
-                next_read = self._next_read()
-            if j == n:
+
+    def cannot(self, op: Op, runs: list[Replayer]) -> str | None:
+        stacks = [self._stack_of(r) for r in op.parent_refs]
+        if any(s is _MIXED for s in stacks):
+            return "it reads one output of a multi-output value the forks changed whole"
+        if all(s is None for s in stacks):
+            return None  # (it reads only values no fork of the group changed: nothing to do)
+        if op.flags & (INPLACE | EDIT | GUARD) or op.func_name in UNINITIALISED:
+            return "it is in-place, a guard or uninitialised memory"
+        if not self.parent.has_value(op.index):
+            return "its recorded value was not kept"
+        base = self.parent.value(op.index)
+        if isinstance(base, (tuple, list)):
+            if not isinstance(op.shape, tuple) or len(base) != len(op.shape) \
+                    or not all(isinstance(b, torch.Tensor) for b in base):
+                return "its recorded outputs are not tensors, one per recorded shape"
+        elif not isinstance(base, torch.Tensor) or base.dim() == 0:
+            return "its recorded value is not a tensor of rows"
+        return None
+
+    def run_op(self, op: Op, runs: list[Replayer]) -> None:
+        stacks = [s for s in (self._stack_of(r) for r in op.parent_refs) if s is not None]
+        index_of = self.sweep.index_of
+        forks = tuple(sorted({f for s in stacks for f in s.forks} & {index_of[r] for r in runs}))
+        if not forks:
+            return
+        note = f"stacked with {len(forks) - 1} other fork(s)" if len(forks) > 1 else ""
+        done = None
+        if op.func_name in STACKED_OPS and not any(s.corner is not None for s in stacks):
+            done = self._stacked(op, forks)
+            if done is not None:
+                self._keep(op, forks, *done, note)
                 return
-            op = self.ops[j]
-            if op.flags & INPUT:
-                continue
-            stacks = [s for s in (self._stack_of(r) for r in op.parent_refs) if s is not None]
-            if not stacks:
-                continue
-            if refuse_reason(op) or op.flags & (INPLACE | EDIT | GUARD) or op.func_name in UNINITIALISED:
-                raise _Abort(f"op {op.label} ({op.func_name}) is in-place, random, a guard or uninitialised memory")
-            forks = tuple(sorted({f for s in stacks for f in s.forks}))
-            if self.read is not None and j == self.read.index:
-                # the read op (an LM head nothing else reads): each fork computes only what is read
-                if not all(self.read.compute(self.replayers[i], op) for i in forks):
-                    raise _Abort(f"the read op {op.label} cannot compute only what is read for every fork")
-                continue
-            note = f"stacked with {len(forks) - 1} other fork(s)" if len(forks) > 1 else ""
-            try:
-                if op.func_name not in STACKED_OPS or any(s.corner is not None for s in stacks):
-                    raise PerFork
-                region, rows, how = self._stacked(op, forks)
-                logged = True
-            except PerFork:
-                done = self._scores(op, forks, stacks)
-                if done is None:
-                    region, rows, how, logged, note = self._per_fork(op, forks)
-                else:
-                    region, rows, how, logged = done
-            if region is not None:  # (None: no fork's value of this op changed)
-                self._keep(op, forks, region, rows, how, note, logged)
+        done = self._scores(op, forks, stacks)
+        if done is not None:
+            self._keep(op, forks, *done[:3], note, done[3])
+            return
+        self._per_fork(op, forks)
 
-    def _next_read(self) -> float:
-        """The position of the next data read some fork has not checked yet (inf: none)."""
-        return min((r._reads[r._read_i].position for r in self.members if r._read_i < len(r._reads)),
-                   default=math.inf)
-
-    def _stack_of(self, ref: Any) -> Stack | None:
+    def _stack_of(self, ref: Any) -> Any:
+        """The stack of the value ``ref`` reads (None: no fork of the group changed it; ``_MIXED``:
+        one output of a multi-output value the forks changed whole)."""
         s = self.stack.get(ref.index)
         if isinstance(s, tuple):
-            return s[ref.elem] if ref.elem is not None else None if all(x is None for x in s) else _abort()
-        return s if ref.elem is None else None if s is None else _abort()
+            return s[ref.elem] if ref.elem is not None else None if all(x is None for x in s) else _MIXED
+        return s if ref.elem is None else None if s is None else _MIXED
 
     def _stack_edit(self, i: int, o: int, region: Rows, edited: torch.Tensor) -> None:
         """Add fork ``i``'s edited rows of op ``o`` to the stack (readers from here on see them)."""
@@ -279,14 +262,24 @@ class _Sweep:
         # (the same rows or more along its axis; a whole value, from rows 0, holds anything)
         if not isinstance(s, Stack) or s.corner is not None \
                 or not (s.start == 0 or s.axis == region.axis and s.start <= region.start):
-            raise _Abort(f"op {o}'s stack holds other rows than this edit changed")
+            run = self.replayers[i]
+            self.engine.decline(self.sweep, [run], f"op {self.ops[o].label}'s stack holds other rows than its edit "
+                                                   "changed: it goes on alone")
+            self.sweep.drop(run)
+            return
         mine = edited.narrow(s.axis, s.start, s.block)
         forks = tuple(sorted((*s.forks, i)))
         s.rows = torch.cat([mine if f == i else s.rows_of(f) for f in forks], s.axis)
         s.forks = forks
 
-    def _stacked(self, op: Any, forks: tuple[int, ...]) -> tuple[Rows, torch.Tensor, str]:
-        """Run ``op`` once on every fork's rows (raises PerFork where its rule cannot)."""
+    def _stacked(self, op: Any, forks: tuple[int, ...]) -> tuple[Rows, torch.Tensor, str] | None:
+        """Run ``op`` once on every fork's rows (None: its rule cannot, it runs once per fork)."""
+        try:
+            return self._stacked_rule(op, forks)
+        except PerFork:  # a rule read a stacked argument other than by its rows (what PerFork declares)
+            return None
+
+    def _stacked_rule(self, op: Any, forks: tuple[int, ...]) -> tuple[Rows, torch.Tensor, str]:
         j, regions, stacked = op.index, {}, set()
 
         def resolve(ref):
@@ -399,55 +392,101 @@ class _Sweep:
             return None
         return got[0], got[1], "full" if got[0] == WHOLE_ROWS else "mapped", False
 
-    def _per_fork(self, op: Any, forks: tuple[int, ...]) -> tuple[Any, Any, str, bool, str]:
-        """Run ``op`` once per fork, each on its own rows, and stack what they give; then whether
-        the replay log names the rows (not for eager attention's scores) and why no rule could
-        bound the op (its log says ``fallback``), as replay alone logs them."""
-        j, got, kinds, corner, reason = op.index, [], set(), False, ""
+    def _per_fork(self, op: Any, forks: tuple[int, ...]) -> None:
+        """Run ``op`` once per fork, each on its own rows, and stack what they give (as replay alone
+        logs them); first declare the op to the next strategies when no rule bounds what a fork
+        changed. Forks whose values changed in different regions go on alone from here."""
+        plans = {i: self._fork_plan(op, i) for i in forks}
+        for plan, _ in plans.values():
+            if not (plan.kind == "skip" or plan.kind == "rows" and isinstance(plan.region, Rows)
+                    or plan.kind == "full" and (plan.region is WHOLE or isinstance(plan.region, Corner)
+                                                or _row_regions(plan.region))):
+                runs = [self.replayers[i] for i in forks]
+                self.sweep.release(runs)
+                self.engine.hand_on(self.sweep, op, runs, "no rule bounds what a fork changed")
+                return
+        base = self.parent.value(op.index)
+        got: list[tuple[int, Any, Any]] = []  # (fork, region, its rows or whole value)
+        kinds, corner, reason = set(), False, ""
         for i in forks:
-            plan, resolve = self._fork_plan(op, i)
+            plan, resolve = plans[i]
             kinds.add(plan.kind)
             reason = reason or plan.reason
             if plan.kind == "skip":  # it reads only rows this fork did not change (e.g. the first token)
-                got.append((None, None))
-                continue
-            if plan.kind == "rows" and isinstance(plan.region, Rows):
-                got.append((plan.region, plan.call()))
-                continue
-            if plan.kind != "full" or not (plan.region is WHOLE or isinstance(plan.region, Corner)
-                                           or _row_regions(plan.region)):
-                raise _Abort(f"op {op.label} ({op.func_name}): no rule bounds what a fork changed")
-            built = execute(op, *build_args(op, lambda r, resolve=resolve: as_built(resolve(r))))
-            if isinstance(plan.region, Corner):  # attention scores: did a causal mask restore the corner's block?
-                if not isinstance(built, torch.Tensor):
-                    raise _Abort(f"op {op.label} ({op.func_name}): attention scores that are not a tensor")
-                corner = True
-                refined = refine_corner(self.parent.value(j), built, plan.region)
-                got.append((WHOLE_ROWS, built) if refined is WHOLE else (refined, built)
-                           if isinstance(refined, Corner) else (refined, _cut(built, refined)))
-                continue
-            if plan.region is WHOLE:  # the whole value changed: kept as all its rows along axis 0
-                if not isinstance(built, torch.Tensor) or built.dim() == 0:
-                    raise _Abort(f"op {op.label} ({op.func_name}): a whole value that is not a tensor of rows")
-                got.append((WHOLE_ROWS, built))
-                continue
-            if several(plan.region):
-                if not isinstance(built, (tuple, list)) or len(built) != len(plan.region):
-                    raise _Abort(f"op {op.label} ({op.func_name}): its outputs do not match its changed regions")
-                got.append((plan.region, tuple(None if r is None else _cut(b, r) for b, r in zip(built, plan.region))))
+                got.append((i, None, None))
+            elif plan.kind == "rows":
+                got.append((i, plan.region, plan.call()))
             else:
-                got.append((plan.region, _cut(built, plan.region)))
-        region = got[0][0]
-        if any(r != region for r, _ in got):
-            raise _Abort(f"op {op.label} ({op.func_name}): the forks changed different regions of it")
+                built = self._built(op, i, resolve)
+                if built is None:  # that fork failed (restored, its error handed back): the others go on
+                    continue
+                if isinstance(plan.region, Corner):  # attention scores: did a causal mask restore the corner's block?
+                    corner = True
+                    refined = refine_corner(base, built, plan.region)
+                    got.append((i, WHOLE_ROWS, built) if refined is WHOLE else (i, refined, built)
+                               if isinstance(refined, Corner) else (i, refined, _cut(built, refined)))
+                elif plan.region is WHOLE:  # the whole value changed: kept as all its rows along axis 0
+                    got.append((i, WHOLE_ROWS, built))
+                elif several(plan.region):
+                    got.append((i, plan.region, tuple(None if r is None else _cut(b, r)
+                                                       for b, r in zip(built, plan.region))))
+                else:
+                    got.append((i, plan.region, _cut(built, plan.region)))
+        if not got:
+            return
+        how = "fallback" if reason else "rows" if kinds == {"rows"} else "mapped"
+        region = got[0][1]
+        if any(r != region for _, r, _ in got):
+            self._apart(op, got, how, not corner)
+            return
         if region is None:
-            return None, None, "skip", True, ""
+            return
+        forks = tuple(i for i, _, _ in got)
         if several(region):
-            rows = tuple(None if r is None else torch.cat([g[1][k] for g in got], r.axis) for k, r in enumerate(region))
+            rows = tuple(None if r is None else torch.cat([g[2][k] for g in got], r.axis) for k, r in enumerate(region))
         else:
-            rows = torch.cat([g[1] for g in got], 0 if isinstance(region, Corner) else region.axis)
-        how = "fallback" if reason else "full" if region == WHOLE_ROWS else "rows" if kinds == {"rows"} else "mapped"
-        return region, rows, how, not corner, reason
+            rows = torch.cat([g[2] for g in got], 0 if isinstance(region, Corner) else region.axis)
+        how = "full" if region == WHOLE_ROWS and not reason else how
+        self._keep(op, forks, region, rows, how, reason, not corner)  # (run apart: the log's note is the reason)
+
+    def _built(self, op: Any, i: int, resolve: Any) -> Any:
+        """Op ``op`` recomputed whole for fork ``i`` alone, on the recorded path (None: the fork
+        failed, e.g. its edit changed a shape the op baked in; the engine restored it)."""
+        run, out = self.replayers[i], []
+
+        def work() -> None:
+            value = reissue(op, *build_args(op, lambda r: as_built(resolve(r))))
+            check_path(run, op, value)
+            out.append(value)
+
+        self.engine.each(run, work)
+        if out and run in self.sweep.groups_of:
+            return out[0]
+        return None
+
+    def _apart(self, op: Any, got: list[tuple[int, Any, Any]], how: str, logged: bool) -> None:
+        """The forks changed different regions of ``op``: each keeps its own value, and the group
+        goes on alone from here (declared in their replay records)."""
+        j, base = op.index, self.parent.value(op.index)
+        runs = [self.replayers[i] for i, _, _ in got]
+        for (_, region, value), run in zip(got, runs):
+            size = None
+            if region is None:
+                continue
+            if region == WHOLE_ROWS:
+                run.store(j, value, WHOLE)
+            elif isinstance(region, Corner):
+                run.store(j, value, region)
+            elif several(region):
+                run.store(j, Outputs(tuple(b if r is None else RowPatch(b, r.axis, r.start, v)
+                                           for b, r, v in zip(base, region, value))), region)
+            else:
+                run.store(j, RowPatch(base, region.axis, region.start, value), region)
+                size = (region.axis, region.start, base.shape[region.axis]) if logged else None
+            run.log.entries.append((op.label, op.func_name, _as_whole(how) if region == WHOLE_ROWS else how, size, ""))
+        self.engine.decline(self.sweep, runs, f"op {op.label} ({op.func_name}): the forks changed different regions "
+                                              "of it; they go on alone")
+        self.sweep.release(runs)
 
     def _keep(self, op: Any, forks: tuple[int, ...], region: Any, rows: Any, how: str, note: str,
               logged: bool = True) -> None:
@@ -455,15 +494,15 @@ class _Sweep:
         replay log names the rows)."""
         j = op.index
         base = self.parent.value(j)
+        live = self.engine.live
         if isinstance(region, Corner):  # each fork's whole value, as all its rows along axis 0
             s = self.stack[j] = _checked(Stack(base, 0, 0, rows, forks, region))
             for k, i in enumerate(forks):
-                self.replayers[i]._store(j, rows.narrow(0, k * s.block, s.block), region)
-                self.replayers[i].log.entries.append((op.label, op.func_name, how, None, note))
+                if self.replayers[i] in live:
+                    self.replayers[i].store(j, rows.narrow(0, k * s.block, s.block), region)
+                    self.replayers[i].log.entries.append((op.label, op.func_name, how, None, note))
             return
         if several(region):
-            if not isinstance(base, (tuple, list)) or len(base) != len(region):
-                raise _Abort(f"op {op.label} ({op.func_name}): recorded outputs do not match its changed regions")
             stacks = tuple(None if r is None else _checked(Stack(b, r.axis, r.start, x, forks))
                            for b, r, x in zip(base, region, rows))
             self.stack[j] = stacks
@@ -471,13 +510,13 @@ class _Sweep:
             whole = all(r is not None and r.start == 0 for r in region)  # every output whole
             how = _as_whole(how) if whole else how
             for k, i in enumerate(forks):  # several outputs: built together when read
+                if self.replayers[i] not in live:
+                    continue
                 value = Outputs(tuple(b if s is None else p[k] if whole else RowPatch(b, s.axis, s.start, p[k])
-                                       for b, s, p in zip(base, stacks, parts)))
-                self.replayers[i]._store(j, value, WHOLE if whole else region)
+                                      for b, s, p in zip(base, stacks, parts)))
+                self.replayers[i].store(j, value, WHOLE if whole else region)
                 self.replayers[i].log.entries.append((op.label, op.func_name, how, None, note))
             return
-        if not isinstance(base, torch.Tensor):
-            raise _Abort(f"op {op.label} ({op.func_name}): its recorded value is not a tensor")
         s = self.stack[j] = _checked(Stack(base, region.axis, region.start, rows, forks))
         size = (region.axis, region.start, base.shape[region.axis]) if logged else None
         axis, m, rows = s.axis, s.block, s.rows
@@ -485,16 +524,14 @@ class _Sweep:
         how = _as_whole(how) if whole else how
         for k, i in enumerate(forks):
             replayer = self.replayers[i]
+            if replayer not in live:
+                continue
             if whole:
-                replayer._store(j, rows.narrow(axis, k * m, m), WHOLE)
+                replayer.store(j, rows.narrow(axis, k * m, m), WHOLE)
                 replayer.log.entries.append((op.label, op.func_name, how, None, note))
                 continue
-            replayer._store(j, BlockPatch(base, region.axis, region.start, rows, k * m), region)
+            replayer.store(j, BlockPatch(base, region.axis, region.start, rows, k * m), region)
             replayer.log.entries.append((op.label, op.func_name, how, size, note))
-
-
-def _abort() -> Any:
-    raise _Abort("an op reads one output of a multi-output value the forks changed whole")
 
 
 def _row_regions(region: Any) -> bool:
@@ -508,17 +545,15 @@ def _as_whole(how: str) -> str:
     return how if how == "fallback" else "full"
 
 
-def _cut(value: Any, region: Rows) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise _Abort("a recomputed value is not a tensor")
+def _cut(value: torch.Tensor, region: Rows) -> torch.Tensor:
     return value.narrow(region.axis, region.start, value.shape[region.axis] - region.start)
 
 
 def _checked(s: Stack) -> Stack:
-    """``s`` if its rows are one block of the recorded shape per fork, else abort."""
+    """``s``, whose rows must be one block of the recorded shape per fork (else a stacked rule is wrong)."""
     want = list(s.base.shape)
     want[s.axis] = s.block * len(s.forks)
     if not isinstance(s.rows, torch.Tensor) or list(s.rows.shape) != want or s.rows.dtype != s.base.dtype:
-        raise _Abort("stacked rows are not one block of the recorded shape per fork")
+        raise RuntimeError(f"a sweep rule built rows of shape {getattr(s.rows, 'shape', None)}, not {want}: "
+                           "a bug in torchlens.edit._sweep")
     return s
-

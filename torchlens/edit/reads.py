@@ -18,9 +18,9 @@ from ..core.records import Op, build_args
 from ..core.steps import Step
 from ..core.tree import Pending
 from ..errors import ReplayNotExactError
-from ._batch import push_all
 from ._regions import WHOLE, RowPatch
-from .replay import Replayer
+from ._replay_run import Replayer
+from .replay import replay_forks
 
 __all__ = ["OutputRead", "replay_read", "replay_reads"]
 
@@ -35,41 +35,28 @@ class OutputRead(NamedTuple):
     position: int
     columns: tuple[int, ...] | None
 
-    def compute(self, replayer: Replayer, op: Op) -> bool:
-        """Compute only what this read names of ``op`` for ``replayer`` (False: run it whole).
+    def cannot(self, replayer: Replayer, op: Op) -> str | None:
+        """Why only what this read names of ``op`` cannot be computed for ``replayer`` (None: it can)."""
+        if op.func_name != "linear" or op.children_idx:
+            return "not a linear that nothing else reads"
+        args, kwargs, changed_ids = self._args(replayer, op)
+        if kwargs.keys() - {"bias"} or len(args) < 2:
+            return "not a linear that nothing else reads"
+        x, weight = args[0], args[1]
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        if id(weight) in changed_ids or bias is not None and id(bias) in changed_ids:
+            return "its weight or bias changed"
+        if not isinstance(x, (torch.Tensor, RowPatch)) or x.dim() != len(op.shape) or self.axis >= x.dim() - 1:
+            return "the read row is not a row of its input"
+        return None
 
-        Args:
-            replayer: the replayer pushing the edit (its fork, changed ops and log).
-            op: the op at ``self.index``, some of whose arguments changed.
-
-        Returns:
-            True when done (``replayer.read_value`` holds the elements), False when the op
-            must run whole (the log says why).
-        """
+    def compute(self, replayer: Replayer, op: Op) -> None:
+        """Compute only what this read names of ``op`` for ``replayer`` (``replayer.read_value``
+        holds the elements; the op's value refuses to be read whole). :meth:`cannot` said it can."""
         fork, j = replayer.fork, op.index
-        changed_ids: set[int] = set()
-
-        def resolve(r):
-            if r.index not in replayer.changed:
-                return fork.seen_value(r, j)
-            v = fork.seen_value(r, j, pending_ok=True)  # a RowPatch: only one of its rows is read
-            changed_ids.add(id(v))
-            return v
-
-        args, kwargs = build_args(op, resolve)
-        why = ""
-        if op.func_name != "linear" or op.children_idx or kwargs.keys() - {"bias"} or len(args) < 2:
-            why = "not a linear that nothing else reads"
-        else:
-            x, weight = args[0], args[1]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if id(weight) in changed_ids or bias is not None and id(bias) in changed_ids:
-                why = "its weight or bias changed"
-            elif not isinstance(x, (torch.Tensor, RowPatch)) or x.dim() != len(op.shape) or self.axis >= x.dim() - 1:
-                why = "the read row is not a row of its input"
-        if why:
-            replayer.log.entries.append((op.label, op.func_name, "fallback", None, f"partial read: {why}"))
-            return False
+        args, kwargs, _ = self._args(replayer, op)
+        x, weight = args[0], args[1]
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
         cols = None if self.columns is None else list(self.columns)
         if cols is not None:
             weight = weight[cols]
@@ -82,7 +69,23 @@ class OutputRead(NamedTuple):
         what = "every column" if cols is None else f"{len(cols)} columns"
         replayer.log.entries.append((op.label, op.func_name, "read", (self.axis, n - 1, n),
                                      f"only row {self.position}, {what}: what the metric reads"))
-        return True
+
+    @staticmethod
+    def _args(replayer: Replayer, op: Op) -> tuple[tuple, dict, set[int]]:
+        """``op``'s arguments on the fork, a changed input left a RowPatch (only one of its rows is
+        read), and the ids of the changed ones."""
+        fork, j, changed = replayer.fork, op.index, replayer.changed
+        changed_ids: set[int] = set()
+
+        def resolve(r):
+            if r.index not in changed:
+                return fork.seen_value(r, j)
+            v = fork.seen_value(r, j, pending_ok=True)
+            changed_ids.add(id(v))
+            return v
+
+        args, kwargs = build_args(op, resolve)
+        return args, kwargs, changed_ids
 
 
 class _Unread(Pending):
@@ -140,7 +143,7 @@ def replay_reads(forks: list[Any], steps: list[Step], read: OutputRead) -> list[
     Raises:
         EmptySelectionError: a site matches nothing in the trace (no fork changed).
     """
-    got = push_all(forks, steps, read=read)
+    got = replay_forks(forks, steps, read=read)
     return [r if isinstance(r, BaseException) else _read_of(r, read) for r in got]
 
 
