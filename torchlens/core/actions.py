@@ -64,7 +64,10 @@ def provide_methods(target: type) -> Callable[[M], M]:
             if name.startswith("__") and name.endswith("__"):
                 continue
             before = _PROVIDED.get((target, name))
-            if (before is None and hasattr(target, name)) or (before is not None and before != owner):
+            # defined by the class itself or a torchlens base: not what ``object`` carries (nnsight,
+            # imported first, gives every object a ``save``; the provided method wins on Trace)
+            defined = any(name in vars(klass) for klass in target.__mro__ if klass is not object)
+            if (before is None and defined) or (before is not None and before != owner):
                 raise TorchLensError(f"{target.__name__}.{name} already exists ({before or 'defined by the class'}); "
                                      f"{owner} cannot provide it too",
                                      remedy="Give the method one owner: rename it or drop one definition.")
