@@ -167,3 +167,31 @@ def test_an_error_in_one_fork_is_handed_back_in_its_place_and_the_others_go_on()
     assert isinstance(got[1], ValueError) and _untouched(forks[1])
     for fork, p in ((forks[0], 5), (forks[2], 3)):
         assert torch.allclose(fork.output, hooked_forward(model, {"inner": scale_row_hook(p, 2.0)}, (x,)), atol=ATOL)
+
+
+@pytest.mark.parametrize("how", ["forks", "do", "sweep"])
+def test_replayed_forks_and_their_trace_are_freed_without_the_garbage_collector(how):
+    """The engine holds its strategies and they hold it: after a replay nothing of that cycle may
+    keep the forks (and through them the trace's recorded values) alive until the next GC pass."""
+    import gc
+    import weakref
+
+    model, x = _Flipped().eval(), _x()
+    want = edited_forward(model, "inner", scale_row_hook(5, 2.0), (x,))
+    gc.collect()
+    gc.disable()
+    try:
+        trace = tl.trace(model, x)
+        if how == "forks":
+            forks = trace.forks([("inner", scale_row_edit(5, 2.0)), ("inner", tl.scale(0.5))])
+        elif how == "do":
+            forks = [trace.fork().do("inner", scale_row_edit(5, 2.0))]
+        else:
+            with trace.sweep():
+                forks = [trace.fork().do("inner", scale_row_edit(5, 2.0)), trace.fork().do("inner", tl.scale(0.5))]
+        assert torch.allclose(forks[0].output, want, atol=ATOL)
+        alive = [weakref.ref(trace), *map(weakref.ref, forks)]
+        del trace, forks
+        assert [r() is None for r in alive] == [True] * len(alive)
+    finally:
+        gc.enable()

@@ -85,6 +85,9 @@ class RowBatch(Strategy):
     def drop(self, run: Replayer) -> None:
         self.entries = [e for e in self.entries if e.replayer is not run]
 
+    def close(self) -> None:
+        self.entries, self._call = [], None
+
     def flush(self) -> None:
         """Run the held calls (stacked where they line up) and give each fork its rows."""
         entries, self.entries = self.entries, []

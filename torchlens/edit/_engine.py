@@ -84,6 +84,9 @@ class Strategy:
     def drop(self, run: Replayer) -> None:
         """``run`` failed (its fork is restored): forget it."""
 
+    def close(self) -> None:
+        """The walk is over: let go of every run (state kept per run can hold forks in a cycle)."""
+
 
 class Engine:
     """Replays one bound step per fork (``forks[i]`` gets ``steps[i]``, landing on ``targets[i]``)
@@ -155,6 +158,12 @@ class Engine:
             for r in self.active():
                 self.restore(r)
             raise
+        finally:
+            # the strategies hold the engine (and through it every fork and run): let go of them, so
+            # the forks and their trace are freed when the caller drops them, not at the next GC
+            for strategy in self.chain:
+                strategy.close()
+            self.chain = []
         return self.outcome
 
     def run_op(self, op: Op, runs: list[Replayer], after: Strategy | None = None) -> None:

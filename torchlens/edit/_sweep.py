@@ -72,6 +72,10 @@ class Sweep(Strategy):
         self.groups_of: dict[Replayer, _Group] = {}  # run -> its group, while it is swept
         self.index_of = {r: k for k, r in enumerate(engine.runs)}  # run -> its index in engine.runs
 
+    def close(self) -> None:
+        self.groups_of = {}  # (each group holds this sweep: a cycle through every swept run's fork)
+        self.index_of = {}
+
     @classmethod
     def begin(cls, engine: Engine, read: Any = None) -> Sweep | None:
         """Land every fork's edit and group the forks by the rows it changed; each fork the sweep
