@@ -26,8 +26,8 @@ from common import emit, emit_rss, gpt2_small, measure, setup
 
 import torchlens as tl
 from torchlens.core.steps import REPLAY, Step
+from torchlens.dictionaries.load import SavedSAE
 from torchlens.edit.reads import OutputRead, replay_reads
-from torchlens.features.dictionary import SavedSAE
 
 TOOL = "torchlens.features"
 SMALL = "--small" in sys.argv

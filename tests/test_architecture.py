@@ -458,10 +458,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("torchlens.edit",),  # edit rules (apply_edit, helpers) are applied by capture during the forward
     ("torchlens.capture",),
     ("torchlens.arch",),
-    # The capture-facing part of features: ``tl.trace(..., features=...)`` attaches dictionaries
-    # while capturing, so these sit below ``api``; the rest of ``features/`` captures through ``api``.
-    ("torchlens.features.dictionary",),
-    ("torchlens.features.attach",),
+    # The capture-facing half of features: ``tl.trace(..., features=...)`` splices dictionaries in
+    # while capturing, so they sit below ``api``; ``features/`` reads and edits them through ``api``.
+    ("torchlens.dictionaries",),
     ("torchlens.api",),
     ("torchlens.store",),
     ("torchlens.analysis",),  # renders store's and edit's objects (core.repr_html), captures through api
@@ -483,13 +482,9 @@ def unit_of(module: str) -> str | None:
 
 
 # Uphill imports known and not yet fixed, each with its reason: (importing unit, imported unit).
-KNOWN_UPHILL = {
-    # ``tl.trace(..., features=...)`` attaches dictionaries while capturing (features.attach, a unit
-    # below api), but importing features.attach runs features/__init__, which imports features.stats
-    # -> store -> api. It works because torchlens/__init__ imports features before api. Fix: give the
-    # capture-facing part of features (attach, dictionary) a package of its own below api.
-    ("torchlens.api", "torchlens.features"): "features/__init__ runs when api imports features.attach",
-}
+# Empty: the last one (api importing features.attach, which ran features/__init__ -> stats -> store
+# -> api) went when the capture-facing half of features became ``torchlens.dictionaries``.
+KNOWN_UPHILL: dict[tuple[str, str], str] = {}
 
 
 def _imported(module: str, importer: str) -> list[str]:
@@ -541,10 +536,17 @@ def test_the_uphill_rule_sees_an_uphill_import():
     own = Import("torchlens.store._shards", 6, False, "torchlens.store._shards.write_shard", False, 6)
     assert len(uphill_imports({"torchlens.store.recipes": [up, down, own]})) == 1
     assert len(uphill_imports({"torchlens.testing": [peer]})) == 1
-    attach = Import("torchlens.features.attach", 7, False, "torchlens.features.attach.attach", False, 7)
-    assert len(uphill_imports({"torchlens.api": [attach]}, known={})) == 1  # features/__init__ runs
-    assert not uphill_imports({"torchlens.api": [attach]})
-    assert unit_of("torchlens.features.attach") == "torchlens.features.attach"
+    # a module of a lower unit inside a higher package still runs that package's __init__:
+    # api importing features.dla runs features/__init__ (above api), and ``known`` excuses it
+    dla = Import("torchlens.features.dla", 7, False, "torchlens.features.dla.feature_activations", False, 7)
+    assert len(uphill_imports({"torchlens.api": [dla]})) == 1
+    assert not uphill_imports({"torchlens.api": [dla]}, known={("torchlens.api", "torchlens.features"): "why"})
+    attach = Import("torchlens.dictionaries.attach", 8, False, "torchlens.dictionaries.attach.feature_steps",
+                    False, 8)
+    assert not uphill_imports({"torchlens.api": [attach]})  # below api, and so is its package's __init__
+    assert len(uphill_imports({"torchlens.dictionaries.wrap": [Import("torchlens.api", 9, True, "torchlens.api.trace",
+                                                                      False, 9)]})) == 1
+    assert unit_of("torchlens.dictionaries.attach") == "torchlens.dictionaries"
     assert unit_of("torchlens.features.stats") == "torchlens.features"
     assert unit_of("torchlens.api") == "torchlens.api" and unit_of("torchlens") == "torchlens"
 

@@ -23,6 +23,7 @@ from .core.selectors import Selector, as_selector, as_sites, split_pass
 from .core.steps import Step
 from .core.text import tokenizer_for
 from .core.trace import Trace
+from .dictionaries.attach import feature_steps, sub_site_reads
 from .errors import (
     CaptureMemoryError,
     EditNotAppliedError,
@@ -31,7 +32,6 @@ from .errors import (
     SiteNotFoundError,
     UnsupportedModelError,
 )
-from .features.attach import feature_steps, sub_site_reads
 from .plugins import choose_engine, engines
 
 __all__ = ["check_model", "extract", "rerun", "stops_on_modules", "trace", "trace_until"]

@@ -19,7 +19,7 @@ from ..core.records import Op
 
 __all__ = ["SUB_SITE", "SUB_SITE_PARTS", "SpliceTools", "sub_site_label"]
 
-# The sub-sites a splice names (a feature dictionary's: ``torchlens.features.attach``), and how a
+# The sub-sites a splice names (a feature dictionary's: ``torchlens.dictionaries.attach``), and how a
 # site string addressing one looks: ``<module site>.<part>``, optionally ``:N`` for the module's pass N.
 SUB_SITE_PARTS = ("features", "recon", "recon_clean", "error")
 SUB_SITE = re.compile(r"^(?P<site>.+)\.(?P<part>" + "|".join(SUB_SITE_PARTS) + r")(?::(?P<pass>\d+))?$")

@@ -6,8 +6,16 @@ as they are); ``tl.features.load_sae(path)`` reads SAELens's on-disk layout with
 Patching in the feature basis is ``tl.patching.feature_patching`` (:mod:`torchlens.patching.feature_basis`).
 """
 
-from .attach import FeatureAttachment, FeatureSplice, attach, dictionaries
-from .dictionary import FeatureDictionary, SavedSAE, as_dictionary, load_sae
+from ..dictionaries import (
+    FeatureAttachment,
+    FeatureDictionary,
+    FeatureSplice,
+    SavedSAE,
+    as_dictionary,
+    attach,
+    dictionaries,
+    load_sae,
+)
 from .display import ContextText, FeatureText, TopFeatures, context_text, feature_text, top_features
 from .dla import feature_activations, feature_logit_attrs
 from .edits import FeatureEdit, ablate, clamp, scale, steer

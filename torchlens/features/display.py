@@ -17,8 +17,8 @@ import torch
 
 from ..analysis.notebook import _box, _table
 from ..core.text import decode_tokens, input_ids_of
+from ..dictionaries.wrap import as_dictionary
 from ..errors import InvalidArgumentError
-from .dictionary import as_dictionary
 from .dla import feature_activations
 
 __all__ = ["ContextText", "FeatureText", "TopFeatures", "context_text", "feature_text", "top_features"]

@@ -18,9 +18,9 @@ import torch
 from ..analysis.residual_decompose import logit_attrs
 from ..core.indices import python_indices
 from ..core.tree import first_tensor
+from ..dictionaries.attach import dictionaries
+from ..dictionaries.wrap import FeatureDictionary, as_dictionary
 from ..errors import FeatureWidthError, InvalidArgumentError
-from .attach import dictionaries
-from .dictionary import FeatureDictionary, as_dictionary
 
 __all__ = ["feature_activations", "feature_logit_attrs"]
 

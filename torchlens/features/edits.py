@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
+from ..dictionaries.wrap import as_dictionary
 from ..edit.helpers import Add, Helper, register_helper
 from ..errors import FeatureIndexError, InvalidArgumentError
-from .dictionary import as_dictionary
 
 __all__ = ["FeatureEdit", "ablate", "clamp", "scale", "steer"]
 

@@ -24,11 +24,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from ..dictionaries.wrap import FeatureDictionary, as_dictionary
 from ..errors import DatasetFormatError, FeatureIndexError, InvalidArgumentError
 from ..store._reader import ActivationDataset
 from ..store._runner import SUMMARY_PREFIX, SiteReader, model_identity
 from ..store.datasets import DEFAULT_SHARD_SIZE, RunOptions, _describe_sites, _run
-from .dictionary import FeatureDictionary, as_dictionary
 
 __all__ = ["FeatureRecorder", "FeatureStats", "SiteFeatureStats", "feature_stats", "load_feature_stats"]
 

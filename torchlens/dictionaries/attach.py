@@ -32,7 +32,7 @@ from ..capture._splice import SUB_SITE, sub_site_label
 from ..core.selectors import Label, ModuleOutput, Selector, as_selector
 from ..core.steps import Step
 from ..errors import FeatureSiteError, InvalidArgumentError
-from .dictionary import FeatureDictionary, as_dictionary
+from .wrap import FeatureDictionary, as_dictionary
 
 __all__ = ["FeatureAttachment", "FeatureSplice", "attach", "dictionaries", "feature_steps", "sub_site_reads"]
 
