@@ -416,6 +416,19 @@ def test_a_fork_holds_its_parents_records_through_one_shared_object():
     assert torch.equal(trace.output, model(x))  # the parent never changes
 
 
+def test_trace_fork_makes_the_fork_class_of_core_fork():
+    """``trace.fork()`` makes ``core.fork.Fork``, which names itself the branch class
+    (``class Fork(Trace, branch=True)``): ``core.trace`` does not import ``core.fork``."""
+    from torchlens.core.fork import Fork
+    from torchlens.core.trace import Trace
+
+    _, _, trace = _tiny_trace()
+    fork = trace.fork()
+    assert type(fork) is Fork and type(fork.fork()) is Fork and Trace._branch is Fork
+    assert fork.parent is trace and fork.fork().parent is fork
+    assert not [i for i in GRAPH["torchlens.core.trace"] if i.module == "torchlens.core.fork" and not i.type_only]
+
+
 def _dict_copies(tree: ast.AST) -> list[int]:
     """Lines that copy one object's attributes into another wholesale: ``a.__dict__.update(...)``,
     ``vars(a).update(...)``, ``a.__dict__ = ...``."""
@@ -562,6 +575,7 @@ SHARED_MODULE_NAMES = {
     "sites": "generation/ mirrors core.sites per step",
     "steps": "generation/ mirrors core.steps per step",
     "trace": "generation/ mirrors core.trace per step",
+    "fork": "generation/fork.py edits a generation's fork step by step, as core.fork's Fork a trace's",
     # features/ offers edit/'s and analysis/'s roles over a dictionary's features
     "edits": "features/ mirrors edit.edits for features",
     "reads": "features/ mirrors edit.reads for features",

@@ -24,11 +24,12 @@ from .analysis.residual_decompose import ResidualStack, apply_ln_to_stack, decom
 from .api import extract, trace
 from .arch import arch
 from .core.builder import TraceBuilder
+from .core.fork import Fork
 from .core.records import ModuleCall, Op
 from .core.selectors import Selector, func, in_module, module
 from .core.sites import Site, Sites
 from .core.steps import Step
-from .core.trace import Fork, Trace
+from .core.trace import Trace
 from .edit.edits import AppliedEdit, EditContext, When, when
 from .edit.helpers import Helper, add, mean_ablate, noise, patch_from, register_helper, scale, zero_ablate
 from .edit.validate import ValidationReport, validate

@@ -13,10 +13,11 @@ from torch import nn
 
 from .api import rerun
 from .arch.resolve import ModelNames, bind
+from .core.fork import Fork
 from .core.selectors import Selector
 from .core.services import install
 from .core.steps import Step
-from .core.trace import Fork, Trace
+from .core.trace import Trace
 from .edit.replay import replay_many, replay_step
 
 __all__ = ["Services", "install_services"]

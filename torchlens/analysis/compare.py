@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
+from ..core.fork import Fork
 from ..core.records import EDIT, ModuleCall, Op
-from ..core.trace import Fork
 from ..core.tree import flatten
 from ..errors import InvalidArgumentError, TorchLensError
 from .notebook import comparison_html

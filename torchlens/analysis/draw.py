@@ -31,8 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from ..core.actions import provide_methods
+from ..core.fork import Fork
 from ..core.records import EDIT, INPUT, ModuleCall, Op
-from ..core.trace import Fork, Trace
+from ..core.trace import Trace
 from ..edit.edits import _caller_stacklevel
 from ..errors import DrawingScaledDown, GraphvizNotFoundError, InvalidArgumentError, OptionalDependencyError
 from .summary import call_tree, encloses

@@ -17,10 +17,11 @@ from typing import Any
 import torch
 
 from ..arch.resolve import resolve_canonical, view_or_none
+from ..core.fork import Fork
 from ..core.indices import python_indices
 from ..core.records import Op
 from ..core.sites import Site
-from ..core.trace import Fork, Trace
+from ..core.trace import Trace
 from ..edit.helpers import Helper
 from ..errors import (
     EditShapeError,

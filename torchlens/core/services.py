@@ -18,9 +18,10 @@ from ..errors import TorchLensError
 if TYPE_CHECKING:
     from torch import nn
 
+    from .fork import Fork
     from .selectors import Names, Selector
     from .steps import Step
-    from .trace import Fork, Trace
+    from .trace import Trace
 
 __all__ = ["TraceServices", "install", "services"]
 

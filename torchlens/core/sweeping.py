@@ -24,7 +24,8 @@ from .services import services
 from .steps import REPLAY_MODES, Step
 
 if TYPE_CHECKING:
-    from .trace import Fork, Trace
+    from .fork import Fork
+    from .trace import Trace
 
 __all__ = ["SettledAttribute", "SweepBlock", "check_batch_size"]
 

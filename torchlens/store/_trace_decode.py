@@ -21,8 +21,9 @@ from .._progress import track
 from ..capture._recorder import EditApplier
 from ..core.builder import TraceBuilder
 from ..core.changes import ForkState
+from ..core.fork import Fork
 from ..core.records import EDIT, INPUT, NOT_REPLAYABLE, ModuleCall, Op, Ref
-from ..core.trace import DataRead, Fork
+from ..core.trace import DataRead
 from ..core.tree import flatten
 from ..edit.edits import AppliedEdit, EditContext, _caller_stacklevel
 from ..errors import FunctionsNotResolved, ReplayNotExactError
