@@ -640,3 +640,101 @@ def test_core_services_are_replay_only_and_typed():
              if a.arg not in ("self", "inputs") and (a.annotation is None or ast.unparse(a.annotation) == "Any")]
     loose += [f"{m.name} returns Any" for m in methods if m.returns is None or ast.unparse(m.returns) == "Any"]
     assert not loose, f"untyped services parameters: {loose}"
+
+
+def _class_node(module: str, name: str) -> ast.ClassDef:
+    tree = ast.parse(FILES[module].read_text(), str(FILES[module]))
+    return next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == name)
+
+
+def _type_checking_declarations(cls: type) -> dict[str, tuple[type, ast.FunctionDef]]:
+    """``{name: (declaring class, node)}``: the methods declared under ``if TYPE_CHECKING:`` in the
+    bodies of ``cls`` and its torchlens bases (what type checkers see and the run never defines)."""
+    found = {}
+    for klass in reversed(cls.__mro__):
+        if klass.__module__ not in FILES:
+            continue
+        for stmt in _class_node(klass.__module__, klass.__name__).body:
+            if isinstance(stmt, ast.If) and _is_type_checking(stmt.test):
+                found.update({f.name: (klass, f) for f in stmt.body if isinstance(f, ast.FunctionDef)})
+    return found
+
+
+def _signature(fn: ast.FunctionDef) -> list[tuple[str, ...]]:
+    """A function's decorators and parameters but ``self`` (name, kind, annotation, default), as source text."""
+    a = fn.args
+    text = ast.unparse
+    pos = [*a.posonlyargs, *a.args]
+    pos_defaults = [None] * (len(pos) - len(a.defaults)) + list(a.defaults)
+    params = [(p.arg, "positional", p.annotation and text(p.annotation), d and text(d))
+              for p, d in zip(pos, pos_defaults)][1:]
+    params += [(p.arg, "keyword", p.annotation and text(p.annotation), d and text(d))
+               for p, d in zip(a.kwonlyargs, a.kw_defaults)]
+    params += [(p.arg, kind, p.annotation and text(p.annotation), None)
+               for p, kind in ((a.vararg, "*"), (a.kwarg, "**")) if p is not None]
+    return [tuple(text(d) for d in fn.decorator_list), *params]
+
+
+def _provided() -> dict[tuple[type, str], str]:
+    """``{(core class, name): "module.Mixin"}`` for torchlens' own classes (tests add toy targets)."""
+    import torchlens  # noqa: F401 - lazy: importing it runs every provide_methods
+    from torchlens.core.actions import provided_methods
+
+    return {k: v for k, v in provided_methods().items() if k[0].__module__ in FILES}
+
+
+def test_provided_methods_are_declared_for_type_checkers_with_their_owners_signatures():
+    """Each method a package provides to a core class (``core.actions.provide_methods``) is declared
+    under ``if TYPE_CHECKING:`` in that class's body or a torchlens base's, and nothing else is: the
+    same decorators and parameters as the owner's, and the owner's return type, or ``Any`` when the
+    core may not name it (a class of a package above the core)."""
+    import typing
+
+    provided = _provided()
+    assert {name for _, name in provided} >= {"validate", "save", "draw", "facets"}
+    for target in {t for t, _ in provided}:
+        declared = _type_checking_declarations(target)
+        names = {n for t, n in provided if t is target}
+        assert set(declared) == names, f"{target.__name__}: declared {sorted(declared)}, provided {sorted(names)}"
+        for name, (_, node) in declared.items():
+            module, mixin = provided[target, name].rsplit(".", 1)
+            owner = next(f for f in _class_node(module, mixin).body
+                         if isinstance(f, ast.FunctionDef) and f.name == name)
+            assert _signature(node) == _signature(owner), f"{target.__name__}.{name} drifted from {mixin}.{name}"
+            want, got = ast.unparse(owner.returns), ast.unparse(node.returns)
+            if got != want:
+                member = vars(target)[name]
+                returned = typing.get_type_hints(getattr(member, "fget", member))["return"]
+                above_core = returned.__module__.startswith("torchlens.") and not returned.__module__.startswith(
+                    "torchlens.core")
+                assert got == "Any" and above_core, f"{target.__name__}.{name} returns {got}, its owner {want}"
+
+
+def test_a_runtime_trace_gets_the_declared_methods_from_their_owners():
+    """The declarations never run: at run time each name is the owner's mixin's own member, on a
+    trace, a fork and a site."""
+    import importlib
+    import inspect
+
+    provided = _provided()
+    _, _, trace = _tiny_trace()
+    instances = {"Trace": [trace, trace.fork()], "Site": [trace[trace.output_layers[0]]]}
+    for (target, name), owner in provided.items():
+        module, mixin = owner.rsplit(".", 1)
+        member = vars(getattr(importlib.import_module(module), mixin))[name]
+        declaring = _type_checking_declarations(target)[name][0]
+        assert vars(target)[name] is member and (declaring is target or name not in vars(declaring))
+        for obj in instances[target.__name__]:
+            assert inspect.getattr_static(obj, name) is member
+    assert "relu" in trace.table() and trace.validate().ok
+
+
+def test_the_signature_check_sees_a_drift():
+    def sig(src: str) -> list[tuple[str, ...]]:
+        return _signature(ast.parse(src).body[0])
+
+    assert sig("def f(self: T, a: int = 1, *, b=None) -> X: ...") == sig("def f(self, a: int = 1, *, b=None): ...")
+    assert sig("def f(self, a=1): ...") != sig("def f(self, *, a=1): ...")  # kind
+    assert sig("def f(self, a=1): ...") != sig("def f(self, a=2): ...")  # default
+    assert sig("def f(self, a: int): ...") != sig("def f(self, a: str): ...")  # annotation
+    assert sig("@property\ndef f(self): ...") != sig("def f(self): ...")

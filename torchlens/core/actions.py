@@ -15,7 +15,9 @@ implementation, whose methods become the target class's.
 - ``Site.facets``: ``torchlens.analysis.facets`` (``FacetsProperty``)
 
 ``import torchlens`` imports every provider (``torchlens/__init__.py``), so the methods are there
-whenever a trace is.
+whenever a trace is. Type checkers do not run ``provide_methods``: each provided method is also
+declared, signature only, under ``if TYPE_CHECKING:`` in its target's body (``TraceActions`` below for
+``Trace``, ``Site`` for ``facets``); tests/test_architecture.py checks the declarations match the owners.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ from .selectors import as_selector
 from .services import services
 
 if TYPE_CHECKING:
+    import os
+    from pathlib import Path
+
     from .trace import Trace
 
 __all__ = ["TraceActions", "provide_methods", "provided_methods"]
@@ -85,6 +90,30 @@ def provided_methods() -> dict[tuple[type, str], str]:
 
 class TraceActions:
     """Methods of ``Trace`` that run the model again (through the installed services)."""
+
+    if TYPE_CHECKING:
+        # Provided above the core on import (provide_methods; the owners are listed at the top of this
+        # module), declared here for type checkers only: never defined at run time. The same signatures
+        # as the owners'; a return type owned above the core is Any, since the core names nothing above
+        # it, not even for type checkers (tests/test_architecture.py checks both).
+        def validate(self, *, atol: float = 1e-5, rerun: bool = True, progress: bool | None = None) -> Any: ...
+
+        def save(self, path: Any, *, selector: Any = None, overwrite: bool = False) -> Path: ...
+
+        def save_intervention(self, path: Any, level: str = "portable", *, overwrite: bool = False) -> Path: ...
+
+        def table(self, selector: Any = None, limit: int | None = None) -> str: ...
+
+        def to_dot(self, *, depth: int | str | None = "auto", focus: Any = None, rolled: bool = False,
+                   highlight: Any = None) -> str: ...
+
+        def draw(self, path: str | os.PathLike | None = None, *, fmt: str | None = None,
+                 depth: int | str | None = "auto", focus: Any = None, rolled: bool = False,
+                 highlight: Any = None) -> Any: ...
+
+        def summary(self) -> Any: ...
+
+        def to_pandas(self) -> Any: ...
 
     def run(self, model: torch.nn.Module | None = None, *args: Any, **kwargs: Any) -> Trace:
         """Run the model again with this trace's steps as capture-time edits; a new trace."""

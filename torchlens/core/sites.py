@@ -22,6 +22,12 @@ class Site:
 
     __slots__ = ("trace", "record")
 
+    if TYPE_CHECKING:
+        # Provided by analysis.facets on import (core.actions.provide_methods), declared for type
+        # checkers only; tests/test_architecture.py checks it matches the owner's.
+        @property
+        def facets(self) -> Any: ...
+
     def __init__(self, trace: Trace, record: Op | ModuleCall) -> None:
         self.trace = trace
         self.record = record
