@@ -81,6 +81,27 @@ def test_rows_declares_an_op_without_a_rule_and_whole_recomputes_it():
     assert torch.allclose(fork.output, edited_forward(model, "inner", scale_row_hook(5, 2.0), (x,)), atol=ATOL)
 
 
+def test_an_op_handed_on_mid_run_is_counted_once_by_the_strategy_that_finished_it(monkeypatch):
+    """``rows`` finds, running relu, that its rows do not fit (forced here): it hands the op on,
+    ``whole`` recomputes it, and the record counts relu once, for ``whole``."""
+    from torchlens.edit._replay_run import Replayer
+
+    model, x = _Flipped().eval(), _x()
+    trace = tl.trace(model, x)
+    relu = _op(trace, "relu")
+    plain = trace.fork().do("inner", scale_row_edit(5, 2.0)).edits[-1].replay.chosen
+    fits = Replayer.finish_rows
+    monkeypatch.setattr(Replayer, "finish_rows",
+                        lambda self, op, *a, **k: op.index != relu.index and fits(self, op, *a, **k))
+    fork = trace.fork().do("inner", scale_row_edit(5, 2.0))
+    log = fork.edits[-1].replay
+    assert ("rows", f"op {relu.label} (relu): its rule's rows do not fit the recorded value") in log.decisions
+    assert plain == {"rows": 1, "whole": 2}  # relu sliced; flip and outer whole
+    assert log.chosen == {"whole": 3}
+    assert [e[2] for e in log.entries if e[0] == relu.label] == ["mapped"]  # whole, its changed rows known
+    assert torch.allclose(fork.output, edited_forward(model, "inner", scale_row_hook(5, 2.0), (x,)), atol=ATOL)
+
+
 def test_row_batch_declares_calls_that_do_not_line_up_and_each_fork_runs_its_own():
     model, x = _Flipped().eval(), _x()
     trace = tl.trace(model, x)

@@ -82,6 +82,9 @@ def _assert_like_alone(case, trace, fork, site, edit, hook, others: int, same_op
     mine, theirs = fork.edits[-1].replay.entries, alone.edits[-1].replay.entries
     if same_ops:
         assert [e[:4] for e in mine] == [e[:4] for e in theirs]
+        # each op the edit reached counted once, by the strategy that finished it (one handed on: not twice)
+        counted = fork.edits[-1].replay.chosen
+        assert sum(counted.values()) == sum(alone.edits[-1].replay.chosen.values()), counted
     else:
         assert [e[0] for e in mine] == [e[0] for e in theirs]
     if others:

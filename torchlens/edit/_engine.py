@@ -103,6 +103,7 @@ class Engine:
         self.live: dict[Replayer, int] = {}  # run -> its fork's index, while it replays
         self._active: list[Replayer] = []
         self.chain: list[Strategy] = []
+        self._handed: set[Replayer] = set()  # runs the strategy running an op handed on (hand_on)
         for i, (fork, step, found) in enumerate(zip(forks, steps, targets)):
             run = Replayer(fork, sliced=sliced, read=read)
             run.saved = fork.fork_state()
@@ -127,16 +128,17 @@ class Engine:
         try:
             chain = self.chain = build(self)
             holding = [s for s in chain if type(s).flush is not Strategy.flush]  # (those that hold work back)
-            live = self.active()
+            live = self._active
             if live:
                 ops, end = live[0].ops, len(live[0].ops)
+                alone = all(s.alone and type(s).groups is Strategy.groups for s in chain)
                 with torch.set_grad_enabled(any(r.fork.grad for r in live)):
                     for j in range(min(r.start for r in live), end + 1):
-                        for r in self.active():
+                        for r in self._active:  # (a failed run leaves: the list is replaced, not changed)
                             if r.due <= j:  # a step lands or a data read is checked at j
                                 self.each(r, r.before, j)
                         if j == end:
-                            for r in self.active():
+                            for r in self._active:
                                 self.each(r, r.finish)
                             break
                         op = ops[j]
@@ -144,14 +146,17 @@ class Engine:
                             continue
                         parents = None
                         reaching = []
-                        for r in self.active():
+                        for r in self._active:
                             if r.changed and r.start <= j:
                                 if parents is None:
                                     parents = {ref.index for ref in op.parent_refs}
                                 if r.reaches(op, parents):
                                     reaching.append(r)
                         if reaching:
-                            self.run_op(op, reaching)
+                            if alone and len(reaching) == 1 and not self._rewrites:
+                                self._run_alone(op, reaching)
+                            else:
+                                self.run_op(op, reaching)
                         for strategy in holding:
                             strategy.flush()
         except BaseException:  # interrupted, or an unexpected error: no fork is left half replayed
@@ -189,8 +194,11 @@ class Engine:
                         self.each(group[0], strategy.run_op, op, group)
                     else:
                         self.each_of(group, strategy.run_op, op, group)
-                    name = strategy.name
+                    name, handed = strategy.name, self._handed
                     for r in group:
+                        if r in handed:  # handed on mid-run: the strategy that finished the op counted it
+                            handed.discard(r)
+                            continue
                         chosen = r.log.chosen
                         chosen[name] = chosen.get(name, 0) + 1
                     continue
@@ -202,11 +210,44 @@ class Engine:
         for r in pending:  # (the last strategy, ``whole``, takes every op the engine did not refuse)
             self.each(r, _refuse, op, f"op {op.label} ({op.func_name}) at {op.source}: no replay strategy takes it")
 
+    def _run_alone(self, op: Op, runs: list[Replayer]) -> None:
+        """:meth:`run_op` for one run when every strategy of the chain works on one run at a time
+        and its memory was not written through a view (the common single-fork replay): the same
+        offers, refusals and record, without grouping."""
+        why = refuse_reason(op)
+        run = runs[0]
+        if why:
+            self.each(run, _refuse, op, why)
+            return
+        for strategy in self.chain:
+            reason = strategy.cannot(op, runs)
+            if reason is None:
+                try:
+                    strategy.run_op(op, runs)
+                except ReplayFallbackError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - handed back as that fork's error (its outcome)
+                    self.fail(run, exc)
+                    return
+                if run in self._handed:  # it handed the op on: the strategy that finished it counted it
+                    self._handed.discard(run)
+                    return
+                chosen = run.log.chosen
+                chosen[strategy.name] = chosen.get(strategy.name, 0) + 1
+                return
+            if reason:
+                self.decline(strategy, runs, f"op {op.label} ({op.func_name}): {reason}")
+            strategy.release(runs)
+            if run not in self.live:
+                return
+        self.each(run, _refuse, op, f"op {op.label} ({op.func_name}) at {op.source}: no replay strategy takes it")
+
     def hand_on(self, strategy: Strategy, op: Op, runs: list[Replayer], reason: str) -> None:
         """``strategy`` found, running ``op``, that it cannot finish it for ``runs`` (``reason``):
         record that and offer the op to the strategies after it."""
         self.decline(strategy, runs, f"op {op.label} ({op.func_name}): {reason}")
         self.run_op(op, runs, after=strategy)
+        self._handed.update(runs)  # (after: the strategy that finished it counts it, this one not)
 
     def decline(self, strategy: Strategy, runs: list[Replayer], reason: str) -> None:
         """Record in each run's replay record that ``strategy`` refused it, and why.
