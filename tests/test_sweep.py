@@ -18,7 +18,7 @@ from conftest import leaves as tl_leaves
 
 import torchlens as tl
 from torchlens.core.steps import REPLAY, Step
-from torchlens.edit import _sweep
+from torchlens.edit import _sweep_group
 from torchlens.edit._fallbacks import STRICT_ENV
 from torchlens.edit._replay_run import Replayer
 from torchlens.edit.replay import replay_forks
@@ -124,7 +124,7 @@ def test_eager_attention_is_swept_its_scores_whole_until_the_mask(case_name, bat
     call; or, where that does not apply, once per fork), and once the mask restores the
     corner's block their rows join the stack again, as replay alone decides."""
     if not batched:
-        monkeypatch.setattr(_sweep._Group, "_scores", lambda self, op, forks, stacks: None)
+        monkeypatch.setattr(_sweep_group.SweepGroup, "_scores", lambda self, op, forks, stacks: None)
     case = request.getfixturevalue(case_name)
     case = dataclasses.replace(case, model=eager_copy(case.model))
     trace = tl.trace(case.model, *case.args)
@@ -362,7 +362,7 @@ def test_an_unexpected_error_inside_the_sweep_propagates_and_restores_every_fork
     def bug(self, op, forks):
         raise RuntimeError("a bug in a stacked rule")
 
-    monkeypatch.setattr(_sweep._Group, "_stacked", bug)
+    monkeypatch.setattr(_sweep_group.SweepGroup, "_stacked", bug)
     trace = tl.trace(tiny_gpt2.model, *tiny_gpt2.args)
     forks = [trace.fork() for _ in range(2)]
     steps = _steps(forks, [("transformer.h.0", scale_row_edit(5)), ("transformer.h.1", scale_row_edit(5))])
