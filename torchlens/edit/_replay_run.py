@@ -75,6 +75,7 @@ class Replayer:
         self.due = math.inf  # the next position where a step lands or a data read is checked
         self._watch: set[int] = set()
         self._planned: tuple[int, Plan, tuple, dict, bool] | None = None  # the last op planned, see plan()
+        self._set = fork.changes.set_recomputed  # (a fork keeps its one ForkValues: store writes through it)
 
     def prepare(self, new_step: Step, new_targets: list[Target]) -> int:
         """Plan pushing ``new_step`` (landing on ``new_targets``): the first position the engine
@@ -273,13 +274,13 @@ class Replayer:
         return True
 
     def store(self, j: int, new: Any, region: Any) -> None:
-        fork = self.fork
+        """Op ``j``'s new value on the fork, changed in ``region``."""
         if j in self._watch and j not in self.previous:
             try:
-                self.previous[j] = fork.value(j)
+                self.previous[j] = self.fork.value(j)
             except ValueNotSavedError:
                 pass
-        fork.changes.set_recomputed(j, new)
+        self._set(j, new)
         self.regions[j] = region
         self.changed.add(j)
 

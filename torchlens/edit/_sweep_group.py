@@ -379,20 +379,20 @@ class SweepGroup:
                 self.replayers[i].log.entries.append((op.label, op.func_name, how, None, note))
             return
         s = self.stack[j] = _checked(Stack(base, region.axis, region.start, rows, forks))
-        size = (region.axis, region.start, base.shape[region.axis]) if logged else None
-        axis, m, rows = s.axis, s.block, s.rows
-        whole = region.start == 0  # every row: each fork holds its whole value
+        axis, start, m, rows = s.axis, region.start, s.block, s.rows
+        whole = start == 0  # every row: each fork holds its whole value
         how = _as_whole(how) if whole else how
+        entry = (op.label, op.func_name, how, None if whole or not logged else (axis, start, base.shape[axis]), note)
+        replayers = self.replayers
         for k, i in enumerate(forks):
-            replayer = self.replayers[i]
+            replayer = replayers[i]
             if replayer not in live:
                 continue
             if whole:
                 replayer.store(j, rows.narrow(axis, k * m, m), WHOLE)
-                replayer.log.entries.append((op.label, op.func_name, how, None, note))
-                continue
-            replayer.store(j, BlockPatch(base, region.axis, region.start, rows, k * m), region)
-            replayer.log.entries.append((op.label, op.func_name, how, size, note))
+            else:
+                replayer.store(j, BlockPatch(base, axis, start, rows, k * m), region)
+            replayer.log.entries.append(entry)
 
 
 def _row_regions(region: Any) -> bool:
