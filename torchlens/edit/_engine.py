@@ -30,6 +30,7 @@ on several forks at once propagates, every fork restored.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -133,10 +134,13 @@ class Engine:
                 ops, end = live[0].ops, len(live[0].ops)
                 alone = all(s.alone and type(s).groups is Strategy.groups for s in chain)
                 with torch.set_grad_enabled(any(r.fork.grad for r in live)):
+                    due = min(r.due for r in live)  # the next position where some run's step lands or read is checked
                     for j in range(min(r.start for r in live), end + 1):
-                        for r in self._active:  # (a failed run leaves: the list is replaced, not changed)
-                            if r.due <= j:  # a step lands or a data read is checked at j
-                                self.each(r, r.before, j)
+                        if due <= j:
+                            for r in self._active:  # (a failed run leaves: the list is replaced, not changed)
+                                if r.due <= j:
+                                    self.each(r, r.before, j)
+                            due = min((r.due for r in self._active), default=math.inf)
                         if j == end:
                             for r in self._active:
                                 self.each(r, r.finish)

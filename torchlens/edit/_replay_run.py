@@ -187,6 +187,7 @@ class Replayer:
         fork, j, changed = self.fork, op.index, self.changed
         values: list[Any] = []
         refs: list[Any] = []
+        pending = [False]
 
         def resolve(r):
             if r.index not in changed:
@@ -194,11 +195,13 @@ class Replayer:
             v = fork.seen_value(r, j, pending_ok=True)
             values.append(v)
             refs.append(r)
+            if isinstance(v, Pending):
+                pending[0] = True
             return v
 
         args, kwargs = build_args(op, resolve)
-        pending = any(isinstance(v, Pending) for v in values)
         plan = plan_op(op, args, kwargs, region_lookup(values, refs, self.regions))
+        pending = pending[0]
         self._planned = (j, plan, args, kwargs, pending)
         return plan, args, kwargs, pending
 

@@ -155,14 +155,23 @@ def plan_op(op: Any, args: tuple, kwargs: dict, region_of: Callable[[Any], Regio
     Returns:
         the :class:`Plan`.
     """
-    tensors = [(t, region_of(t)) for t in _tensors(args, kwargs)]
-    changed = [(t, r) for t, r in tensors if r is not None]
+    changed = []
+    corner = whole = False
+    for t in _tensors(args, kwargs):
+        r = region_of(t)
+        if r is not None:
+            changed.append((t, r))
+            if type(r) is not Rows:
+                if isinstance(r, Corner):
+                    corner = True
+                elif r is WHOLE or not isinstance(r, Rows):
+                    whole = True
     if not changed:
         return Plan("skip", None)
     name = op.func_name
-    if any(isinstance(r, Corner) for _, r in changed):
+    if corner:
         return _corner(name, changed, op.shape)
-    if any(r is WHOLE or not isinstance(r, Rows) for _, r in changed):
+    if whole:
         return Plan("full", WHOLE)
     call = _Call(op, args, kwargs)
     out_shape = op.shape

@@ -49,6 +49,11 @@ class ChangedRows(Strategy):
 
     name = "rows"
 
+    def __init__(self, engine: Any) -> None:
+        super().__init__(engine)
+        # what cannot() found for the op it accepted, for run_op: (op index, run, recorded value or view rows)
+        self._ready: tuple[int, Replayer, Any] | None = None
+
     def cannot(self, op: Op, runs: list[Replayer]) -> str | None:
         run = runs[0]
         if not run.sliced or op.flags & (INPLACE | EDIT | GUARD) or op.func_name in UNINITIALISED:
@@ -59,21 +64,34 @@ class ChangedRows(Strategy):
         if plan.kind == "skip":
             return None
         if plan.kind == "rows":
-            return None if run.row_base(op) is not None else "its recorded value was not kept"
-        if pending and op.func_name in ROW_VIEWS and _view_rows(run, op, plan, args, kwargs) is not None:
+            base = run.row_base(op)
+            if base is None:
+                return "its recorded value was not kept"
+            self._ready = (op.index, run, base)
             return None
+        if pending and op.func_name in ROW_VIEWS:
+            found = _view_rows(run, op, plan, args, kwargs)
+            if found is not None:
+                self._ready = (op.index, run, found)
+                return None
         return plan.reason or NOT_MINE  # (no reason: its inputs changed whole, nothing to slice)
+
+    def close(self) -> None:
+        self._ready = None
 
     def run_op(self, op: Op, runs: list[Replayer]) -> None:
         run = runs[0]
         plan, args, kwargs, _ = run.plan(op)
         if plan.kind == "skip":
             return
+        ready, self._ready = self._ready, None
+        found = ready[2] if ready is not None and ready[0] == op.index and ready[1] is run else None
         if plan.kind == "rows":
-            if not run.finish_rows(op, plan, run.row_base(op), plan.call()):
+            base = found if found is not None else run.row_base(op)
+            if not run.finish_rows(op, plan, base, plan.call()):
                 self.engine.hand_on(self, op, runs, "its rule's rows do not fit the recorded value")
             return
-        old, want = _view_rows(run, op, plan, args, kwargs)
+        old, want = found if found is not None else _view_rows(run, op, plan, args, kwargs)
         x, region = args[0], plan.region
         # view/reshape bake the sizes in their arguments: the rule mapped the rows, so reshape them
         rows = x.rows.reshape(want) if op.func_name in ("view", "reshape") else op.func(x.rows, *args[1:], **kwargs)
