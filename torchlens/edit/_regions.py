@@ -157,7 +157,8 @@ class ReplayLog:
 
     ``decisions`` holds ``(strategy, reason)``: each time a replay strategy declared it could not
     take this edit (or one op of it), so a slower one did (``torchlens.edit._engine``; the reason
-    names the op). ``chosen`` counts, per strategy, the ops it recomputed for this edit.
+    names the op). ``chosen`` counts, per strategy, the ops it recomputed for this edit (each op once,
+    for the strategy that finished it).
     """
 
     __slots__ = ("chosen", "decisions", "entries", "sliced")
