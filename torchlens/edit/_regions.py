@@ -8,9 +8,8 @@ regions through ops live in :mod:`torchlens.edit._slicing`.
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -224,17 +223,27 @@ def normal(r: Region) -> Region:
 _FROM_ZERO = threading.local()
 
 
-@contextlib.contextmanager
-def rows_from_zero(on: bool = True) -> Iterator[None]:
+class _FromZero:
+    """The context :func:`rows_from_zero` returns (a class: the sweep enters one per op it plans)."""
+
+    __slots__ = ("on", "before")
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+
+    def __enter__(self) -> None:
+        self.before = getattr(_FROM_ZERO, "on", False)
+        _FROM_ZERO.on = self.on
+
+    def __exit__(self, *exc: object) -> None:
+        _FROM_ZERO.on = self.before
+
+
+def rows_from_zero(on: bool = True) -> _FromZero:
     """While on (in this thread), the rules keep ``Rows(axis, 0)`` as rows instead of the whole
     tensor: a sweep planning an op on forks' whole values, stacked along an axis the op keeps,
     learns from them which axis of the output holds each fork's block."""
-    before = getattr(_FROM_ZERO, "on", False)
-    _FROM_ZERO.on = on
-    try:
-        yield
-    finally:
-        _FROM_ZERO.on = before
+    return _FromZero(on)
 
 
 Touched = tuple[int, list[int]]
