@@ -5,12 +5,15 @@ whether it batched, and a layer the batch cannot take is declined with its reaso
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
-from conftest import build_tiny_gpt2, refused
+from conftest import SelectPoolNet, _seeded, build_tiny_gpt2, refused
 from test_patching import _corrupt, _patched, _read
 
 import torchlens as tl
+from torchlens.edit import _cells
 from torchlens.edit._cells import plan_cells, run_cells
 from torchlens.edit._fallbacks import STRICT_ENV
 from torchlens.errors import InvalidArgumentError, ReplayFallbackError
@@ -156,3 +159,130 @@ def test_a_cells_whole_output_holds_its_own_kv_cache(tiny_gpt2):
         assert torch.allclose(mine.keys, theirs.keys, atol=EXACT) and torch.allclose(mine.values, theirs.values,
                                                                                       atol=EXACT)
     assert not torch.equal(got.past_key_values.layers[1].keys, corrupted.output.past_key_values.layers[1].keys)
+
+
+def _select_pool(how: str):
+    """The :class:`SelectPoolNet` of ``how`` with a clean and a corrupted input (position 2 changed)."""
+    model = _seeded(lambda: SelectPoolNet(how))
+    x = torch.randn(1, 5, 8, generator=torch.Generator().manual_seed(1))
+    bad = x.clone()
+    bad[0, 2] += 1.5
+    return model, x, bad
+
+
+def _head_diff(out) -> torch.Tensor:
+    return out[0, -1, 0] - out[0, -1, 1]
+
+
+def _hooked_grid(model, x, bad) -> torch.Tensor:
+    """Every cell by hand: a forward hook writing block ``layer``'s clean row ``p`` into its output."""
+    blocks = model.blocks
+    clean = {}
+    hooks = [b.register_forward_hook(lambda m, a, o, i=i: clean.update({i: o.clone()})) for i, b in enumerate(blocks)]
+    with torch.no_grad():
+        model(x)
+    for h in hooks:
+        h.remove()
+    grid = torch.empty(len(blocks), x.shape[1])
+    for layer, block in enumerate(blocks):
+        for p in range(x.shape[1]):
+            def write(m, a, o, layer=layer, p=p):
+                o = o.clone()
+                o[:, p] = clean[layer][:, p]
+                return o
+
+            h = block.register_forward_hook(write)
+            with torch.no_grad():
+                grid[layer, p] = _head_diff(model(bad))
+            h.remove()
+    return grid
+
+
+def _declined_grid(how: str, reason: str, monkeypatch, op: str = "") -> None:
+    """The grid over the three blocks' outputs of ``SelectPoolNet(how)``: blocks 0 and 1 declined with
+    ``reason`` naming ``op`` (block 2's output reaches only the head), batched and sliced grids equal to plain forward
+    hooks, and strict fallbacks raising with the reason."""
+    model, x, bad = _select_pool(how)
+    clean, corrupted = tl.trace(model, x), tl.trace(model, bad)
+    batched = tl.patching.activation_patching(clean, corrupted, _head_diff, site="resid_post", batched_cells=True)
+    sliced = tl.patching.activation_patching(clean, corrupted, _head_diff, site="resid_post", batched_cells=False)
+    declined = batched.notes["cells"]["declined"]
+    assert sorted(declined) == [0, 1], declined
+    assert all(reason in why and op in why for why in declined.values()), declined
+    want = _hooked_grid(model, x, bad)
+    assert torch.allclose(batched.values, want, atol=ATOL) and torch.allclose(sliced.values, want, atol=ATOL)
+    monkeypatch.setenv(STRICT_ENV, "1")
+    with pytest.raises(ReplayFallbackError, match=re.escape(reason)):
+        tl.patching.activation_patching(clean, corrupted, _head_diff, site="resid_post", batched_cells=True)
+
+
+@pytest.mark.parametrize(("how", "op"), [("mask", "(getitem) at"), ("nonzero", "(nonzero) at")])
+def test_an_op_whose_shape_depends_on_the_values_is_declined_before_running(how, op, monkeypatch):
+    """Boolean-mask indexing (``h[h > 0]``) or nonzero downstream of a site: each cell would select
+    another number of elements, so its cells replay as forks."""
+    _declined_grid(how, "returns a shape that depends on values the edit reaches (it "
+                   + ("selects elements by a boolean mask: x[mask]" if how == "mask" else "lists or counts the input's "
+                      "elements") + "), which can differ from cell to cell", monkeypatch, op)
+
+
+def test_an_lstm_is_declined_before_running(monkeypatch):
+    """``nn.LSTM`` downstream of a site: vmap has no batching rule for its fused kernel (nor a fallback)."""
+    model, x, bad = _select_pool("lstm")
+    trace = tl.trace(model, bad)
+    trace.ensure_graph()
+    lstm = next(op for op in trace.ops if op.func_name == "lstm" and op.module.startswith("blocks.1"))
+    why = plan_cells(trace, trace.bind("blocks.0", strings_as_modules=True).match(trace)[0])
+    assert why == f"op {lstm.label} (lstm) at {lstm.source} has no batching rule in torch.vmap (a recurrent " \
+                  "layer's fused kernel)"
+    with pytest.raises(RuntimeError, match="Batching rule not implemented for aten::lstm"):  # what it spares
+        torch.vmap(lambda h: model.blocks[1].rnn(h)[0])(torch.stack([trace.value(lstm.parent_refs[0].index)] * 2))
+    monkeypatch.setenv(STRICT_ENV, "1")
+    with pytest.raises(ReplayFallbackError, match=re.escape(why)):
+        tl.patching.activation_patching(x, bad, _head_diff, model=model, site="resid_post", batched_cells=True)
+
+
+def test_a_vmap_refusal_while_running_declines_the_layers_it_reaches(monkeypatch):
+    """The safety net: with the boolean-mask rule taken out of plan_cells, vmap itself refuses ``h[h > 0]``
+    while the batch runs; the layers whose cells reach it replay as forks, with vmap's words."""
+    monkeypatch.setattr(_cells, "_VMAP_LIMITS", {k: v for k, v in _cells._VMAP_LIMITS.items() if k != "getitem"})
+    _declined_grid("mask", "vmap: We do not support batching operators that can support dynamic shape. "
+                           "Attempting to batch over indexing with a boolean mask.", monkeypatch)
+
+
+def test_a_constant_mask_stays_batched(monkeypatch):
+    """``h[..., keep]`` with a mask the edit does not reach selects as many elements in every cell: batched."""
+    model, x, bad = _select_pool("fixed_mask")
+    monkeypatch.setenv(STRICT_ENV, "1")  # no fallback anywhere
+    got = tl.patching.activation_patching(x, bad, _head_diff, model=model, site="resid_post", batched_cells=True)
+    assert got.notes["cells"]["declined"] == {}
+    assert torch.allclose(got.values, _hooked_grid(model, x, bad), atol=ATOL)
+
+
+def test_run_cells_hands_back_only_vmap_refusals(monkeypatch):
+    """While the batch runs, a RuntimeError of vmap's (batching rules) declines the sites reaching its op;
+    any other error propagates."""
+    model, x, bad = _select_pool("fixed_mask")
+    trace = tl.trace(model, bad)
+    trace.ensure_graph()
+    sites = [trace.bind(f"blocks.{i}", strings_as_modules=True).match(trace)[0] for i in range(3)]
+    passes = [plan_cells(trace, s) for s in sites]
+    tanh = next(op for op in passes[1].ops if op.func_name == "tanh")  # in block 2: sites 0 and 1 reach it
+    values = [[trace.value(c.site) * 2] for c in passes]
+    names = [["a"], ["b"], ["c"]]
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("Batching rule not implemented for aten::tanh. We could not generate a fallback.")
+
+    monkeypatch.setattr(tanh, "func", refuse)
+    got = run_cells(trace, passes, values, names)
+    assert got[0] == got[1] == (f"torch.vmap could not batch op {tanh.label} (tanh) at {tanh.source}: "
+                                "Batching rule not implemented for aten::tanh. We could not generate a fallback.")
+    want = trace.fork().do("blocks.2", lambda a, *, ctx: a * 2).output  # the third site still ran, batched
+    assert torch.allclose(got[2][0], want, atol=EXACT)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("the model's own error")
+
+    monkeypatch.setattr(tanh, "func", boom)
+    with pytest.raises(RuntimeError, match="the model's own error"):
+        run_cells(trace, passes, values, names)

@@ -163,7 +163,9 @@ class _Cells:
 
         The sites that can be batched run as one growing batch (``torchlens.edit._cells.run_cells``),
         ``batch_size`` cells of each site at a time: a chain of at most ``batch_size`` × sites entries,
-        each holding only the values its later ops still read."""
+        each holding only the values its later ops still read. A site whose cells reach an op
+        ``torch.vmap`` refused while running gets that refusal as its reason (all its cells then
+        replay as forks)."""
         plans = [self._plan(site) for site, _ in sites]
         out: list[list[float] | str] = [p if isinstance(p, str) else [] for p in plans]
         ok = sorted((i for i, p in enumerate(plans) if not isinstance(p, str)), key=lambda i: plans[i].site)
@@ -171,13 +173,17 @@ class _Cells:
             return out
         width = max(len(sites[i][1]) for i in ok)
         for start in range(0, width, self.batch_size):
-            chain = [i for i in ok if sites[i][1][start:start + self.batch_size]]
+            chain = [i for i in ok if sites[i][1][start:start + self.batch_size] and not isinstance(out[i], str)]
             cells = [sites[i][1][start:start + self.batch_size] for i in chain]
             values = [[edit(self.trace.value(plans[i].site), ctx=None) for _, edit in c] for i, c in zip(chain, cells)]
             got = run_cells(self.trace, [plans[i] for i in chain], values, [[n for n, _ in c] for c in cells])
-            read = all(plans[i].read is not None for i in chain) and len({plans[i].read for i in chain}) == 1
+            ran = [i for i, g in zip(chain, got) if not isinstance(g, str)]
+            read = all(plans[i].read is not None for i in ran) and len({plans[i].read for i in ran}) == 1
             for i, scores in zip(chain, got):
-                out[i] += [score(self.metric.reads.score if read else self.metric, g) for g in scores]
+                if isinstance(scores, str):
+                    out[i] = scores
+                else:
+                    out[i] += [score(self.metric.reads.score if read else self.metric, g) for g in scores]
         return out
 
     def mixes_back(self, layer: int) -> bool | str:
