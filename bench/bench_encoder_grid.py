@@ -1,6 +1,6 @@
 """The encoder grid: activation patching on BERT-base (random weights, 1×8 tokens, CPU, one thread).
 
-usage: python bench/bench_encoder_grid.py [--quick] [--sweep] [--encoder-only]
+usage: python bench/bench_encoder_grid.py [--quick] [--sweep] [--encoder-only] [--heads]
 
 - ``encoder_grid``: ``tl.patching.activation_patching(clean, corrupted, metric, site="resid_pre")``
   over 12 layers × 8 positions of ``transformers.BertModel(BertConfig())`` (seed 0); the
@@ -16,6 +16,12 @@ usage: python bench/bench_encoder_grid.py [--quick] [--sweep] [--encoder-only]
   ``encoder_grid_k{2,4}`` (``batch_size`` 2 or 4 positions of every layer per batch),
   ``encoder_grid_seq{32,64}_{batched,sliced}`` (longer prompts, 8 positions each), and GPT-2
   small batched on 64 tokens and both ways on 8 tokens (causal attention).
+- ``--heads`` runs only the head grids (``site="heads"``), batched and as sliced forks alternately
+  in one process, each round against plain forwards timed around it: ``encoder_heads`` (BERT-base
+  1x8, 12 layers x 12 heads, each head at every position), ``encoder_heads_pos3`` (the same heads
+  at positions 0, 3, 7), ``gpt2_heads_seq8`` (GPT-2 small 1x8, causal attention) and
+  ``gpt2_heads_seq8_pos3``; ``ok``: sampled cells equal a plain pre-hook writing the clean
+  head's slice into the output projection's input (TransformerLens' ``hook_z`` patching).
 Prints one JSON line per case (see ../shared/bench-spec.md).
 """
 
@@ -118,6 +124,90 @@ def grid_case(tool: str, case: str, model, clean_ids, corrupt_ids, metric, posit
     return {"grid": grid}
 
 
+def _out_proj(model, layer: int):
+    block = _blocks(model)[layer]
+    return block.attention.output.dense if hasattr(block, "attention") else block.attn.c_proj
+
+
+def _head_cell(model, ids, layer: int, head: int, p: int | None, donor: torch.Tensor, head_dim: int):
+    """One head cell by hand: the clean head's slice (at position ``p``, or all) written into the
+    output projection's input, as TransformerLens patches ``hook_z``."""
+    cols = slice(head * head_dim, (head + 1) * head_dim)
+    rows = slice(None) if p is None else slice(p, p + 1)
+
+    def pre(m, args):
+        x = args[0].clone()
+        x[:, rows, cols] = donor[:, rows, cols]
+        return (x,)
+
+    handle = _out_proj(model, layer).register_forward_pre_hook(pre)
+    try:
+        with torch.no_grad():
+            return model(ids)
+    finally:
+        handle.remove()
+
+
+def heads_case(case: str, model, clean_ids, corrupt_ids, metric, positions, rounds: int) -> None:
+    """Head grids batched and as sliced forks, alternately in this process (``rounds`` each), each
+    grid timed against plain forwards right before and after it (two traces included)."""
+    view = tl.arch(model)
+    cells = view.n_layers * view.n_heads * (1 if positions is None else len(positions))
+    base = plain_forward(model, clean_ids)
+    got: dict[bool, list[float]] = {True: [], False: []}
+    ms_of: dict[bool, list[float]] = {True: [], False: []}
+    grids = {}
+    for _ in range(rounds):
+        for batched in (True, False):
+            before = median_ms(base, 3)
+            t0 = time.perf_counter()
+            clean, corrupted = tl.trace(model, clean_ids), tl.trace(model, corrupt_ids)
+            grids[batched] = tl.patching.activation_patching(clean, corrupted, metric, site="heads",
+                                                             positions=positions, progress=False,
+                                                             batched_cells=batched)
+            ms = (time.perf_counter() - t0) * 1000
+            b = (before + median_ms(base, 3)) / 2
+            got[batched].append(ms / b / cells)
+            ms_of[batched].append(ms / cells)
+    donors = {}
+    for layer in range(view.n_layers):
+        seen = {}
+        h = _out_proj(model, layer).register_forward_pre_hook(lambda m, a, seen=seen: seen.update(v=a[0].clone()))
+        with torch.no_grad():
+            model(clean_ids)
+        h.remove()
+        donors[layer] = seen["v"]
+    at = [None] if positions is None else positions
+    sample = [(layer, (5 * layer) % view.n_heads, (layer % len(at))) for layer in range(view.n_layers)]
+    for batched in (True, False):
+        grid = grids[batched]
+        ok = all(abs(float(metric(_head_cell(model, corrupt_ids, layer, h, at[j], donors[layer], view.head_dim)))
+                     - float(grid.values[(layer, h) if positions is None else (layer, h, j)])) < 1e-4
+                 for layer, h, j in sample)
+        ratio = sorted(got[batched])[len(got[batched]) // 2]
+        ms = sorted(ms_of[batched])[len(ms_of[batched]) // 2]
+        decision = grid.notes["cells"]
+        emit("torchlens", f"{case}_{'batched' if batched else 'sliced'}", ms, ms / ratio, ok,
+             f"{view.n_layers}x{view.n_heads}x{len(at)} head cells, per-cell cost incl. 2 traces; median of "
+             f"{rounds} grids alternating batched/sliced, each over forwards timed around it; decision {decision}",
+             ratio=ratio)
+
+
+def heads_main(rounds: int) -> None:
+    model, clean_ids, corrupt_ids = bert_prompts(8)
+    heads_case("encoder_heads", model, clean_ids, corrupt_ids, _feature_diff, None, rounds)
+    heads_case("encoder_heads_pos3", model, clean_ids, corrupt_ids, _feature_diff, [0, 3, 7], 1)
+    model, clean_ids = gpt2_small()
+    clean_ids = clean_ids[:, :8]
+    corrupt_ids = clean_ids.clone()
+    corrupt_ids[0, 5] = 4242
+    with torch.no_grad():
+        correct = int(model(clean_ids).logits[0, -1].argmax())
+    metric = tl.patching.logit_diff(correct, (correct + 1) % 50257)
+    heads_case("gpt2_heads_seq8", model, clean_ids, corrupt_ids, metric, None, rounds)
+    heads_case("gpt2_heads_seq8_pos3", model, clean_ids, corrupt_ids, metric, [0, 3, 7], 1)
+
+
 def bert_prompts(seq: int):
     model, clean_ids = bert_base()
     clean_ids = torch.randint(1000, 20000, (1, seq), generator=torch.Generator().manual_seed(0))
@@ -130,6 +220,9 @@ def main() -> None:
     setup()
     quick = "--quick" in sys.argv
     rounds = 1 if quick else 3
+    if "--heads" in sys.argv:
+        heads_main(1)  # one grid each way per case: the sliced head grids of BERT-base take a minute
+        return
     model, clean_ids, corrupt_ids = bert_prompts(8)
     grid_case("torchlens", "encoder_grid", model, clean_ids, corrupt_ids, _feature_diff, list(range(8)), rounds)
     grid_case("torchlens", "encoder_grid_sliced", model, clean_ids, corrupt_ids, _feature_diff, list(range(8)),

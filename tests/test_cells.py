@@ -286,3 +286,68 @@ def test_run_cells_hands_back_only_vmap_refusals(monkeypatch):
     monkeypatch.setattr(tanh, "func", boom)
     with pytest.raises(RuntimeError, match="the model's own error"):
         run_cells(trace, passes, values, names)
+
+
+def _z(model, kwargs: dict) -> dict[int, torch.Tensor]:
+    """Per layer, the heads' concatenated outputs (TransformerLens' ``hook_z``): the output projection's input."""
+    seen = {}
+    hooks = [b.attention.output.dense.register_forward_pre_hook(lambda m, a, i=i: seen.update({i: a[0].clone()}))
+             for i, b in enumerate(model.encoder.layer)]
+    with torch.no_grad():
+        model(**kwargs)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def _z_patched(model, kwargs: dict, layer: int, head: int, p: int | None, donor: torch.Tensor):
+    """The forward with head ``head``'s slice of layer ``layer``'s z (at position ``p``, or all) from ``donor``."""
+    d = model.config.hidden_size // model.config.num_attention_heads
+    rows = slice(None) if p is None else slice(p, p + 1)
+
+    def write(m, a):
+        z = a[0].clone()
+        z[:, rows, head * d:(head + 1) * d] = donor[:, rows, head * d:(head + 1) * d]
+        return (z,)
+
+    h = model.encoder.layer[layer].attention.output.dense.register_forward_pre_hook(write)
+    try:
+        with torch.no_grad():
+            return model(**kwargs)
+    finally:
+        h.remove()
+
+
+@pytest.mark.parametrize("positions", [None, [1, 6]])
+def test_encoder_head_grids_are_batched_and_equal_sliced_forks_and_hooked_z(minilm, positions):
+    """Each layer's head cells edit one site (the attention op's per-head output) as batch entries."""
+    model = minilm.model
+    clean, corrupted, kwargs, bad = _one_prompt(minilm)
+    auto = tl.patching.activation_patching(clean, corrupted, _feature, site="heads", positions=positions)
+    assert auto.notes["cells"] == {"batched": True, "reason": "7 tokens <= 32; attention is bidirectional",
+                                   "declined": {}}
+    sliced = tl.patching.activation_patching(clean, corrupted, _feature, site="heads", positions=positions,
+                                             batched_cells=False)
+    assert sliced.notes["cells"]["batched"] is False
+    assert auto.values.shape == sliced.values.shape and _same(auto, sliced, corrupted)
+    donors, view = _z(model, kwargs), tl.arch(model)
+    at = [None] if positions is None else positions
+    for layer in range(view.n_layers):  # a sample of cells, each a hooked forward
+        h, j = (5 * layer + 1) % view.n_heads, layer % len(at)
+        want = float(_feature(_z_patched(model, bad, layer, h, at[j], donors[layer])))
+        got = auto.values[layer, h] if positions is None else auto.values[layer, h, j]
+        assert abs(float(got) - want) < ATOL, (layer, h, at[j])
+
+
+def test_causal_head_grids_stay_sliced_by_default_and_forced_batches_equal_them(tiny_gpt2):
+    model, clean_ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    clean, corrupted = tl.trace(model, clean_ids), tl.trace(model, _corrupt(clean_ids, 2, 11))
+    logit_diff = tl.patching.logit_diff(int(clean_ids[0, 3]), 11)
+    for positions in (None, [0, 3]):
+        auto = tl.patching.activation_patching(clean, corrupted, logit_diff, site="heads", positions=positions)
+        assert auto.notes["cells"] == {"batched": False, "reason": "6 tokens <= 32; attention is causal",
+                                       "declined": {}}
+        forced = tl.patching.activation_patching(clean, corrupted, logit_diff, site="heads", positions=positions,
+                                                 batched_cells=True)
+        assert forced.notes["cells"] == {"batched": True, "reason": "batched_cells=True", "declined": {}}
+        assert _same(forced, auto, corrupted), positions

@@ -27,13 +27,14 @@ from ..api import trace as capture
 from ..arch.resolve import arch
 from ..capture._random import refuse_random
 from ..core.indices import python_indices
+from ..core.records import ModuleCall
 from ..core.steps import REPLAY, Step
 from ..core.text import HOW_TO_PASS, decode_tokens, input_ids_of, is_text, text_inputs, token_position, tokenizer_for
 from ..core.trace import Trace
 from ..core.tree import first_tensor, flatten, unflatten
 from ..edit._cells import mixes_back, plan_cells, run_cells, site_index
 from ..edit._fallbacks import declare
-from ..edit.edits import when
+from ..edit.edits import EditContext, when
 from ..edit.reads import OutputRead, replay_reads
 from ..errors import GuardChangedError, InvalidArgumentError, TokenizerRequiredError, TokenNotFoundError
 from .metrics import MetricReads, logits_of, metric_position, prob, score
@@ -175,7 +176,8 @@ class _Cells:
         for start in range(0, width, self.batch_size):
             chain = [i for i in ok if sites[i][1][start:start + self.batch_size] and not isinstance(out[i], str)]
             cells = [sites[i][1][start:start + self.batch_size] for i in chain]
-            values = [[edit(self.trace.value(plans[i].site), ctx=None) for _, edit in c] for i, c in zip(chain, cells)]
+            values = [[edit(self.trace.value(plans[i].site), ctx=self._context(sites[i][0])) for _, edit in c]
+                      for i, c in zip(chain, cells)]
             got = run_cells(self.trace, [plans[i] for i in chain], values, [[n for n, _ in c] for c in cells])
             ran = [i for i, g in zip(chain, got) if not isinstance(g, str)]
             read = all(plans[i].read is not None for i in ran) and len({plans[i].read for i in ran}) == 1
@@ -201,6 +203,13 @@ class _Cells:
         if len(records) != 1:
             return f"{site} matches {len(records)} places in the trace"
         return plan_cells(self.trace, records[0], self.read if read else None)
+
+    def _context(self, site: str) -> EditContext:
+        """The ``ctx`` an edit of ``site`` receives (as replay passes it: a head patch reads its op)."""
+        record = self._bound(site).match(self.trace)[0]
+        if isinstance(record, ModuleCall):
+            return EditContext(site, record.label, record.address, record.pass_index, record, self.trace)
+        return EditContext(site, record.label, record.module, record.module_pass, record, self.trace)
 
     def _bound(self, site: str) -> Any:
         bound = self.sites.get(site)
@@ -382,8 +391,10 @@ def activation_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any]
     positions = _token_positions(positions, clean, corrupted)
     if site == "heads":  # without positions=, each head at every position (no sequence length needed)
         at = None if positions is None else _positions(positions, _seq_len(corrupted))
-        values, dims, labels = _head_grid(clean, corrupted, scorer, rows, arch(model).n_heads, at, progress)
-        return PatchingResult(values, dims, labels, name, base_clean, base_corrupted)
+        decision = _batched_decision(corrupted, batched_cells, scorer, rows[0])
+        values, dims, labels = _head_grid(clean, corrupted, scorer, rows, arch(model).n_heads, at, progress, decision)
+        return PatchingResult(values, dims, labels, name, base_clean, base_corrupted,
+                              {"ids": _prompt_ids(clean), "cells": decision})
     cols = _positions(positions, _seq_len(corrupted))
     values = torch.empty(len(rows), len(cols))
     donors = {layer: clean[f"blocks.{layer}.{site}"].out for layer in rows}
@@ -439,22 +450,37 @@ def _batched_decision(corrupted: Trace, batched: bool | None, scorer: _Cells, la
 
 
 def _head_grid(clean: Trace, corrupted: Trace, scorer: _Cells, rows: list[int], n_heads: int,
-               positions: list[int] | None, progress: bool | None,
+               positions: list[int] | None, progress: bool | None, decision: dict[str, Any],
                ) -> tuple[torch.Tensor, tuple[str, ...], dict[str, list[int]]]:
     """The layer × head grid (each head's output at every position), or the layer × head ×
     position grid when ``positions`` are given (one head's output at one position): values,
-    dims and labels."""
+    dims and labels. With ``decision["batched"]`` the heads of each layer are the cells of one
+    site (the attention op whose per-head output they edit) in one growing batch; a layer the
+    batch cannot take joins ``decision["declined"]`` and replays as forks."""
     heads = list(range(n_heads))
     at = [None] if positions is None else positions
     values = torch.empty(len(rows), n_heads, len(at))
-    # position by position, head by head: one head's patches at every layer change the same part of their values
-    cells = [(i, layer, h, j, p) for j, p in enumerate(at) for h in heads for i, layer in enumerate(rows)]
 
     def cell(layer: int, h: int, p: int | None) -> tuple[str, str, Any]:
         label, edit = head_patch_site(corrupted, layer, h, clean, positions=None if p is None else [p])
         edit.may_change_nothing = True  # restoring a head (row) where both runs agree is a legitimate no-op
         return f"{corrupted.name}/patch_head[{layer}.{h}.output{'' if p is None else f'@{p}'}]", label, edit
 
+    done: set[int] = set()
+    if decision["batched"]:  # one site per layer; its cells position by position, head by head
+        sites = []
+        for layer in rows:
+            made = [cell(layer, h, p) for p in at for h in heads]
+            sites.append((made[0][1], [(n, e) for n, _, e in made]))
+        for i, (layer, scores) in enumerate(zip(rows, scorer.score_sites(sites))):
+            if isinstance(scores, str):  # (raises with TORCHLENS_STRICT_FALLBACKS=1, so a test sees it)
+                decision["declined"][layer] = declare("batched cells", scores)[1]
+            else:
+                values[i] = torch.tensor(scores, dtype=values.dtype).view(len(at), n_heads).T
+                done.add(layer)
+    # position by position, head by head: one head's patches at every layer change the same part of their values
+    cells = [(i, layer, h, j, p) for j, p in enumerate(at) for h in heads for i, layer in enumerate(rows)
+             if layer not in done]
     todo = (cell(layer, h, p) for _, layer, h, _, p in track(cells, desc="patching heads", unit="cell",
                                                              progress=progress))
     for (i, _, h, j, _), got in zip(cells, scorer.score_all(todo)):
