@@ -319,6 +319,15 @@ def build_tiny_gpt2() -> nn.Module:
     return _seeded(lambda: transformers.GPT2LMHeadModel(config))
 
 
+def build_tiny_bert_mlm() -> nn.Module:
+    """A 2-layer BERT masked LM with random weights (seeded, eval mode): a bidirectional encoder with logits."""
+    import transformers
+
+    config = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, vocab_size=64)
+    return _seeded(lambda: transformers.BertForMaskedLM(config))
+
+
 @pytest.fixture(scope="session")
 def tiny_gpt2() -> Case:
     ids = torch.tensor(TINY_GPT2_IDS)

@@ -9,8 +9,8 @@ import re
 
 import pytest
 import torch
-from conftest import SelectPoolNet, _seeded, build_tiny_gpt2, refused
-from test_patching import _corrupt, _patched, _read
+from conftest import SelectPoolNet, _seeded, build_tiny_bert_mlm, build_tiny_gpt2, refused
+from test_patching import _baukit_causal_trace, _corrupt, _patched, _read
 
 import torchlens as tl
 from torchlens.edit import _cells
@@ -142,6 +142,8 @@ def test_bad_batched_cells_raises_a_named_error_and_changes_nothing(tiny_gpt2):
     model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
     err = refused(model, lambda: tl.patching.activation_patching(
         ids, ids, _feature, model=model, batched_cells="yes"), InvalidArgumentError)
+    assert "batched_cells" in str(err)
+    err = refused(model, lambda: tl.patching.causal_trace(model, ids, [1], batched_cells=1), InvalidArgumentError)
     assert "batched_cells" in str(err)
 
 
@@ -351,3 +353,37 @@ def test_causal_head_grids_stay_sliced_by_default_and_forced_batches_equal_them(
                                                  batched_cells=True)
         assert forced.notes["cells"] == {"batched": True, "reason": "batched_cells=True", "declined": {}}
         assert _same(forced, auto, corrupted), positions
+
+
+def test_causal_trace_on_an_encoder_is_batched_and_equals_sliced_forks_and_baukit_style_hooks():
+    """ROME's causal tracing on a bidirectional masked LM: each noised run's cells are batched."""
+    model, ids, subject = build_tiny_bert_mlm(), torch.tensor([[1, 5, 9, 13, 17, 21]]), [1, 2]
+    batched = tl.patching.causal_trace(model, ids, subject, samples=2, seed=3)
+    sliced = tl.patching.causal_trace(model, ids, subject, samples=2, seed=3, batched_cells=False)
+    for kind, result in batched.items():
+        assert result.notes["cells"] == {"batched": True, "reason": "6 tokens <= 32; attention is bidirectional",
+                                         "declined": {}}
+        assert sliced[kind].notes["cells"]["batched"] is False
+        assert float((result.values - sliced[kind].values).abs().max()) <= EXACT, kind
+        answer, noise = result.notes["answer"], result.notes["noise"]
+        for layer in range(2):
+            clean_value = _read(model, ids, kind, layer)
+            for p in range(ids.shape[1]):
+                want = _baukit_causal_trace(model, ids, subject, answer, noise, 2, 3, kind, layer, p, clean_value)
+                assert abs(float(result.values[layer, p]) - want) < ATOL, (kind, layer, p)
+
+
+def test_causal_trace_on_a_causal_lm_stays_sliced_and_windows_say_why_they_are_not_batched(tiny_gpt2, monkeypatch):
+    model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    auto = tl.patching.causal_trace(model, ids, [1, 2], kinds=["mlp"], samples=2)["mlp"]
+    assert auto.notes["cells"] == {"batched": False, "reason": "6 tokens <= 32; attention is causal", "declined": {}}
+    forced = tl.patching.causal_trace(model, ids, [1, 2], kinds=["mlp"], samples=2, batched_cells=True)["mlp"]
+    assert forced.notes["cells"] == {"batched": True, "reason": "batched_cells=True", "declined": {}}
+    assert float((forced.values - auto.values).abs().max()) <= EXACT
+    why = "window=2: a cell restores 2 blocks, and a batch entry edits one site"
+    windowed = tl.patching.causal_trace(model, ids, [1, 2], kinds=["mlp"], samples=2, window=2)["mlp"]
+    assert windowed.notes["cells"] == {"batched": False, "reason": why, "declined": {}}
+    monkeypatch.setenv(STRICT_ENV, "1")  # asked for and not possible: a declared fallback
+    tl.patching.causal_trace(model, ids, [1, 2], kinds=["mlp"], samples=2, window=2)  # not asked for: no fallback
+    with pytest.raises(ReplayFallbackError, match=why):
+        tl.patching.causal_trace(model, ids, [1, 2], kinds=["mlp"], samples=2, window=2, batched_cells=True)

@@ -537,7 +537,7 @@ def causal_trace(model: Any, ids: torch.Tensor | str, subject: Sequence[int | st
                  kinds: Sequence[str] = ("resid_post", "attn", "mlp"), noise: float | None = None,
                  samples: int = 3, seed: int = 1, layers: Sequence[int] | None = None, window: int = 1,
                  progress: bool | None = None, batch_size: int = DEFAULT_BATCH,
-                 tokenizer: Any = None) -> dict[str, PatchingResult]:
+                 tokenizer: Any = None, batched_cells: bool | None = None) -> dict[str, PatchingResult]:
     """ROME causal tracing: noise the subject tokens' embeddings, restore one clean state at a time.
 
     The corrupted runs add ``noise`` × a standard normal to the token embeddings (``embed``) of
@@ -566,11 +566,16 @@ def causal_trace(model: Any, ids: torch.Tensor | str, subject: Sequence[int | st
         batch_size: how many cells of one noised run replay together (as in :func:`activation_patching`).
         tokenizer: tokenizes a text prompt and finds token-string subjects (default: the model's
             ``tokenizer`` attribute).
+        batched_cells: as in :func:`activation_patching`: None batches each noised run's cells
+            when the prompt holds at most :data:`BATCHED_TOKENS` tokens and attention is
+            bidirectional (on the causal LMs ROME traces, the cells replay as sliced forks); True
+            batches wherever the graph allows; False never. A cell of ``window`` > 1 restores
+            several blocks, which one batch entry cannot: those grids replay as forks.
 
     Returns:
         ``{kind: PatchingResult}`` over ``("layer", "position")``; ``clean`` is the clean
         probability and ``corrupted`` the noised one (``notes["answer"]`` the traced token,
-        ``notes["window"]`` the window).
+        ``notes["window"]`` the window, ``notes["cells"]`` whether the cells were batched and why).
 
     Raises:
         InvalidArgumentError: bad ``ids``, ``subject`` (a position outside the prompt), ``kinds``
@@ -590,6 +595,7 @@ def causal_trace(model: Any, ids: torch.Tensor | str, subject: Sequence[int | st
     if not subject:
         raise InvalidArgumentError("subject= lists at least one position")
     _check_batch(batch_size)
+    _check_batched(batched_cells)
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise InvalidArgumentError(f"window= is a whole number of blocks >= 1, got {window!r}",
                                    remedy="Pass window=1 to restore one block per cell, or e.g. window=10 as ROME.")
@@ -621,13 +627,21 @@ def causal_trace(model: Any, ids: torch.Tensor | str, subject: Sequence[int | st
     base_clean = score(metric, clean.output)
     base_noised = sum(score(metric, t.output) for t in noised) / samples
     scorers = [_Cells(t, metric, batch_size) for t in noised]
+    if window > 1 and batched_cells is not False:  # (raises with TORCHLENS_STRICT_FALLBACKS=1 when asked for)
+        why = f"window={window}: a cell restores {window} blocks, and a batch entry edits one site"
+        rule = {"batched": False, "reason": declare("batched cells", why)[1] if batched_cells else why}
+    else:
+        rule = _batched_decision(noised[0], batched_cells, scorers[0], rows_of[kinds[0]][0])
     results = {}
     for kind in kinds:
         rows = rows_of[kind]
         spans = {layer: _window(layer, window, view.n_layers) for layer in rows}
         donors = {b: clean[f"blocks.{b}.{kind}"].out for b in sorted({b for span in spans.values() for b in span})}
         values = torch.zeros(len(rows), seq)
-        cells = [(i, layer, p) for p in range(seq) for i, layer in enumerate(rows)]  # one position at a time (one pass)
+        decision = {"batched": rule["batched"], "reason": rule["reason"], "declined": {}}
+        done = _batched_trace(scorers, kind, rows, seq, donors, values, decision) if decision["batched"] else set()
+        # one position at a time (one pass)
+        cells = [(i, layer, p) for p in range(seq) for i, layer in enumerate(rows) if layer not in done]
         for chunk in _chunks(track(cells, desc=f"causal trace {kind}", unit="cell", progress=progress), batch_size):
             totals = [0.0] * len(chunk)
             for scorer in scorers:
@@ -639,8 +653,30 @@ def causal_trace(model: Any, ids: torch.Tensor | str, subject: Sequence[int | st
         results[kind] = PatchingResult(values, ("layer", "position"), {"layer": rows, "position": list(range(seq))},
                                        f"p({answer})", base_clean, base_noised,
                                        {"answer": answer, "noise": noise, "subject": subject, "window": window,
-                                        "ids": [int(i) for i in ids[0]]})
+                                        "ids": [int(i) for i in ids[0]], "cells": decision})
     return results
+
+
+def _batched_trace(scorers: list[_Cells], kind: str, rows: list[int], seq: int, donors: dict[int, Any],
+                   values: torch.Tensor, decision: dict[str, Any]) -> set[int]:
+    """Causal tracing's cells of ``kind`` (every position of each layer in ``rows``) as batched cells,
+    one growing batch per noised run: ``values`` gets their mean over the runs; the layers done.
+    A layer any run cannot batch joins ``decision["declined"]`` (its cells then replay as forks)."""
+    sums = torch.zeros_like(values)
+    done = set(rows)
+    for scorer in scorers:
+        sites = [(f"blocks.{layer}.{kind}", [(_restore_cell(scorer.trace.name, kind, [layer], p, donors)[0],
+                                              restore_rows(donors[layer], p)) for p in range(seq)]) for layer in rows]
+        for i, (layer, scores) in enumerate(zip(rows, scorer.score_sites(sites))):
+            if isinstance(scores, str):  # (raises with TORCHLENS_STRICT_FALLBACKS=1, so a test sees it)
+                decision["declined"].setdefault(layer, declare("batched cells", scores)[1])
+                done.discard(layer)
+            else:
+                sums[i] += torch.tensor(scores, dtype=sums.dtype)
+    for i, layer in enumerate(rows):
+        if layer in done:
+            values[i] = sums[i] / len(scorers)
+    return done
 
 
 def _subject_positions(subject: Any, ids: torch.Tensor, tokenizer: Any) -> Any:
