@@ -90,6 +90,8 @@ def test_causal_grid_stays_sliced_by_default_and_forced_batches_equal_it(tiny_gp
             batched, sliced = _grids(clean, corrupted, metric, site)
             assert _same(batched, sliced, corrupted), (metric, site)
     batched = _grids(clean, corrupted, logit_diff, "resid_pre")[0]
+    # before the corrupted position both runs agree (causal attention): those cells are the corrupted run itself
+    assert torch.all(batched.values[:, :2] == batched.corrupted)
     for layer in range(2):
         donor = _read(model, clean_ids, "resid_pre", layer)
         for p in range(clean_ids.shape[1]):
@@ -361,8 +363,8 @@ def test_causal_trace_on_an_encoder_is_batched_and_equals_sliced_forks_and_bauki
     batched = tl.patching.causal_trace(model, ids, subject, samples=2, seed=3)
     sliced = tl.patching.causal_trace(model, ids, subject, samples=2, seed=3, batched_cells=False)
     for kind, result in batched.items():
-        assert result.notes["cells"] == {"batched": True, "reason": "6 tokens <= 32; attention is bidirectional",
-                                         "declined": {}}
+        assert result.notes["cells"] == {"batched": True, "declined": {}, "reason": (
+            "6 tokens <= 32; causal tracing batches through causal attention too (measured)")}
         assert sliced[kind].notes["cells"]["batched"] is False
         assert float((result.values - sliced[kind].values).abs().max()) <= EXACT, kind
         answer, noise = result.notes["answer"], result.notes["noise"]
@@ -373,13 +375,20 @@ def test_causal_trace_on_an_encoder_is_batched_and_equals_sliced_forks_and_bauki
                 assert abs(float(result.values[layer, p]) - want) < ATOL, (kind, layer, p)
 
 
-def test_causal_trace_on_a_causal_lm_stays_sliced_and_windows_say_why_they_are_not_batched(tiny_gpt2, monkeypatch):
+def test_causal_trace_on_a_causal_lm_is_batched_too_and_windows_say_why_they_are_not(tiny_gpt2, monkeypatch):
     model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
     auto = tl.patching.causal_trace(model, ids, [1, 2], kinds=["mlp"], samples=2)["mlp"]
-    assert auto.notes["cells"] == {"batched": False, "reason": "6 tokens <= 32; attention is causal", "declined": {}}
-    forced = tl.patching.causal_trace(model, ids, [1, 2], kinds=["mlp"], samples=2, batched_cells=True)["mlp"]
-    assert forced.notes["cells"] == {"batched": True, "reason": "batched_cells=True", "declined": {}}
-    assert float((forced.values - auto.values).abs().max()) <= EXACT
+    assert auto.notes["cells"] == {"batched": True, "declined": {},
+                                   "reason": "6 tokens <= 32; causal tracing batches through causal attention too "
+                                             "(measured)"}
+    sliced = tl.patching.causal_trace(model, ids, [1, 2], kinds=["mlp"], samples=2, batched_cells=False)["mlp"]
+    assert sliced.notes["cells"] == {"batched": False, "reason": "batched_cells=False", "declined": {}}
+    assert float((sliced.values - auto.values).abs().max()) <= EXACT
+    clean_value = _read(model, ids, "mlp", 1)
+    for p in range(ids.shape[1]):  # the last block's cells, each one ROME trace_with_patch with plain hooks
+        want = _baukit_causal_trace(model, ids, [1, 2], auto.notes["answer"], auto.notes["noise"], 2, 1, "mlp", 1, p,
+                                    clean_value)
+        assert abs(float(auto.values[1, p]) - want) < ATOL, p
     why = "window=2: a cell restores 2 blocks, and a batch entry edits one site"
     windowed = tl.patching.causal_trace(model, ids, [1, 2], kinds=["mlp"], samples=2, window=2)["mlp"]
     assert windowed.notes["cells"] == {"batched": False, "reason": why, "declined": {}}

@@ -51,6 +51,12 @@ DEFAULT_BATCH = 16
 # (``torchlens.edit._cells``): measured by bench/bench_encoder_grid.py, see _batched_decision.
 BATCHED_TOKENS = 32
 KINDS = ("resid_pre", "resid_mid", "resid_post", "attn", "mlp", "heads")
+# Causal tracing batches short prompts through causal attention too (its reason in notes["cells"]): its
+# metric is a probability, the LM head's whole row of the last position per cell, which a batch reads
+# once for all its cells. bench/bench_encoder_grid.py --causal-trace, GPT-2 small, 3 noised runs, per
+# cell and run, traces included: 8 tokens 0.18-0.20 of a forward batched against 0.28-0.33 sliced, 16
+# tokens 0.18 against 0.25, 32 tokens 0.25-0.26 against 0.24 (even); BERT-base MLM 8 tokens 0.18 against 0.38.
+CAUSAL_TRACE_BATCHES = "causal tracing batches through causal attention too (measured)"
 
 
 @dataclass
@@ -164,7 +170,9 @@ class _Cells:
 
         The sites that can be batched run as one growing batch (``torchlens.edit._cells.run_cells``),
         ``batch_size`` cells of each site at a time: a chain of at most ``batch_size`` × sites entries,
-        each holding only the values its later ops still read. A site whose cells reach an op
+        each holding only the values its later ops still read. A cell whose edit leaves the site's
+        value as recorded (restoring a row both runs share) scores the trace's own output, as
+        its sliced fork would, without a batch entry. A site whose cells reach an op
         ``torch.vmap`` refused while running gets that refusal as its reason (all its cells then
         replay as forks)."""
         plans = [self._plan(site) for site, _ in sites]
@@ -172,20 +180,39 @@ class _Cells:
         ok = sorted((i for i, p in enumerate(plans) if not isinstance(p, str)), key=lambda i: plans[i].site)
         if not ok:
             return out
+        unchanged: list[float] = []  # the trace's own score, computed once
         width = max(len(sites[i][1]) for i in ok)
         for start in range(0, width, self.batch_size):
-            chain = [i for i in ok if sites[i][1][start:start + self.batch_size] and not isinstance(out[i], str)]
-            cells = [sites[i][1][start:start + self.batch_size] for i in chain]
-            values = [[edit(self.trace.value(plans[i].site), ctx=self._context(sites[i][0])) for _, edit in c]
-                      for i, c in zip(chain, cells)]
-            got = run_cells(self.trace, [plans[i] for i in chain], values, [[n for n, _ in c] for c in cells])
+            chain, cells, values = [], [], []
+            for i in ok:
+                recorded, ctx = self.trace.value(plans[i].site), self._context(sites[i][0])
+                scores, keep, edited = out[i], [], []
+                if isinstance(scores, str):
+                    continue
+                for name, edit in sites[i][1][start:start + self.batch_size]:
+                    value = edit(recorded, ctx=ctx)
+                    if isinstance(value, torch.Tensor) and torch.equal(value, recorded):
+                        unchanged = unchanged or [score(self.metric, self.trace.output)]
+                        scores.append(unchanged[0])
+                    else:
+                        scores.append(None)  # filled in below, in order
+                        keep.append(name)
+                        edited.append(value)
+                if keep:
+                    chain.append(i)
+                    cells.append(keep)
+                    values.append(edited)
+            if not chain:
+                continue
+            got = run_cells(self.trace, [plans[i] for i in chain], values, cells)
             ran = [i for i, g in zip(chain, got) if not isinstance(g, str)]
             read = all(plans[i].read is not None for i in ran) and len({plans[i].read for i in ran}) == 1
             for i, scores in zip(chain, got):
                 if isinstance(scores, str):
                     out[i] = scores
-                else:
-                    out[i] += [score(self.metric.reads.score if read else self.metric, g) for g in scores]
+                    continue
+                todo = iter(score(self.metric.reads.score if read else self.metric, g) for g in scores)
+                out[i] = [next(todo) if s is None else s for s in out[i]]
         return out
 
     def mixes_back(self, layer: int) -> bool | str:
@@ -419,7 +446,8 @@ def activation_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any]
                           base_corrupted, {"ids": _prompt_ids(clean), "cells": decision})
 
 
-def _batched_decision(corrupted: Trace, batched: bool | None, scorer: _Cells, layer: int) -> dict[str, Any]:
+def _batched_decision(corrupted: Trace, batched: bool | None, scorer: _Cells, layer: int,
+                      any_attention: str | None = None) -> dict[str, Any]:
     """Whether a grid's cells run as batch entries (``torchlens.edit._cells``), and why: the
     record kept in ``notes["cells"]`` (``"declined"`` gains each layer the batch could not take).
 
@@ -431,7 +459,13 @@ def _batched_decision(corrupted: Trace, batched: bool | None, scorer: _Cells, la
     of a forward per cell against 0.42-0.61 sliced; 32 tokens 0.35-0.38 against 0.51-0.54; 64
     tokens 0.47-0.49 against 0.47-0.52, even). Under causal attention slicing
     recomputes only the rows at and after the patched position, and wins even on short prompts
-    (GPT-2 small, 8 tokens: 0.09 sliced against 0.16 batched).
+    (GPT-2 small, 8 tokens: 0.09 sliced against 0.16 batched). Head grids follow the same rule
+    (BERT-base 1 x 8, 12 x 12 heads, traces included: 0.28 of a forward per cell batched against
+    1.58 sliced; GPT-2 small 1 x 8: 0.17 against 0.18 for whole heads, 0.135 against 0.049 for
+    heads at one position).
+
+    ``any_attention``: a workflow measured to gain from batching through causal attention too
+    (causal tracing), named in the reason; the prompt length alone then decides.
     """
     ids = first_tensor(corrupted.args or tuple(corrupted.kwargs.values()))
     tokens = None if ids is None or ids.dim() < 2 else ids.shape[0] * ids.shape[1]
@@ -439,7 +473,9 @@ def _batched_decision(corrupted: Trace, batched: bool | None, scorer: _Cells, la
         batched = tokens is not None and tokens <= BATCHED_TOKENS
         reason = (f"{tokens} tokens {'<=' if batched else '>'} {BATCHED_TOKENS}" if tokens is not None
                   else "unknown prompt length")
-        if batched:
+        if batched and any_attention:
+            reason += f"; {any_attention}"
+        elif batched:
             mixes = scorer.mixes_back(layer)
             batched = mixes is True
             reason += ("; attention is bidirectional" if batched else "; attention is causal" if mixes is False
@@ -566,11 +602,12 @@ def causal_trace(model: Any, ids: torch.Tensor | str, subject: Sequence[int | st
         batch_size: how many cells of one noised run replay together (as in :func:`activation_patching`).
         tokenizer: tokenizes a text prompt and finds token-string subjects (default: the model's
             ``tokenizer`` attribute).
-        batched_cells: as in :func:`activation_patching`: None batches each noised run's cells
-            when the prompt holds at most :data:`BATCHED_TOKENS` tokens and attention is
-            bidirectional (on the causal LMs ROME traces, the cells replay as sliced forks); True
-            batches wherever the graph allows; False never. A cell of ``window`` > 1 restores
-            several blocks, which one batch entry cannot: those grids replay as forks.
+        batched_cells: None (default) batches each noised run's cells when the prompt holds at
+            most :data:`BATCHED_TOKENS` tokens, through causal attention too (measured: the
+            probability metric reads the LM head's whole last row, which a batch reads once for
+            all its cells); True batches wherever the graph allows; False never. A cell of
+            ``window`` > 1 restores several blocks, which one batch entry cannot: those grids
+            replay as forks.
 
     Returns:
         ``{kind: PatchingResult}`` over ``("layer", "position")``; ``clean`` is the clean
@@ -631,7 +668,7 @@ def causal_trace(model: Any, ids: torch.Tensor | str, subject: Sequence[int | st
         why = f"window={window}: a cell restores {window} blocks, and a batch entry edits one site"
         rule = {"batched": False, "reason": declare("batched cells", why)[1] if batched_cells else why}
     else:
-        rule = _batched_decision(noised[0], batched_cells, scorers[0], rows_of[kinds[0]][0])
+        rule = _batched_decision(noised[0], batched_cells, scorers[0], rows_of[kinds[0]][0], CAUSAL_TRACE_BATCHES)
     results = {}
     for kind in kinds:
         rows = rows_of[kind]
