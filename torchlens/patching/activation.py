@@ -452,11 +452,13 @@ def _batched_decision(corrupted: Trace, batched: bool | None, scorer: _Cells, la
     which the batch shares (BERT-base, 12 layers x 8 positions, traces excluded: 8 tokens 0.20-0.26
     of a forward per cell against 0.42-0.61 sliced; 32 tokens 0.35-0.38 against 0.51-0.54; 64
     tokens 0.47-0.49 against 0.47-0.52, even). Under causal attention slicing
-    recomputes only the rows at and after the patched position, and wins even on short prompts
-    (GPT-2 small, 8 tokens: 0.09 sliced against 0.16 batched). Head grids follow the same rule
+    recomputes only the rows at and after the patched position and wins from 16 tokens on
+    (GPT-2 small, ``logit_diff``, 8 positions, traces excluded: 16 tokens 0.14 sliced against
+    0.20 batched, 32 tokens 0.14-0.17 against 0.22); at 8 tokens batching is ahead by 10-20%
+    (0.095 against 0.084), too little to split the rule. Head grids follow the same rule
     (BERT-base 1 x 8, 12 x 12 heads, traces included: 0.28 of a forward per cell batched against
-    1.58 sliced; GPT-2 small 1 x 8: 0.17 against 0.18 for whole heads, 0.135 against 0.049 for
-    heads at one position).
+    1.28-1.58 sliced, at 3 positions 0.18 against 1.45-1.60; GPT-2 small 1 x 8: 0.15 against 0.17
+    for whole heads, 0.046 against 0.048 at 3 positions).
 
     ``any_attention``: a workflow measured to gain from batching through causal attention too
     (causal tracing), named in the reason; the prompt length alone then decides.
