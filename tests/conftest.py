@@ -276,6 +276,19 @@ class SelectPoolNet(nn.Module):
         return self.head(x)
 
 
+class LinearThen(nn.Module):
+    """``fc(x)`` then ``then`` of it (a function of one tensor, returning a scalar), summed with it:
+    an op under test downstream of a linear layer."""
+
+    def __init__(self, then: Callable[[torch.Tensor], torch.Tensor], d: int = 4) -> None:
+        super().__init__()
+        self.fc, self.then = nn.Linear(d, d), then
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h.sum() + self.then(h)
+
+
 # -- zoo cases ------------------------------------------------------------------------------
 
 

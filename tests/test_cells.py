@@ -9,7 +9,7 @@ import re
 
 import pytest
 import torch
-from conftest import SelectPoolNet, _seeded, build_tiny_bert_mlm, build_tiny_gpt2, refused
+from conftest import LinearThen, SelectPoolNet, _seeded, build_tiny_bert_mlm, build_tiny_gpt2, refused
 from test_patching import _baukit_causal_trace, _corrupt, _patched, _read
 
 import torchlens as tl
@@ -243,6 +243,45 @@ def test_an_lstm_is_declined_before_running(monkeypatch):
     monkeypatch.setenv(STRICT_ENV, "1")
     with pytest.raises(ReplayFallbackError, match=re.escape(why)):
         tl.patching.activation_patching(x, bad, _head_diff, model=model, site="resid_post", batched_cells=True)
+
+
+_SHAPE = "returns a shape that depends on values the edit reaches ({}), which can differ from cell to cell"
+_MASK, _LISTS = _SHAPE.format("it selects elements by a boolean mask: x[mask]"), _SHAPE.format(
+    "it lists or counts the input's elements")
+F = torch.nn.functional
+
+
+@pytest.mark.parametrize(("then", "op", "why"), [
+    (lambda h: h[h > 0].sum(), "getitem", _MASK),
+    (lambda h: torch.masked_select(h, h > 0).sum(), "masked_select", _MASK),
+    (lambda h: torch.index_put(h, (h > 0,), torch.tensor(1.0)).sum(), "index_put", _MASK),
+    (lambda h: torch.nonzero(h > 0).sum(), "nonzero", _LISTS),
+    (lambda h: (h > 0).nonzero(as_tuple=True)[0].sum(), "nonzero", _LISTS),
+    (lambda h: torch.argwhere(h > 0).sum(), "argwhere", _LISTS),
+    (lambda h: torch.where(h > 0)[0].sum(), "where",
+     _SHAPE.format("one-argument where lists the input's nonzero elements")),
+    (lambda h: torch.unique(h.round()).sum(), "unique", _LISTS),
+    (lambda h: torch.unique_consecutive(h.round()).sum(), "unique_consecutive", _LISTS),
+    (lambda h: torch.repeat_interleave(h[0], (h[1] > 0).long() + 1).sum(), "repeat_interleave",
+     _SHAPE.format("the repeat counts")),
+    (lambda h: torch.bincount((h[0] > 0).long() * 3).sum(), "bincount",
+     _SHAPE.format("its length is the largest value + 1")),
+    (lambda h: F.one_hot((h[0] > 0).long() * 2).sum(), "one_hot",
+     _SHAPE.format("one_hot without num_classes: its width is the largest class + 1")),
+    (lambda h: torch.tensor_split(h, torch.tensor([1]))[0].sum(), "tensor_split",
+     "has no batching rule in torch.vmap (split at a tensor of indices)"),
+    (lambda h: h.narrow(0, torch.tensor(1), 1).sum(), "narrow", "has no batching rule in torch.vmap (a tensor start)"),
+])
+def test_plan_cells_declines_each_op_vmap_refuses_by_name(then, op, why):
+    """Each op downstream of the site is declined with its reason, and torch.vmap does refuse it on two
+    cells (one whose values are all positive, one all negative)."""
+    trace = tl.trace(_seeded(lambda: LinearThen(then)), torch.randn(3, 4, generator=torch.Generator().manual_seed(0)))
+    trace.ensure_graph()
+    site = next(o for o in trace.ops if o.func_name == "linear")
+    record = next(o for o in trace.ops if o.func_name == op)
+    assert plan_cells(trace, site) == f"op {record.label} ({op}) at {record.source} {why}"
+    with pytest.raises(RuntimeError):
+        torch.vmap(then)(torch.stack([site.out.abs() + 1, -site.out.abs() - 1]))
 
 
 def test_a_vmap_refusal_while_running_declines_the_layers_it_reaches(monkeypatch):
