@@ -16,7 +16,7 @@ import torchlens as tl
 from torchlens.edit import _cells
 from torchlens.edit._cells import plan_cells, run_cells
 from torchlens.edit._fallbacks import STRICT_ENV
-from torchlens.errors import InvalidArgumentError, ReplayFallbackError
+from torchlens.errors import InvalidArgumentError, ReplayFallbackError, ReplayFellBack
 
 EXACT = 1e-6  # batched against sliced, relative to the output's largest entry: float32 rounding of the same ops
 ATOL = 1e-5  # against a re-executed forward (tests/test_patching.py)
@@ -282,6 +282,26 @@ def test_plan_cells_declines_each_op_vmap_refuses_by_name(then, op, why):
     assert plan_cells(trace, site) == f"op {record.label} ({op}) at {record.source} {why}"
     with pytest.raises(RuntimeError):
         torch.vmap(then)(torch.stack([site.out.abs() + 1, -site.out.abs() - 1]))
+
+
+@pytest.mark.parametrize(("then", "read"), [(lambda h: h.sum() * sum(h[0].tolist()), "tolist"),
+                                            (lambda h: h.sum() * float(h.mean()), "float")])
+def test_a_read_into_python_the_edit_reaches_is_declined_and_forks_re_execute(then, read):
+    """``tolist()`` / ``float()`` of a value the edit reaches: a guard each cell checks alone (vmap cannot
+    read a batch into Python); the fork, whose read changes, re-executes and equals a plain forward hook."""
+    model = _seeded(lambda: LinearThen(then))
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    trace = tl.trace(model, x)
+    trace.ensure_graph()
+    why = plan_cells(trace, next(o for o in trace.ops if o.func_name == "linear"))
+    assert isinstance(why, str) and f"the forward branched on a value the edit reaches ({read}() at" in why
+    with pytest.warns(ReplayFellBack, match=f"{read}\\(\\)"):
+        got = trace.fork().do("fc", lambda a, *, ctx: a * 2).output
+    handle = model.fc.register_forward_hook(lambda m, a, o: o * 2)
+    with torch.no_grad():
+        want = model(x)
+    handle.remove()
+    assert torch.allclose(got, want, atol=ATOL)
 
 
 def test_a_vmap_refusal_while_running_declines_the_layers_it_reaches(monkeypatch):
