@@ -18,7 +18,9 @@ or a call vmap has no batching rule for); the caller then replays those cells as
 (``Trace.forks``) and records the reason. Should vmap still refuse an op while the batch runs
 (its own ``RuntimeError`` about batching rules or data-dependent shapes or control flow), the
 sites whose cells reach that op are handed back with that reason (:func:`run_cells`) and only
-the other sites' batch runs again; any other error propagates. Through causal attention or on long prompts slicing
+the other sites' batch runs again; any other error propagates.
+
+Through causal attention or on long prompts slicing
 (``torchlens.edit._slicing``, which recomputes only the rows an edit reaches) wins:
 :func:`mixes_back` measures the first, and when to batch is the caller's rule
 (``patching.activation``).
@@ -323,8 +325,8 @@ _NO_RULE_FOR = "has no batching rule in torch.vmap ({})"
 _VMAP_LIMITS: dict[str, Callable[[Op, tuple, dict], str | None]] = {
     **dict.fromkeys(("getitem", "index", "index_put", "masked_select"), lambda op, a, k: _SHAPE.format(
         "it selects elements by a boolean mask: x[mask]") if _reached_mask(a, k) else None),
-    **dict.fromkeys(("nonzero", "nonzero_static", "argwhere", "unique", "unique_consecutive"), lambda op, a, k: (
-        _SHAPE.format("it lists or counts the input's elements") if op.func_name != "nonzero_static" else None)),
+    **dict.fromkeys(("nonzero", "argwhere", "unique", "unique_consecutive"), lambda op, a, k: _SHAPE.format(
+        "it lists or counts the input's elements")),
     "where": lambda op, a, k: _SHAPE.format("one-argument where lists the input's nonzero elements")
     if op.flags & GUARD else None,
     "repeat_interleave": lambda op, a, k: _SHAPE.format("the repeat counts") if (
