@@ -1,6 +1,6 @@
 """The encoder grid: activation patching on BERT-base (random weights, 1×8 tokens, CPU, one thread).
 
-usage: python bench/bench_encoder_grid.py [--quick] [--sweep] [--encoder-only]
+usage: python bench/bench_encoder_grid.py [--quick] [--sweep] [--encoder-only] [--heads] [--causal-trace]
 
 - ``encoder_grid``: ``tl.patching.activation_patching(clean, corrupted, metric, site="resid_pre")``
   over 12 layers × 8 positions of ``transformers.BertModel(BertConfig())`` (seed 0); the
@@ -16,6 +16,17 @@ usage: python bench/bench_encoder_grid.py [--quick] [--sweep] [--encoder-only]
   ``encoder_grid_k{2,4}`` (``batch_size`` 2 or 4 positions of every layer per batch),
   ``encoder_grid_seq{32,64}_{batched,sliced}`` (longer prompts, 8 positions each), and GPT-2
   small batched on 64 tokens and both ways on 8 tokens (causal attention).
+- ``--heads`` runs only the head grids (``site="heads"``), batched and as sliced forks alternately
+  in one process, each round against plain forwards timed around it: ``encoder_heads`` (BERT-base
+  1x8, 12 layers x 12 heads, each head at every position), ``encoder_heads_pos3`` (the same heads
+  at positions 0, 3, 7), ``gpt2_heads_seq8`` (GPT-2 small 1x8, causal attention) and
+  ``gpt2_heads_seq8_pos3``; ``ok``: sampled cells equal a plain pre-hook writing the clean
+  head's slice into the output projection's input (TransformerLens' ``hook_z`` patching).
+- ``--causal-trace`` runs only ``tl.patching.causal_trace`` (``kinds=("resid_post",)``, 3 noised
+  runs, subject positions 1-2), batched and as sliced forks alternately: ``encoder_causal_trace``
+  on ``BertForMaskedLM(BertConfig())`` 1x8 and ``gpt2_causal_trace_seq8`` on GPT-2 small 1x8; the
+  figure is per cell and noised run (12 x 8 x 3 restorations); ``ok``: sampled cells equal ROME's
+  ``trace_with_patch`` written with plain hooks.
 Prints one JSON line per case (see ../shared/bench-spec.md).
 """
 
@@ -118,6 +129,158 @@ def grid_case(tool: str, case: str, model, clean_ids, corrupt_ids, metric, posit
     return {"grid": grid}
 
 
+def _out_proj(model, layer: int):
+    block = _blocks(model)[layer]
+    return block.attention.output.dense if hasattr(block, "attention") else block.attn.c_proj
+
+
+def _head_cell(model, ids, layer: int, head: int, p: int | None, donor: torch.Tensor, head_dim: int):
+    """One head cell by hand: the clean head's slice (at position ``p``, or all) written into the
+    output projection's input, as TransformerLens patches ``hook_z``."""
+    cols = slice(head * head_dim, (head + 1) * head_dim)
+    rows = slice(None) if p is None else slice(p, p + 1)
+
+    def pre(m, args):
+        x = args[0].clone()
+        x[:, rows, cols] = donor[:, rows, cols]
+        return (x,)
+
+    handle = _out_proj(model, layer).register_forward_pre_hook(pre)
+    try:
+        with torch.no_grad():
+            return model(ids)
+    finally:
+        handle.remove()
+
+
+def heads_case(case: str, model, clean_ids, corrupt_ids, metric, positions, rounds: int) -> None:
+    """Head grids batched and as sliced forks, alternately in this process (``rounds`` each), each
+    grid timed against plain forwards right before and after it (two traces included)."""
+    view = tl.arch(model)
+    cells = view.n_layers * view.n_heads * (1 if positions is None else len(positions))
+    base = plain_forward(model, clean_ids)
+    got: dict[bool, list[float]] = {True: [], False: []}
+    ms_of: dict[bool, list[float]] = {True: [], False: []}
+    grids = {}
+    for _ in range(rounds):
+        for batched in (True, False):
+            before = median_ms(base, 3)
+            t0 = time.perf_counter()
+            clean, corrupted = tl.trace(model, clean_ids), tl.trace(model, corrupt_ids)
+            grids[batched] = tl.patching.activation_patching(clean, corrupted, metric, site="heads",
+                                                             positions=positions, progress=False,
+                                                             batched_cells=batched)
+            ms = (time.perf_counter() - t0) * 1000
+            b = (before + median_ms(base, 3)) / 2
+            got[batched].append(ms / b / cells)
+            ms_of[batched].append(ms / cells)
+    donors = {}
+    for layer in range(view.n_layers):
+        seen = {}
+        h = _out_proj(model, layer).register_forward_pre_hook(lambda m, a, seen=seen: seen.update(v=a[0].clone()))
+        with torch.no_grad():
+            model(clean_ids)
+        h.remove()
+        donors[layer] = seen["v"]
+    at = [None] if positions is None else positions
+    sample = [(layer, (5 * layer) % view.n_heads, (layer % len(at))) for layer in range(view.n_layers)]
+    for batched in (True, False):
+        grid = grids[batched]
+        ok = all(abs(float(metric(_head_cell(model, corrupt_ids, layer, h, at[j], donors[layer], view.head_dim)))
+                     - float(grid.values[(layer, h) if positions is None else (layer, h, j)])) < 1e-4
+                 for layer, h, j in sample)
+        ratio = sorted(got[batched])[len(got[batched]) // 2]
+        ms = sorted(ms_of[batched])[len(ms_of[batched]) // 2]
+        decision = grid.notes["cells"]
+        emit("torchlens", f"{case}_{'batched' if batched else 'sliced'}", ms, ms / ratio, ok,
+             f"{view.n_layers}x{view.n_heads}x{len(at)} head cells, per-cell cost incl. 2 traces; median of "
+             f"{rounds} grids alternating batched/sliced, each over forwards timed around it; decision {decision}",
+             ratio=ratio)
+
+
+def heads_main(rounds: int) -> None:
+    model, clean_ids, corrupt_ids = bert_prompts(8)
+    heads_case("encoder_heads", model, clean_ids, corrupt_ids, _feature_diff, None, rounds)
+    heads_case("encoder_heads_pos3", model, clean_ids, corrupt_ids, _feature_diff, [0, 3, 7], 1)
+    model, clean_ids = gpt2_small()
+    clean_ids = clean_ids[:, :8]
+    corrupt_ids = clean_ids.clone()
+    corrupt_ids[0, 5] = 4242
+    with torch.no_grad():
+        correct = int(model(clean_ids).logits[0, -1].argmax())
+    metric = tl.patching.logit_diff(correct, (correct + 1) % 50257)
+    heads_case("gpt2_heads_seq8", model, clean_ids, corrupt_ids, metric, None, rounds)
+    heads_case("gpt2_heads_seq8_pos3", model, clean_ids, corrupt_ids, metric, [0, 3, 7], 1)
+
+
+def _rome_cell(model, ids, subject, answer, noise, samples, seed, layer, p, clean_block) -> float:
+    """ROME's ``trace_with_patch`` with plain hooks: noised embeddings (one row of draws per run,
+    as ``causal_trace`` draws them), block ``layer``'s clean output at position ``p``."""
+    view = tl.arch(model)
+    draws = torch.randn(samples, len(subject), view.d_model, generator=torch.Generator().manual_seed(seed))
+
+    def noised(m, a, out):
+        out = out.clone()
+        out[:, subject] += noise * draws
+        return out
+
+    def restore(m, a, out):
+        first = (out[0] if isinstance(out, tuple) else out).clone()
+        first[:, p] = clean_block[0, p]
+        return (first, *out[1:]) if isinstance(out, tuple) else first
+
+    handles = [view.module("embed").register_forward_hook(noised),
+               view.module(f"blocks.{layer}").register_forward_hook(restore)]
+    try:
+        with torch.no_grad():
+            logits = model(ids.repeat(samples, 1)).logits
+    finally:
+        for h in handles:
+            h.remove()
+    return float(logits[:, -1].softmax(-1)[:, answer].mean())
+
+
+def causal_trace_case(case: str, model, ids) -> None:
+    """causal_trace batched and as sliced forks (one run each, batched first), each timed against
+    plain forwards right before and after it (its clean and noised traces included)."""
+    view = tl.arch(model)
+    subject, samples, seed = [1, 2], 3, 0
+    cells = view.n_layers * ids.shape[1] * samples
+    base = plain_forward(model, ids)
+    runs = {}
+    for batched in (True, False):
+        before = median_ms(base, 3)
+        t0 = time.perf_counter()
+        result = tl.patching.causal_trace(model, ids, subject, kinds=("resid_post",), samples=samples, seed=seed,
+                                          progress=False, batched_cells=batched)["resid_post"]
+        ms = (time.perf_counter() - t0) * 1000
+        runs[batched] = (result, ms, (before + median_ms(base, 3)) / 2)
+    clean = {}
+    for layer in range(view.n_layers):
+        h = view.module(f"blocks.{layer}").register_forward_hook(
+            lambda m, a, o, layer=layer: clean.update({layer: (o[0] if isinstance(o, tuple) else o).clone()}))
+        with torch.no_grad():
+            model(ids)
+        h.remove()
+    for batched, (result, ms, b) in runs.items():
+        answer, noise = result.notes["answer"], result.notes["noise"]
+        ok = all(abs(_rome_cell(model, ids, subject, answer, noise, samples, seed, layer, p, clean[layer])
+                     - float(result.values[layer, p])) < 1e-4
+                 for layer, p in [(layer, (3 * layer) % ids.shape[1]) for layer in range(0, view.n_layers, 3)])
+        emit("torchlens", f"{case}_{'batched' if batched else 'sliced'}", ms / cells, b, ok,
+             f"{view.n_layers}x{ids.shape[1]} cells x {samples} noised runs, per cell and run incl. traces; "
+             f"decision {result.notes['cells']}", ratio=ms / cells / b)
+
+
+def causal_trace_main() -> None:
+    import transformers
+
+    torch.manual_seed(0)
+    mlm = transformers.BertForMaskedLM(transformers.BertConfig()).eval()
+    causal_trace_case("encoder_causal_trace", mlm, bert_prompts(8)[1])
+    causal_trace_case("gpt2_causal_trace_seq8", gpt2_small()[0], gpt2_small()[1][:, :8])
+
+
 def bert_prompts(seq: int):
     model, clean_ids = bert_base()
     clean_ids = torch.randint(1000, 20000, (1, seq), generator=torch.Generator().manual_seed(0))
@@ -130,6 +293,12 @@ def main() -> None:
     setup()
     quick = "--quick" in sys.argv
     rounds = 1 if quick else 3
+    if "--causal-trace" in sys.argv:
+        causal_trace_main()
+        return
+    if "--heads" in sys.argv:
+        heads_main(1)  # one grid each way per case: the sliced head grids of BERT-base take a minute
+        return
     model, clean_ids, corrupt_ids = bert_prompts(8)
     grid_case("torchlens", "encoder_grid", model, clean_ids, corrupt_ids, _feature_diff, list(range(8)), rounds)
     grid_case("torchlens", "encoder_grid_sliced", model, clean_ids, corrupt_ids, _feature_diff, list(range(8)),

@@ -236,6 +236,59 @@ class SmallMLP(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
+class SelectPoolBlock(nn.Module):
+    """A residual block adding a pool of the values it selects by their sign (``how``): ``"mask"``
+    ``h[h > 0]``, ``"nonzero"`` ``flat[nonzero(flat > 0)]``, ``"fixed_mask"`` ``h[..., keep]`` with a
+    constant mask; ``"lstm"`` runs ``h`` through an LSTM first (an op torch.vmap has no batching rule for)."""
+
+    def __init__(self, how: str, d: int = 8) -> None:
+        super().__init__()
+        self.how, self.fc = how, nn.Linear(d, d)
+        self.rnn = nn.LSTM(d, d, batch_first=True) if how == "lstm" else None
+        self.register_buffer("keep", torch.arange(d) % 3 == 0)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        if self.how == "mask":
+            pooled = h[h > 0].sum()
+        elif self.how == "nonzero":
+            flat = h.flatten()
+            pooled = flat[torch.nonzero(flat > 0).squeeze(1)].sum()
+        elif self.how == "lstm":
+            h = self.rnn(h)[0]
+            pooled = h.mean()
+        else:
+            pooled = h[..., self.keep].sum()
+        return x + h + 0.1 * pooled
+
+
+class SelectPoolNet(nn.Module):
+    """Three :class:`SelectPoolBlock` blocks (``blocks.{i}``: the generic adapter's layers) and a linear head."""
+
+    def __init__(self, how: str, d: int = 8) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([SelectPoolBlock(how, d) for _ in range(3)])
+        self.head = nn.Linear(d, 4)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class LinearThen(nn.Module):
+    """``fc(x)`` then ``then`` of it (a function of one tensor, returning a scalar), summed with it:
+    an op under test downstream of a linear layer."""
+
+    def __init__(self, then: Callable[[torch.Tensor], torch.Tensor], d: int = 4) -> None:
+        super().__init__()
+        self.fc, self.then = nn.Linear(d, d), then
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h.sum() + self.then(h)
+
+
 # -- zoo cases ------------------------------------------------------------------------------
 
 
@@ -277,6 +330,15 @@ def build_tiny_gpt2() -> nn.Module:
 
     config = tiny_gpt2_config()
     return _seeded(lambda: transformers.GPT2LMHeadModel(config))
+
+
+def build_tiny_bert_mlm() -> nn.Module:
+    """A 2-layer BERT masked LM with random weights (seeded, eval mode): a bidirectional encoder with logits."""
+    import transformers
+
+    config = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, vocab_size=64)
+    return _seeded(lambda: transformers.BertForMaskedLM(config))
 
 
 @pytest.fixture(scope="session")

@@ -202,7 +202,8 @@ class Recorder(TorchFunctionMode, CopyOnWrite, ModuleCalls):
         if type(out) in (tuple, list) or isinstance(out, tuple):
             if out and all(isinstance(x, Tensor) or x is None for x in out):
                 return self._record(func, info, out, args, kwargs, flags, True)
-            return out
+            if not info.data_read:  # tolist() returns Python numbers: a data read, recorded below
+                return out
         if info.data_read:
             self._data_read(func, info.name, args, kwargs, out)
         return out

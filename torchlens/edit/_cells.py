@@ -12,8 +12,15 @@ the values it recomputed), or only the elements a patching metric reads
 
 :func:`plan_cells` declares, before anything runs, why a site cannot be replayed this way
 (a guard or an in-place op the edit reaches, a value rewritten through a view, a module edit
-whose readers include its own ops...); the caller then replays those cells as forks
-(``Trace.forks``) and records the reason. Through causal attention or on long prompts slicing
+whose readers include its own ops, an op ``torch.vmap`` cannot batch: a boolean mask or a count
+the edit reaches, ``x[mask]`` or ``nonzero``, whose output shape would differ from cell to cell,
+or a call vmap has no batching rule for); the caller then replays those cells as forks
+(``Trace.forks``) and records the reason. Should vmap still refuse an op while the batch runs
+(its own ``RuntimeError`` about batching rules or data-dependent shapes or control flow), the
+sites whose cells reach that op are handed back with that reason (:func:`run_cells`) and only
+the other sites' batch runs again; any other error propagates.
+
+Through causal attention or on long prompts slicing
 (``torchlens.edit._slicing``, which recomputes only the rows an edit reaches) wins:
 :func:`mixes_back` measures the first, and when to batch is the caller's rule
 (``patching.activation``).
@@ -21,13 +28,14 @@ whose readers include its own ops...); the caller then replays those cells as fo
 
 from __future__ import annotations
 
+import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
-from ..core.records import EDIT, GUARD, INPLACE, INPUT, ModuleCall, Op, build_args
+from ..core.records import EDIT, GUARD, INPLACE, INPUT, ModuleCall, Op, Ref, build_args
 from ..core.tree import flatten, held_tensors, unflatten
 from ._execute import UNINITIALISED, refuse_reason
 from .reads import OutputRead
@@ -37,6 +45,10 @@ __all__ = ["CellPass", "mixes_back", "plan_cells", "run_cells", "site_index"]
 # vmap runs attention's fused CPU kernel entry by entry (no batching rule yet) and says so on every
 # call; the values are exact, and the cost is small next to the batched weight reads.
 _NO_RULE = "There is a performance drop because we have not yet implemented the batching rule"
+# What functorch's own refusals say ("vmap: We do not support batching operators that can output
+# dynamic shape", "Batching rule not implemented for aten::...", "vmap: ... data-dependent control
+# flow"): a RuntimeError matching this while the batch runs is vmap's limit, not the model's error.
+_VMAP_REFUSAL = re.compile(r"\bvmap\b|batching rule", re.IGNORECASE)
 
 
 class CellPass(NamedTuple):
@@ -74,7 +86,7 @@ def plan_cells(trace: Any, record: Op | ModuleCall, read: OutputRead | None = No
     for op in trace.ops[site + 1:]:
         if op.flags & INPUT or not any(r.index in reached for r in op.parent_refs):
             continue
-        why = _refused(op)
+        why = _unbatchable(trace, op, reached) or _refused(op)
         if why is not None:
             return why
         unsaved = next((r for r in op.parent_refs if r.index not in reached and not trace.has_value(r.index)), None)
@@ -95,7 +107,7 @@ def plan_cells(trace: Any, record: Op | ModuleCall, read: OutputRead | None = No
 
 
 def run_cells(trace: Any, passes: Sequence[CellPass], values: Sequence[Sequence[torch.Tensor]],
-              names: Sequence[Sequence[str]]) -> list[list[Any]]:
+              names: Sequence[Sequence[str]]) -> list[list[Any] | str]:
     """Replay the cells of several sites as one growing batch.
 
     The batch starts at the first site with its cells; at each later site its cells join as new
@@ -113,11 +125,35 @@ def run_cells(trace: Any, passes: Sequence[CellPass], values: Sequence[Sequence[
     Returns:
         per pass, per cell, the elements the passes' ``read`` names (the LM head's row and
         columns, as ``replay_reads`` gives them: used when every pass has it), or else the model
-        output of a fork of ``trace`` holding the values the cell recomputed.
+        output of a fork of ``trace`` holding the values the cell recomputed; or, for a pass
+        whose cells reach an op ``torch.vmap`` refused while running (a limit :func:`plan_cells`
+        did not foresee), that refusal as a sentence: the other passes then ran again without it.
+
+    Raises:
+        ValueError: passes of repeated sites or out of recorded order.
     """
     sites = [c.site for c in passes]
     if sites != sorted(set(sites)):
         raise ValueError(f"run_cells takes passes of distinct sites in recorded order, got sites {sites}")
+    try:
+        return list(_run_chain(trace, passes, values, names))
+    except _VmapRefused as refused:
+        hit = [k for k, c in enumerate(passes) if any(op.index == refused.op.index for op in c.ops)]
+        if not hit:  # (cannot happen: every op of the batch belongs to a pass)
+            raise refused.__cause__ from None
+        rest = [k for k in range(len(passes)) if k not in hit]
+        got = run_cells(trace, [passes[k] for k in rest], [values[k] for k in rest],
+                        [names[k] for k in rest]) if rest else []
+        out: list[list[Any] | str] = [refused.reason] * len(passes)
+        for k, g in zip(rest, got):
+            out[k] = g
+        return out
+
+
+def _run_chain(trace: Any, passes: Sequence[CellPass], values: Sequence[Sequence[torch.Tensor]],
+               names: Sequence[Sequence[str]]) -> list[list[Any]]:
+    """:func:`run_cells` without its fallback: raises :class:`_VmapRefused` when vmap refuses an op."""
+    sites = [c.site for c in passes]
     read = passes[0].read if all(c.read == passes[0].read for c in passes) else None
     keep = tuple(sorted({i for c in passes for i in c.keep}))
     wanted = (read.index,) if read is not None else keep
@@ -184,8 +220,24 @@ def _segment(trace: Any, seg: CellPass, state: dict[int, Any], out: tuple[int, .
         if seg.read is not None and op.index == seg.read.index:
             new[op.index] = _read_part(op, args, kwargs, seg.read)
         else:
-            new[op.index] = op.func(*args, **kwargs)
+            try:
+                new[op.index] = op.func(*args, **kwargs)
+            except RuntimeError as err:
+                if not _VMAP_REFUSAL.search(str(err)):
+                    raise
+                raise _VmapRefused(op, err) from err
     return {i: new[i] for i in out}
+
+
+class _VmapRefused(Exception):
+    """``torch.vmap`` refused op ``op`` of the batch (its ``RuntimeError`` is the cause): the sites
+    whose cells reach it replay as forks, with :attr:`reason`. Never leaves :func:`run_cells`."""
+
+    def __init__(self, op: Op, err: RuntimeError) -> None:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        self.op = op
+        self.reason = f"torch.vmap could not batch op {op.label} ({op.func_name}) at {op.source}: {first}"
+        super().__init__(self.reason)
 
 
 def _last_reads(ops: Sequence[Op]) -> dict[int, int]:
@@ -233,6 +285,82 @@ def site_index(trace: Any, record: Op | ModuleCall) -> int | str:
     if any(c < record.op_end for c in op.children_idx):
         return f"ops inside module {record.address} read its output before it returns"
     return op.index
+
+
+class _Arg:
+    """A recorded op's tensor argument as :func:`_unbatchable` sees it: whether the cells' edit
+    reaches it (under vmap: a batched argument, one value per cell) and its dtype."""
+
+    __slots__ = ("reached", "dtype")
+
+    def __init__(self, reached: bool, dtype: torch.dtype | None) -> None:
+        self.reached, self.dtype = reached, dtype
+
+
+_MASKS = (torch.bool, torch.uint8)
+
+
+def _reached_mask(args: tuple, kwargs: dict) -> bool:
+    """An index or mask argument (after the indexed tensor) that is boolean and reached by the edit."""
+    return any(isinstance(a, _Arg) and a.reached and a.dtype in _MASKS for a in flatten((args[1:], kwargs))[0])
+
+
+def _arg(args: tuple, kwargs: dict, pos: int, name: str) -> Any:
+    return args[pos] if len(args) > pos else kwargs.get(name)
+
+
+def _is_tensor(a: Any) -> bool:
+    return isinstance(a, (_Arg, torch.Tensor))
+
+
+def _reached(a: Any) -> bool:
+    return isinstance(a, _Arg) and a.reached
+
+
+# Per op name, why torch.vmap cannot run it on the batch given its recorded call (None: it can),
+# each found by running the op under vmap: an output shape that depends on values the edit reaches
+# (vmap stacks one shape for all cells), or a call vmap has no batching rule or fallback for.
+_SHAPE = "returns a shape that depends on values the edit reaches ({}), which can differ from cell to cell"
+_NO_RULE_FOR = "has no batching rule in torch.vmap ({})"
+_VMAP_LIMITS: dict[str, Callable[[Op, tuple, dict], str | None]] = {
+    **dict.fromkeys(("getitem", "index", "index_put", "masked_select"), lambda op, a, k: _SHAPE.format(
+        "it selects elements by a boolean mask: x[mask]") if _reached_mask(a, k) else None),
+    **dict.fromkeys(("nonzero", "argwhere", "unique", "unique_consecutive"), lambda op, a, k: _SHAPE.format(
+        "it lists or counts the input's elements")),
+    "where": lambda op, a, k: _SHAPE.format("one-argument where lists the input's nonzero elements")
+    if op.flags & GUARD else None,
+    "repeat_interleave": lambda op, a, k: _SHAPE.format("the repeat counts") if (
+        _reached(_arg(a, k, 1, "repeats")) or (_arg(a, k, 1, "repeats") is None and _reached(_arg(a, k, 0, "input")))
+    ) else None,
+    "bincount": lambda op, a, k: _SHAPE.format("its length is the largest value + 1")
+    if _reached(_arg(a, k, 0, "input")) else None,
+    "tensor_split": lambda op, a, k: _NO_RULE_FOR.format("split at a tensor of indices")
+    if _is_tensor(_arg(a, k, 1, "indices")) or _is_tensor(k.get("tensor_indices_or_sections")) else None,
+    "narrow": lambda op, a, k: _NO_RULE_FOR.format("a tensor start") if _is_tensor(_arg(a, k, 2, "start")) else None,
+    **dict.fromkeys(("lstm", "gru", "rnn_tanh", "rnn_relu", "lstm_cell"), lambda op, a, k: _NO_RULE_FOR.format(
+        "a recurrent layer's fused kernel")),
+    "one_hot": lambda op, a, k: _SHAPE.format("one_hot without num_classes: its width is the largest class + 1")
+    if _arg(a, k, 1, "num_classes") in (None, -1) else None,
+}
+
+
+def _unbatchable(trace: Any, op: Op, reached: set[int]) -> str | None:
+    """Why ``torch.vmap`` cannot run ``op`` on the cells' batch, read from its recorded call
+    (None: it can). ``reached``: the ops the edit reached before ``op``."""
+    rule = _VMAP_LIMITS.get(op.func_name)
+    if rule is None:
+        return None
+    args, kwargs = build_args(op, lambda r: _Arg(r.index in reached, _ref_dtype(trace, r)))
+    why = rule(op, args, kwargs)
+    return None if why is None else f"op {op.label} ({op.func_name}) at {op.source} {why}"
+
+
+def _ref_dtype(trace: Any, ref: Ref) -> torch.dtype | None:
+    op = trace.ops[ref.index]
+    if ref.elem is None or not trace.has_value(ref.index):
+        return op.dtype if ref.elem is None else None
+    value = trace.value(ref.index)[ref.elem]
+    return value.dtype if isinstance(value, torch.Tensor) else None
 
 
 def _refused(op: Op) -> str | None:

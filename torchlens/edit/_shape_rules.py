@@ -9,8 +9,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import torch
-
 from ._regions import WHOLE, Plan, Region, Rows, normal, union
 
 __all__ = ["cat_rule", "expand_rule", "full_plan", "getitem_rule", "map_shape", "permute_rule", "split_rule",
@@ -103,7 +101,8 @@ def getitem_rule(call: Any, changed, out_shape: tuple) -> Plan:
     t, r = changed[0]
     index = call.args[1] if len(call.args) > 1 else None
     index = index if isinstance(index, tuple) else (index,)
-    if any(isinstance(i, (torch.Tensor, list, bool)) for i in index):
+    # a tensor index (also one the edit changed, held as its pending rows): advanced indexing
+    if any(isinstance(i, bool) or not (i is None or i is Ellipsis or isinstance(i, (int, slice))) for i in index):
         return Plan("full", WHOLE, reason="getitem: advanced (tensor) indexing")
     n_real = sum(1 for i in index if i is not None and i is not Ellipsis)
     expanded: list[Any] = []

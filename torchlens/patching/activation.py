@@ -1,9 +1,12 @@
-"""Patching workflows: activation patching grids, causal tracing (ROME), attribution patching.
+"""Activation patching grids (layer × position, layer × head [× position]) and what they share
+with causal tracing (:mod:`torchlens.patching.causal`): scoring cells, restoring rows, batched cells.
 
 Every cell of a grid is one fork of the corrupted (or noised) trace with one value restored
 from the clean run; the fork replays only the rows the edit can reach
 (``torchlens.edit._slicing``), so a cell costs a fraction of a forward instead of one
-forward. Results are :class:`PatchingResult` objects: a labelled tensor (``.values``, its
+forward; on short prompts through bidirectional attention the cells run instead as the entries
+of one batch (``torchlens.edit._cells``, the rule in :func:`_batched_decision`). Results are
+:class:`PatchingResult` objects: a labelled tensor (``.values``, its
 ``.dims`` and ``.labels``) with ``.plot()`` (a heatmap, matplotlib optional).
 
 Sites are canonical names (``tl.arch``): ``"resid_pre"``, ``"resid_mid"``, ``"resid_post"``,
@@ -23,25 +26,21 @@ from .._progress import track
 from ..analysis import plots
 from ..analysis._workflow_inputs import as_trace, model_of
 from ..analysis.heads import head_patch_site
-from ..api import trace as capture
 from ..arch.resolve import arch
 from ..capture._random import refuse_random
 from ..core.indices import python_indices
+from ..core.records import ModuleCall
 from ..core.steps import REPLAY, Step
-from ..core.text import HOW_TO_PASS, decode_tokens, input_ids_of, is_text, text_inputs, token_position, tokenizer_for
 from ..core.trace import Trace
 from ..core.tree import first_tensor, flatten, unflatten
 from ..edit._cells import mixes_back, plan_cells, run_cells, site_index
 from ..edit._fallbacks import declare
-from ..edit.edits import when
+from ..edit.edits import EditContext
 from ..edit.reads import OutputRead, replay_reads
-from ..errors import GuardChangedError, InvalidArgumentError, TokenizerRequiredError, TokenNotFoundError
-from .metrics import MetricReads, logits_of, metric_position, prob, score
+from ..errors import GuardChangedError, InvalidArgumentError, TokenNotFoundError
+from .metrics import MetricReads, logits_of, metric_position, score
 
-__all__ = [
-    "BATCHED_TOKENS", "KINDS", "PatchingResult", "activation_patching", "causal_trace",
-    "restore_rows",
-]
+__all__ = ["BATCHED_TOKENS", "KINDS", "PatchingResult", "activation_patching", "restore_rows"]
 
 # Cells replayed together by default: enough to share most weight reads of a sweep's few-row
 # recomputations, few enough that the batch's recomputed rows stay well under one trace per cell.
@@ -163,21 +162,49 @@ class _Cells:
 
         The sites that can be batched run as one growing batch (``torchlens.edit._cells.run_cells``),
         ``batch_size`` cells of each site at a time: a chain of at most ``batch_size`` × sites entries,
-        each holding only the values its later ops still read."""
+        each holding only the values its later ops still read. A cell whose edit leaves the site's
+        value as recorded (restoring a row both runs share) scores the trace's own output, as
+        its sliced fork would, without a batch entry. A site whose cells reach an op
+        ``torch.vmap`` refused while running gets that refusal as its reason (all its cells then
+        replay as forks)."""
         plans = [self._plan(site) for site, _ in sites]
         out: list[list[float] | str] = [p if isinstance(p, str) else [] for p in plans]
         ok = sorted((i for i, p in enumerate(plans) if not isinstance(p, str)), key=lambda i: plans[i].site)
         if not ok:
             return out
+        unchanged: list[float] = []  # the trace's own score, computed once
         width = max(len(sites[i][1]) for i in ok)
         for start in range(0, width, self.batch_size):
-            chain = [i for i in ok if sites[i][1][start:start + self.batch_size]]
-            cells = [sites[i][1][start:start + self.batch_size] for i in chain]
-            values = [[edit(self.trace.value(plans[i].site), ctx=None) for _, edit in c] for i, c in zip(chain, cells)]
-            got = run_cells(self.trace, [plans[i] for i in chain], values, [[n for n, _ in c] for c in cells])
-            read = all(plans[i].read is not None for i in chain) and len({plans[i].read for i in chain}) == 1
+            chain, cells, values = [], [], []
+            for i in ok:
+                recorded, ctx = self.trace.value(plans[i].site), self._context(sites[i][0])
+                scores, keep, edited = out[i], [], []
+                if isinstance(scores, str):
+                    continue
+                for name, edit in sites[i][1][start:start + self.batch_size]:
+                    value = edit(recorded, ctx=ctx)
+                    if isinstance(value, torch.Tensor) and torch.equal(value, recorded):
+                        unchanged = unchanged or [score(self.metric, self.trace.output)]
+                        scores.append(unchanged[0])
+                    else:
+                        scores.append(None)  # filled in below, in order
+                        keep.append(name)
+                        edited.append(value)
+                if keep:
+                    chain.append(i)
+                    cells.append(keep)
+                    values.append(edited)
+            if not chain:
+                continue
+            got = run_cells(self.trace, [plans[i] for i in chain], values, cells)
+            ran = [i for i, g in zip(chain, got) if not isinstance(g, str)]
+            read = all(plans[i].read is not None for i in ran) and len({plans[i].read for i in ran}) == 1
             for i, scores in zip(chain, got):
-                out[i] += [score(self.metric.reads.score if read else self.metric, g) for g in scores]
+                if isinstance(scores, str):
+                    out[i] = scores
+                    continue
+                todo = iter(score(self.metric.reads.score if read else self.metric, g) for g in scores)
+                out[i] = [next(todo) if s is None else s for s in out[i]]
         return out
 
     def mixes_back(self, layer: int) -> bool | str:
@@ -195,6 +222,13 @@ class _Cells:
         if len(records) != 1:
             return f"{site} matches {len(records)} places in the trace"
         return plan_cells(self.trace, records[0], self.read if read else None)
+
+    def _context(self, site: str) -> EditContext:
+        """The ``ctx`` an edit of ``site`` receives (as replay passes it: a head patch reads its op)."""
+        record = self._bound(site).match(self.trace)[0]
+        if isinstance(record, ModuleCall):
+            return EditContext(site, record.label, record.address, record.pass_index, record, self.trace)
+        return EditContext(site, record.label, record.module, record.module_pass, record, self.trace)
 
     def _bound(self, site: str) -> Any:
         bound = self.sites.get(site)
@@ -342,14 +376,16 @@ def activation_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any]
             time) when the prompts hold at most :data:`BATCHED_TOKENS` tokens and the model's
             blocks carry an edit of the last position back to the first, where it was measured
             to win; True: batch
-            wherever the graph allows; False: never. A layer the batch cannot take (a guard or an
-            in-place write its edit reaches) replays as forks, its reason in
-            ``notes["cells"]["declined"]``. Head grids always replay as forks.
+            wherever the graph allows; False: never. A layer the batch cannot take (a guard, an
+            in-place write or an op ``torch.vmap`` cannot batch its edit reaches, such as ``x[mask]``)
+            replays as forks, its reason in ``notes["cells"]["declined"]``. Head grids follow the
+            same rule (each layer's heads are cells of its attention op).
 
     Returns:
         a :class:`PatchingResult` with dims ``("layer", "position")``, ``("layer", "head")`` or
         (heads with ``positions=``) ``("layer", "head", "position")``, ``values`` of that shape,
-        ``labels`` giving each axis' block indices, heads and positions (non-negative).
+        ``labels`` giving each axis' block indices, heads and positions (non-negative);
+        ``notes["cells"]`` says whether the cells were batched and why.
 
     Raises:
         InvalidArgumentError: unknown ``site``, traces without a model, inputs of different
@@ -376,8 +412,10 @@ def activation_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any]
     positions = _token_positions(positions, clean, corrupted)
     if site == "heads":  # without positions=, each head at every position (no sequence length needed)
         at = None if positions is None else _positions(positions, _seq_len(corrupted))
-        values, dims, labels = _head_grid(clean, corrupted, scorer, rows, arch(model).n_heads, at, progress)
-        return PatchingResult(values, dims, labels, name, base_clean, base_corrupted)
+        decision = _batched_decision(corrupted, batched_cells, scorer, rows[0])
+        values, dims, labels = _head_grid(clean, corrupted, scorer, rows, arch(model).n_heads, at, progress, decision)
+        return PatchingResult(values, dims, labels, name, base_clean, base_corrupted,
+                              {"ids": _prompt_ids(clean), "cells": decision})
     cols = _positions(positions, _seq_len(corrupted))
     values = torch.empty(len(rows), len(cols))
     donors = {layer: clean[f"blocks.{layer}.{site}"].out for layer in rows}
@@ -402,7 +440,8 @@ def activation_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any]
                           base_corrupted, {"ids": _prompt_ids(clean), "cells": decision})
 
 
-def _batched_decision(corrupted: Trace, batched: bool | None, scorer: _Cells, layer: int) -> dict[str, Any]:
+def _batched_decision(corrupted: Trace, batched: bool | None, scorer: _Cells, layer: int,
+                      any_attention: str | None = None) -> dict[str, Any]:
     """Whether a grid's cells run as batch entries (``torchlens.edit._cells``), and why: the
     record kept in ``notes["cells"]`` (``"declined"`` gains each layer the batch could not take).
 
@@ -413,8 +452,16 @@ def _batched_decision(corrupted: Trace, batched: bool | None, scorer: _Cells, la
     which the batch shares (BERT-base, 12 layers x 8 positions, traces excluded: 8 tokens 0.20-0.26
     of a forward per cell against 0.42-0.61 sliced; 32 tokens 0.35-0.38 against 0.51-0.54; 64
     tokens 0.47-0.49 against 0.47-0.52, even). Under causal attention slicing
-    recomputes only the rows at and after the patched position, and wins even on short prompts
-    (GPT-2 small, 8 tokens: 0.09 sliced against 0.16 batched).
+    recomputes only the rows at and after the patched position and wins from 16 tokens on
+    (GPT-2 small, ``logit_diff``, 8 positions, traces excluded: 16 tokens 0.14 sliced against
+    0.20 batched, 32 tokens 0.14-0.17 against 0.22); at 8 tokens batching is ahead by 10-20%
+    (0.095 against 0.084), too little to split the rule. Head grids follow the same rule
+    (BERT-base 1 x 8, 12 x 12 heads, traces included: 0.28 of a forward per cell batched against
+    1.28-1.58 sliced, at 3 positions 0.18 against 1.45-1.60; GPT-2 small 1 x 8: 0.15 against 0.17
+    for whole heads, 0.046 against 0.048 at 3 positions).
+
+    ``any_attention``: a workflow measured to gain from batching through causal attention too
+    (causal tracing), named in the reason; the prompt length alone then decides.
     """
     ids = first_tensor(corrupted.args or tuple(corrupted.kwargs.values()))
     tokens = None if ids is None or ids.dim() < 2 else ids.shape[0] * ids.shape[1]
@@ -422,7 +469,9 @@ def _batched_decision(corrupted: Trace, batched: bool | None, scorer: _Cells, la
         batched = tokens is not None and tokens <= BATCHED_TOKENS
         reason = (f"{tokens} tokens {'<=' if batched else '>'} {BATCHED_TOKENS}" if tokens is not None
                   else "unknown prompt length")
-        if batched:
+        if batched and any_attention:
+            reason += f"; {any_attention}"
+        elif batched:
             mixes = scorer.mixes_back(layer)
             batched = mixes is True
             reason += ("; attention is bidirectional" if batched else "; attention is causal" if mixes is False
@@ -433,22 +482,37 @@ def _batched_decision(corrupted: Trace, batched: bool | None, scorer: _Cells, la
 
 
 def _head_grid(clean: Trace, corrupted: Trace, scorer: _Cells, rows: list[int], n_heads: int,
-               positions: list[int] | None, progress: bool | None,
+               positions: list[int] | None, progress: bool | None, decision: dict[str, Any],
                ) -> tuple[torch.Tensor, tuple[str, ...], dict[str, list[int]]]:
     """The layer × head grid (each head's output at every position), or the layer × head ×
     position grid when ``positions`` are given (one head's output at one position): values,
-    dims and labels."""
+    dims and labels. With ``decision["batched"]`` the heads of each layer are the cells of one
+    site (the attention op whose per-head output they edit) in one growing batch; a layer the
+    batch cannot take joins ``decision["declined"]`` and replays as forks."""
     heads = list(range(n_heads))
     at = [None] if positions is None else positions
     values = torch.empty(len(rows), n_heads, len(at))
-    # position by position, head by head: one head's patches at every layer change the same part of their values
-    cells = [(i, layer, h, j, p) for j, p in enumerate(at) for h in heads for i, layer in enumerate(rows)]
 
     def cell(layer: int, h: int, p: int | None) -> tuple[str, str, Any]:
         label, edit = head_patch_site(corrupted, layer, h, clean, positions=None if p is None else [p])
         edit.may_change_nothing = True  # restoring a head (row) where both runs agree is a legitimate no-op
         return f"{corrupted.name}/patch_head[{layer}.{h}.output{'' if p is None else f'@{p}'}]", label, edit
 
+    done: set[int] = set()
+    if decision["batched"]:  # one site per layer; its cells position by position, head by head
+        sites = []
+        for layer in rows:
+            made = [cell(layer, h, p) for p in at for h in heads]
+            sites.append((made[0][1], [(n, e) for n, _, e in made]))
+        for i, (layer, scores) in enumerate(zip(rows, scorer.score_sites(sites))):
+            if isinstance(scores, str):  # (raises with TORCHLENS_STRICT_FALLBACKS=1, so a test sees it)
+                decision["declined"][layer] = declare("batched cells", scores)[1]
+            else:
+                values[i] = torch.tensor(scores, dtype=values.dtype).view(len(at), n_heads).T
+                done.add(layer)
+    # position by position, head by head: one head's patches at every layer change the same part of their values
+    cells = [(i, layer, h, j, p) for j, p in enumerate(at) for h in heads for i, layer in enumerate(rows)
+             if layer not in done]
     todo = (cell(layer, h, p) for _, layer, h, _, p in track(cells, desc="patching heads", unit="cell",
                                                              progress=progress))
     for (i, _, h, j, _), got in zip(cells, scorer.score_all(todo)):
@@ -495,145 +559,3 @@ def _seq_len(trace: Trace) -> int:
         raise InvalidArgumentError("cannot tell the sequence length of this trace's input",
                                    remedy="Capture with token ids of shape [batch, positions].")
     return ids.shape[1]
-
-
-# -- causal tracing (ROME) --------------------------------------------------------------------------
-
-
-def causal_trace(model: Any, ids: torch.Tensor | str, subject: Sequence[int | str] | int | str, *,
-                 answer: int | None = None,
-                 kinds: Sequence[str] = ("resid_post", "attn", "mlp"), noise: float | None = None,
-                 samples: int = 3, seed: int = 1, layers: Sequence[int] | None = None, window: int = 1,
-                 progress: bool | None = None, batch_size: int = DEFAULT_BATCH,
-                 tokenizer: Any = None) -> dict[str, PatchingResult]:
-    """ROME causal tracing: noise the subject tokens' embeddings, restore one clean state at a time.
-
-    The corrupted runs add ``noise`` × a standard normal to the token embeddings (``embed``) of
-    the ``subject`` positions, one run per sample; each cell restores the clean value of one
-    site at one position in every noised run and records the probability of ``answer`` at
-    the last position, averaged over the samples (Meng et al. 2022, "Locating and Editing
-    Factual Associations in GPT"). The noise of sample ``s`` is row ``s`` of
-    ``torch.randn(samples, len(subject), d_model, generator=torch.Generator().manual_seed(seed))``.
-
-    Args:
-        model: a causal language model with an architecture adapter.
-        ids: token ids ``[1, positions]``, or the prompt as a string (tokenized with ``tokenizer``).
-        subject: the positions of the subject tokens (negative ones count from the end), or token
-            strings (``" Paris"``, with a tokenizer) each occurring once in the prompt.
-        answer: the token whose probability is traced (default: the clean run's top token).
-        kinds: which sites to restore: ``resid_post`` (block outputs), ``attn``, ``mlp``.
-        noise: the noise scale (default: 3 × the standard deviation of the token embeddings, as in ROME).
-        samples: how many noised runs to average.
-        seed: the seed of the noise.
-        layers: which blocks (default: all); negative ones count from the end.
-        window: how many consecutive blocks each cell restores, as ROME's figures (``window=10``
-            for ``mlp`` and ``attn``): the cell of layer ``L`` restores, at its position, blocks
-            ``max(0, L - window // 2)`` to ``min(n_layers, L - (-window // 2)) - 1`` (ROME's
-            ``trace_important_window``). 1 (default): that block alone.
-        progress: show a progress bar.
-        batch_size: how many cells of one noised run replay together (as in :func:`activation_patching`).
-        tokenizer: tokenizes a text prompt and finds token-string subjects (default: the model's
-            ``tokenizer`` attribute).
-
-    Returns:
-        ``{kind: PatchingResult}`` over ``("layer", "position")``; ``clean`` is the clean
-        probability and ``corrupted`` the noised one (``notes["answer"]`` the traced token,
-        ``notes["window"]`` the window).
-
-    Raises:
-        InvalidArgumentError: bad ``ids``, ``subject`` (a position outside the prompt), ``kinds``
-            or ``window`` (not a whole number >= 1).
-        SiteNotFoundError: a layer out of range, or a kind the model's adapter does not give its blocks.
-        TokenizerRequiredError: a text prompt or token-string subject and no tokenizer.
-        TokenNotFoundError / AmbiguousTokenError: a subject token string absent from the prompt, or
-            occurring twice.
-    """
-    tokenizer = tokenizer_for(model, tokenizer)
-    if is_text(ids):
-        ids = input_ids_of(*text_inputs(ids, model, tokenizer))
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1:
-        raise InvalidArgumentError("causal_trace takes token ids of shape [1, positions], or one string")
-    seq = ids.shape[1]
-    subject = _positions(_subject_positions(subject, ids, tokenizer), seq)
-    if not subject:
-        raise InvalidArgumentError("subject= lists at least one position")
-    _check_batch(batch_size)
-    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-        raise InvalidArgumentError(f"window= is a whole number of blocks >= 1, got {window!r}",
-                                   remedy="Pass window=1 to restore one block per cell, or e.g. window=10 as ROME.")
-    bad = [k for k in kinds if k not in KINDS or k == "heads"]
-    if bad:
-        raise InvalidArgumentError(f"kinds {bad} are not among {KINDS[:-1]}")
-    rows_of = {kind: _layers(model, kind, layers) for kind in kinds}  # checked before any capture
-    view = arch(model)
-    embed = view.module("embed")
-    clean = capture(model, ids)
-    refuse_random("causal tracing", clean)
-    if answer is None:
-        answer = int(logits_of(clean.output)[0, -1].argmax())
-    if noise is None:
-        noise = 3 * float(embed.weight.detach().std())
-    draws = torch.randn(samples, len(subject), view.d_model, generator=torch.Generator().manual_seed(seed))
-    noised = []
-    for s in range(samples):
-        add = (noise * draws[s]).to(embed.weight.dtype)
-
-        def noisy(act: torch.Tensor, *, ctx: Any, add: torch.Tensor = add) -> torch.Tensor:
-            out = act.clone()
-            out[0, subject] += add
-            return out
-
-        noised.append(capture(model, ids, intervene=when("embed", noisy)))
-        noised[-1].ensure_graph()
-    metric = prob(answer)
-    base_clean = score(metric, clean.output)
-    base_noised = sum(score(metric, t.output) for t in noised) / samples
-    scorers = [_Cells(t, metric, batch_size) for t in noised]
-    results = {}
-    for kind in kinds:
-        rows = rows_of[kind]
-        spans = {layer: _window(layer, window, view.n_layers) for layer in rows}
-        donors = {b: clean[f"blocks.{b}.{kind}"].out for b in sorted({b for span in spans.values() for b in span})}
-        values = torch.zeros(len(rows), seq)
-        cells = [(i, layer, p) for p in range(seq) for i, layer in enumerate(rows)]  # one position at a time (one pass)
-        for chunk in _chunks(track(cells, desc=f"causal trace {kind}", unit="cell", progress=progress), batch_size):
-            totals = [0.0] * len(chunk)
-            for scorer in scorers:
-                todo = [_restore_cell(scorer.trace.name, kind, spans[layer], p, donors) for _, layer, p in chunk]
-                for k, got in enumerate(scorer.score_all(todo)):
-                    totals[k] += got
-            for (i, _, p), total in zip(chunk, totals):
-                values[i, p] = total / samples
-        results[kind] = PatchingResult(values, ("layer", "position"), {"layer": rows, "position": list(range(seq))},
-                                       f"p({answer})", base_clean, base_noised,
-                                       {"answer": answer, "noise": noise, "subject": subject, "window": window,
-                                        "ids": [int(i) for i in ids[0]]})
-    return results
-
-
-def _subject_positions(subject: Any, ids: torch.Tensor, tokenizer: Any) -> Any:
-    """``subject`` with token strings replaced by their one position in the prompt ``ids``."""
-    items = [subject] if isinstance(subject, (int, str)) else list(subject)
-    if not any(isinstance(s, str) for s in items):
-        return subject
-    if tokenizer is None:
-        named = next(s for s in items if isinstance(s, str))
-        raise TokenizerRequiredError(f"subject= names tokens as strings ({named!r}) and no tokenizer is known to "
-                                     "find them", remedy=HOW_TO_PASS)
-    row = decode_tokens(ids, tokenizer)[0]
-    return [token_position(row, s) if isinstance(s, str) else s for s in items]
-
-
-def _window(layer: int, window: int, n_layers: int) -> list[int]:
-    """The blocks a causal-tracing cell of ``layer`` restores (ROME's ``trace_important_window``)."""
-    return list(range(max(0, layer - window // 2), min(n_layers, layer - (-window // 2))))
-
-
-def _restore_cell(name: str, kind: str, span: list[int], p: int, donors: dict[int, Any]) -> tuple[str, Any, Any]:
-    """A causal-tracing cell restoring ``kind`` of the blocks ``span`` at position ``p``, first block
-    first: one ``(name, site, edit)``, or several sites as a list of ``(site, edit)`` pairs."""
-    pairs = [(f"blocks.{b}.{kind}", restore_rows(donors[b], p)) for b in span]
-    label = f"{span[0]}" if len(span) == 1 else f"{span[0]}-{span[-1]}"
-    if len(pairs) == 1:
-        return f"{name}/restore[{label}.{kind}@{p}]", *pairs[0]
-    return f"{name}/restore[{label}.{kind}@{p}]", pairs, None
