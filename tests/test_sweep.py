@@ -371,3 +371,44 @@ def test_an_unexpected_error_inside_the_sweep_propagates_and_restores_every_fork
     assert all(_untouched(f) for f in forks)
     with pytest.raises(RuntimeError, match="a bug in a stacked rule"):  # not hidden by a slower path
         trace.forks([("transformer.h.0", scale_row_edit(5)), ("transformer.h.1", scale_row_edit(5))])
+
+
+class _Recurrent(torch.nn.Module):
+    """A linear layer, an LSTM (one op with three outputs: the sequence and both states), then
+    ``aminmax`` (two 0-dim outputs, no rows to stack by) scaling the result."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.lstm, self.out = torch.nn.Linear(6, 8), torch.nn.LSTM(8, 8, batch_first=True), \
+            torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        h, _ = self.lstm(torch.relu(self.inp(x)))
+        low, high = torch.aminmax(h)
+        return self.out(h) * (high - low)
+
+
+def test_forks_through_an_lstm_stack_its_outputs_and_decline_values_without_rows():
+    """The LSTM's new outputs (every one whole) are stacked output by output; ``aminmax``'s 0-dim
+    outputs cannot be: each fork keeps its own, the sweep says why, and every fork equals a hooked
+    forward and its edit replayed alone (the sweep crashed concatenating the LSTM's tuples)."""
+    model, x = _Recurrent().eval(), torch.randn(1, 5, 6, generator=torch.Generator().manual_seed(2))
+    trace = tl.trace(model, x)
+    pairs = [("inp", scale_row_edit(3, 2.0)), ("inp", scale_row_edit(3, -1.0)), ("inp", scale_row_edit(1, 0.5))]
+    forks, got = _swept(trace, pairs)
+    lstm = next(op for op in trace.ops if "lstm" in op.func_name)
+    aminmax = next(op for op in trace.ops if op.func_name == "aminmax")
+    for fork, run, (site, edit), hook in zip(forks, got, pairs, (scale_row_hook(3, 2.0), scale_row_hook(3, -1.0),
+                                                                  scale_row_hook(1, 0.5))):
+        assert isinstance(run, Replayer)
+        assert torch.allclose(fork.output, edited_forward(model, site, hook, (x,)), atol=ATOL)
+        alone = trace.fork().do(site, edit)
+        assert torch.allclose(fork.output, alone.output, atol=ATOL)
+        assert all(torch.allclose(a, b, atol=ATOL) for a, b in zip(fork.value(lstm.index), alone.value(lstm.index)))
+        assert ("sweep", f"op {aminmax.label} (aminmax): its new value has no rows to stack by (not tensors of "
+                         "rows); they go on alone") in run.log.decisions
+    # the sweep ran the LSTM once per fork (no rule slices it) and kept the outputs stacked: no decision before aminmax
+    assert [e for e in got[0].log.entries if e[0] == lstm.label] == [
+        (lstm.label, "lstm", "fallback", None, "no slicing rule for lstm (several outputs)")]
+    assert len(got[0].log.decisions) == 1 and got[0].log.chosen["sweep"] >= 2

@@ -287,7 +287,14 @@ class SweepGroup:
                     got.append((i, WHOLE_ROWS, built) if refined is WHOLE else (i, refined, built)
                                if isinstance(refined, Corner) else (i, refined, _cut(built, refined)))
                 elif plan.region is WHOLE:  # the whole value changed: kept as all its rows along axis 0
-                    got.append((i, WHOLE_ROWS, built))
+                    if isinstance(built, torch.Tensor):
+                        got.append((i, WHOLE_ROWS, built))
+                    elif isinstance(built, (tuple, list)) and built \
+                            and all(isinstance(b, torch.Tensor) and b.dim() for b in built):
+                        # several outputs (an LSTM's output and states): all rows of each
+                        got.append((i, tuple(WHOLE_ROWS for _ in built), tuple(built)))
+                    else:  # no rows to stack it by: each fork keeps its value, the group goes on alone
+                        got.append((i, WHOLE, built))
                 elif several(plan.region):
                     got.append((i, plan.region, tuple(None if r is None else _cut(b, r)
                                                        for b, r in zip(built, plan.region))))
@@ -297,8 +304,11 @@ class SweepGroup:
             return
         how = "fallback" if reason else "rows" if kinds == {"rows"} else "mapped"
         region = got[0][1]
+        if region is WHOLE or any(r is WHOLE for _, r, _ in got):
+            self._apart(op, got, how, not corner, "its new value has no rows to stack by (not tensors of rows)")
+            return
         if any(r != region for _, r, _ in got):
-            self._apart(op, got, how, not corner)
+            self._apart(op, got, how, not corner, "the forks changed different regions of it")
             return
         if region is None:
             return
@@ -325,16 +335,17 @@ class SweepGroup:
             return out[0]
         return None
 
-    def _apart(self, op: Any, got: list[tuple[int, Any, Any]], how: str, logged: bool) -> None:
-        """The forks changed different regions of ``op``: each keeps its own value, and the group
-        goes on alone from here (declared in their replay records)."""
+    def _apart(self, op: Any, got: list[tuple[int, Any, Any]], how: str, logged: bool, why: str) -> None:
+        """The forks' new values of ``op`` cannot be stacked (``why``: they changed different regions
+        of it, ...): each keeps its own value, and the group goes on alone from here (declared in
+        their replay records)."""
         j, base = op.index, self.parent.value(op.index)
         runs = [self.replayers[i] for i, _, _ in got]
         for (_, region, value), run in zip(got, runs):
             size = None
             if region is None:
                 continue
-            if region == WHOLE_ROWS:
+            if region is WHOLE or region == WHOLE_ROWS:
                 run.store(j, value, WHOLE)
             elif isinstance(region, Corner):
                 run.store(j, value, region)
@@ -344,9 +355,9 @@ class SweepGroup:
             else:
                 run.store(j, RowPatch(base, region.axis, region.start, value), region)
                 size = (region.axis, region.start, base.shape[region.axis]) if logged else None
-            run.log.entries.append((op.label, op.func_name, _as_whole(how) if region == WHOLE_ROWS else how, size, ""))
-        self.engine.decline(self.sweep, runs, f"op {op.label} ({op.func_name}): the forks changed different regions "
-                                              "of it; they go on alone")
+            run.log.entries.append((op.label, op.func_name, _as_whole(how) if region is WHOLE or region == WHOLE_ROWS
+                                    else how, size, ""))
+        self.engine.decline(self.sweep, runs, f"op {op.label} ({op.func_name}): {why}; they go on alone")
         self.sweep.release(runs)
 
     def _keep(self, op: Any, forks: tuple[int, ...], region: Any, rows: Any, how: str, note: str,
