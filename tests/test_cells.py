@@ -230,7 +230,8 @@ def test_an_op_whose_shape_depends_on_the_values_is_declined_before_running(how,
 
 
 def test_an_lstm_is_declined_before_running(monkeypatch):
-    """``nn.LSTM`` downstream of a site: vmap has no batching rule for its fused kernel (nor a fallback)."""
+    """``nn.LSTM`` downstream of a site: vmap has no batching rule for its fused kernel (nor a fallback),
+    so those cells replay as forks."""
     model, x, bad = _select_pool("lstm")
     trace = tl.trace(model, bad)
     trace.ensure_graph()
@@ -240,9 +241,9 @@ def test_an_lstm_is_declined_before_running(monkeypatch):
                   "layer's fused kernel)"
     with pytest.raises(RuntimeError, match="Batching rule not implemented for aten::lstm"):  # what it spares
         torch.vmap(lambda h: model.blocks[1].rnn(h)[0])(torch.stack([trace.value(lstm.parent_refs[0].index)] * 2))
-    monkeypatch.setenv(STRICT_ENV, "1")
-    with pytest.raises(ReplayFallbackError, match=re.escape(why)):
-        tl.patching.activation_patching(x, bad, _head_diff, model=model, site="resid_post", batched_cells=True)
+    # its cells replay as forks (the sweep stacks the LSTM's outputs): both grids equal plain hooks; strict raises
+    _declined_grid("lstm", "has no batching rule in torch.vmap (a recurrent layer's fused kernel)", monkeypatch,
+                   "(lstm) at")
 
 
 _SHAPE = "returns a shape that depends on values the edit reaches ({}), which can differ from cell to cell"
