@@ -28,6 +28,7 @@ from conftest import (
     global_state,
     hook_reads,
     hook_state,
+    hooked_forward,
 )
 
 import torchlens as tl
@@ -458,3 +459,35 @@ def test_attribution_patching_refuses_dropout_switched_on_after_capture(training
     with torch.no_grad():
         logits = model(corrupted).logits
     assert result.corrupted == pytest.approx(float(logits[0, -1, 3] - logits[0, -1, 4]), abs=1e-5)
+
+
+class _Histogram(torch.nn.Module):
+    """``torch.histogramdd`` returns the histogram and a *list* of bin edges: tensors nested in containers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(2, 2)
+
+    def forward(self, x):
+        hist, edges = torch.histogramdd(self.inp(x).reshape(-1, 2), bins=[3, 3])
+        return hist.sum(0) * edges[0][-1] + edges[1][0]
+
+
+def test_an_op_whose_output_nests_tensors_in_a_list_is_recorded_and_replayed(tmp_path):
+    """Each tensor of histogramdd's nested output is one output of the op (the readers of the bin
+    edges depend on it): a fork editing upstream equals a hooked forward (unrecorded, the edges
+    were constants and the fork returned the unedited value), the op's value is its tensors flat,
+    validate replays every op, and a saved trace replays it after loading."""
+    model, x = _Histogram().eval(), torch.randn(1, 7, 2, generator=torch.Generator().manual_seed(1))
+    trace = tl.trace(model, x)
+    op = next(o for o in trace.ops if o.func_name == "histogramdd")
+    hist, edges = torch.histogramdd(model.inp(x).reshape(-1, 2), bins=[3, 3])
+    assert len(op.out) == 3 and all(torch.equal(a, b) for a, b in zip(op.out, (hist, *edges)))
+    fork = trace.fork().do("inp", lambda out: out * 3.0)
+    want = hooked_forward(model, {"inp": lambda out: out * 3.0}, (x,))
+    assert torch.allclose(fork.output, want) and not torch.allclose(fork.output, trace.output)
+    report = tl.validate(trace)
+    assert report.ok and report.n_checked == report.n_ops - 1  # (the input is not an op to replay)
+    loaded = tl.load_trace(trace.save(tmp_path / "hist"))
+    assert torch.allclose(loaded.fork().do("inp", lambda out: out * 3.0).output, want)

@@ -52,7 +52,25 @@ from ._memory import CHECK_EVERY, CHECK_MASK, CHECK_SHIFT, resident_bytes
 from ._provenance import DISPATCHER_DIRS, INTERNAL, is_dispatcher, source_of
 from ._splice import SpliceTools
 
-__all__ = ["EditApplier", "Recorder"]
+__all__ = ["EditApplier", "FlatOutputs", "Recorder"]
+
+
+class FlatOutputs:
+    """A torch function whose output nests tensors in containers (``torch.histogramdd``: the
+    histogram and a list of bin edges), called the same way but giving its tensors as one flat
+    tuple, in ``torch.utils._pytree`` order: what the trace records for the op and what replay
+    recomputes, so each tensor is one output of the op (``Ref.elem``)."""
+
+    __slots__ = ("func",)
+
+    def __init__(self, func: Any) -> None:
+        self.func = func
+
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple:
+        return tuple(flatten(self.func(*args, **kwargs))[0])
+
+    def __repr__(self) -> str:
+        return f"FlatOutputs({getattr(self.func, '__name__', self.func)!r})"
 
 Tensor = torch.Tensor
 # Functions whose calls need none of the per-call checks (in place, random, guard): the op
@@ -202,6 +220,13 @@ class Recorder(TorchFunctionMode, CopyOnWrite, ModuleCalls):
         if type(out) in (tuple, list) or isinstance(out, tuple):
             if out and all(isinstance(x, Tensor) or x is None for x in out):
                 return self._record(func, info, out, args, kwargs, flags, True)
+            leaves, spec = flatten(out)
+            if any(isinstance(x, Tensor) for x in leaves) and all(isinstance(x, Tensor) or x is None for x in leaves):
+                # tensors nested in containers (histogramdd's (hist, [edges ...])): recorded as the op's
+                # flat outputs, re-issued the same way, so what reads any of them is seen to depend on it
+                flat = tuple(leaves)
+                got = self._record(FlatOutputs(func), info, flat, args, kwargs, flags, True)
+                return out if got is flat else unflatten(list(got), spec)
             if not info.data_read:  # tolist() returns Python numbers: a data read, recorded below
                 return out
         if info.data_read:

@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import get_overridable_functions
 
+from ..capture._recorder import FlatOutputs
 from ..errors import ReplayNotExactError
 
-__all__ = ["UnresolvedFunction", "function_name", "function_table"]
+__all__ = ["FLAT", "UnresolvedFunction", "function_name", "function_table", "resolve_function"]
 
 _FACTORIES = {
     "torch": frozenset({
@@ -37,6 +38,9 @@ _DENIED = frozenset({
     "pin_memory", "record_stream", "backward", "from_file", "load", "save", "from_numpy", "frombuffer",
 })
 _FUNCS: tuple[dict[str, Any], dict[Any, str]] | None = None
+
+
+FLAT = "flat:"  # prefix of a saved function name whose nested outputs the op records flat
 
 
 def function_table() -> tuple[dict[str, Any], dict[Any, str]]:
@@ -99,10 +103,22 @@ class UnresolvedFunction:
 
 
 def function_name(fn: Any) -> str | None:
-    """The allow-listed name of ``fn`` (an unresolved loaded function keeps its saved name); None if unknown."""
+    """The allow-listed name of ``fn`` (an unresolved loaded function keeps its saved name; a
+    function whose nested outputs the trace keeps flat, ``FLAT + name``); None if unknown."""
     if isinstance(fn, UnresolvedFunction):
         return fn.name
+    if isinstance(fn, FlatOutputs):
+        inner = function_name(fn.func)
+        return None if inner is None else FLAT + inner
     try:
         return function_table()[1].get(fn)
     except TypeError:
         return None
+
+
+def resolve_function(name: str) -> Any:
+    """The function a saved trace names (see :func:`function_name`); None if not allow-listed."""
+    if name.startswith(FLAT):
+        inner = function_table()[0].get(name[len(FLAT):])
+        return None if inner is None else FlatOutputs(inner)
+    return function_table()[0].get(name)

@@ -28,14 +28,14 @@ from ..core.tree import flatten
 from ..edit.edits import AppliedEdit, EditContext, _caller_stacklevel
 from ..errors import FunctionsNotResolved, ReplayNotExactError
 from ._fingerprints import check_fingerprint_dict
-from ._fn_allowlist import UnresolvedFunction, function_table
+from ._fn_allowlist import UnresolvedFunction, resolve_function
 from ._load_checks import check_int, fail
 from ._value_codec import Decoder, Opaque
 from .recipes import decode_steps
 
 __all__ = ["SourceLocation", "UnavailableEdit", "build_trace", "fields"]
 
-_QUALNAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*){0,6}\Z")
+_QUALNAME = re.compile(r"(flat:)?[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*){0,6}\Z")
 
 
 class SourceLocation:
@@ -267,7 +267,7 @@ def _decode_op(i: int, entry: Any, dec: Decoder) -> Op:
     if name is not None:
         if not _QUALNAME.match(name):
             raise fail(f"{where}: malformed function name {name[:80]!r}")
-        func = function_table()[0].get(name)
+        func = resolve_function(name)
     if func is None and not flags & (INPUT | EDIT):
         flags |= NOT_REPLAYABLE
         func = UnresolvedFunction(name)
