@@ -18,6 +18,7 @@ from conftest import (
     EarlyExitNet,
     ReshapeNet,
     ReturnsState,
+    SelectPoolNet,
     assert_equal_tree,
     edited_forward,
     hook_reads,
@@ -494,3 +495,50 @@ def test_a_hooks_only_trace_refuses_replay_instead_of_a_silent_no_op():
     assert "model=model" in info.value.remedy
     redone = trace.fork().do(tl.module("1"), tl.zero_ablate(), model=net, inputs=x)
     assert torch.allclose(redone.output, net[2](torch.zeros(2, 4)), atol=1e-6)
+
+
+def _first_block_input_case():
+    """``SelectPoolNet("mask")``: block 0's input is the model's own input (no module produces it),
+    and each block selects ``h[h > 0]`` (a guard an edit of the input changes)."""
+    torch.manual_seed(0)
+    model = SelectPoolNet("mask").eval()
+    x = torch.randn(1, 5, 8, generator=torch.Generator().manual_seed(1))
+
+    def edit(act):
+        act = act.clone()
+        act[:, 2] += 3.0
+        return act
+
+    handle = model.blocks[0].register_forward_pre_hook(lambda m, args: (edit(args[0]),))
+    try:
+        with torch.no_grad():
+            want = model(x)
+    finally:
+        handle.remove()
+    return model, x, edit, want
+
+
+def test_an_edit_of_the_model_input_that_changes_a_guard_re_executes_with_the_input_edited():
+    """``blocks.0.resid_pre`` is the model's input: replay changes the mask's guard, so the fork
+    re-executes, the edit applied to the input the forward is given (every reader sees it, as on the
+    fork); equal to a forward pre-hook on block 0, also with model=/inputs= given. (The re-executed
+    capture used to refuse the site: it never fired.)"""
+    model, x, edit, want = _first_block_input_case()
+    trace = tl.trace(model, x)
+    with pytest.warns(tl.errors.ReplayFellBack):
+        fork = trace.fork().do("blocks.0.resid_pre", edit)
+    assert torch.allclose(fork.output, want, atol=1e-6)
+    assert fork.edits[-1].how.startswith("re-executed") and fork.edits[-1].label == "input_0"
+    assert fork.edits[-1].n_changed == 8
+    given = trace.fork().do("blocks.0.resid_pre", edit, model=model, inputs=x)
+    assert torch.allclose(given.output, want, atol=1e-6)
+    assert torch.equal(x, _first_block_input_case()[1])  # the caller's input is not written
+
+
+def test_a_capture_time_edit_of_the_model_input_is_refused_before_the_forward():
+    """During a capture nothing produces block 0's input: refused up front, saying why, the model left without hooks."""
+    model, x, edit, _ = _first_block_input_case()
+    with pytest.raises(tl.errors.EditNotAppliedError, match="is the model's own input here") as got:
+        tl.trace(model, x, intervene=tl.when("blocks.0.resid_pre", edit))
+    assert "Edit the input you pass" in got.value.remedy
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())

@@ -112,6 +112,14 @@ def _check_fired(whens: list[Step], trace: Trace) -> None:
 
 
 def _capture(request: CaptureRequest, backend: str | None) -> Trace:
+    for when in request.intervene or ():
+        why = when.site.capture_refusal()
+        if why is not None:
+            raise EditNotAppliedError(
+                f"the edit at {when.site.describe()} cannot fire during the forward: {why}", site=when.site.describe(),
+                fired=[], remedy="Edit the input you pass to the model instead (every reader of it then sees the "
+                                 "edit), or, after capture, trace.fork().do(site, edit), which replays it from the "
+                                 "recorded input.")
     trace = choose_engine(request, backend).capture(request)
     if request.intervene and trace.complete:
         _check_fired(request.intervene, trace)

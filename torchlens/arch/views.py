@@ -141,6 +141,12 @@ class InputOf(Selector):
             found.setdefault(id(op), op)
         return list(found.values())
 
+    def capture_refusal(self) -> str | None:
+        if self.via is not None:
+            return None
+        return (f"{self.name} is the model's own input here (no module before {self.address!r} produces it), "
+                "and a capture edits what modules and ops produce")
+
     def describe(self) -> str:
         return f"input_of({self.address!r})"
 

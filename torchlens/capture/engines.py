@@ -13,6 +13,7 @@ import torch
 
 from .._interrupts import Attached
 from ..core.builder import TraceBuilder
+from ..core.inputs import input_tensors
 from ..core.records import INPUT, OPEN, ModuleCall, Op
 from ..core.selectors import split_pass
 from ..core.steps import Step
@@ -198,17 +199,12 @@ _CLASS_HOOK: dict[type, bool] = {}  # module type -> whether the class itself ca
 
 
 def _record_inputs(build: TraceBuilder, args: tuple, kwargs: dict) -> None:
-    named = [(str(i), a) for i, a in enumerate(args)] + list(kwargs.items())
-    for key, value in named:
-        leaves, _ = flatten(value)
-        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-        for j, t in enumerate(tensors):
-            label = f"input_{key}" if len(tensors) == 1 else f"input_{key}_{j}"
-            index = len(build.ops)
-            op = Op(index, label, None, "input", t, "", 1, None, 0, (), {}, INPUT)
-            build.add_op(op)
-            build.register_tensor(t, index, None)
-            build.add_input(label)
+    for label, t in input_tensors(args, kwargs):
+        index = len(build.ops)
+        op = Op(index, label, None, "input", t, "", 1, None, 0, (), {}, INPUT)
+        build.add_op(op)
+        build.register_tensor(t, index, None)
+        build.add_input(label)
 
 
 class FunctionModeEngine:

@@ -17,8 +17,9 @@ from torch import Tensor
 
 from ..errors import InvalidArgumentError
 from .text import is_text, text_inputs
+from .tree import flatten, unflatten
 
-__all__ = ["call_inputs", "split_inputs"]
+__all__ = ["call_inputs", "input_tensors", "replace_input", "split_inputs"]
 
 
 def split_inputs(x: Any, *, model: Any = None, tokenizer: Any = None) -> tuple[tuple, dict]:
@@ -63,3 +64,35 @@ def call_inputs(args: tuple, kwargs: dict, *, model: Any = None, tokenizer: Any 
             remedy="Give each keyword input once: in the dict, or as a keyword argument of tl.trace.",
         )
     return args, {**from_dict, **kwargs}
+
+
+def input_tensors(args: tuple, kwargs: dict) -> list[tuple[str, Tensor]]:
+    """Every tensor a forward is given, with the label its input record takes: ``input_{key}``
+    (``key`` the position or keyword), ``input_{key}_{j}`` for the ``j``-th tensor of a structured one."""
+    found = []
+    for key, value in [(str(i), a) for i, a in enumerate(args)] + list(kwargs.items()):
+        tensors = [t for t in flatten(value)[0] if isinstance(t, Tensor)]
+        found += [(f"input_{key}" if len(tensors) == 1 else f"input_{key}_{j}", t) for j, t in enumerate(tensors)]
+    return found
+
+
+def replace_input(args: tuple, kwargs: dict, label: str, new: Tensor) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` with the input tensor labelled ``label`` (see :func:`input_tensors`) replaced by ``new``.
+
+    Raises:
+        InvalidArgumentError: no input tensor has that label.
+    """
+    args, kwargs = list(args), dict(kwargs)
+    for key, value in [(i, a) for i, a in enumerate(args)] + list(kwargs.items()):
+        leaves, spec = flatten(value)
+        tensors = [i for i, t in enumerate(leaves) if isinstance(t, Tensor)]
+        for j, i in enumerate(tensors):
+            if (f"input_{key}" if len(tensors) == 1 else f"input_{key}_{j}") == label:
+                leaves[i] = new
+                replaced = unflatten(leaves, spec)
+                if isinstance(key, int):
+                    args[key] = replaced
+                else:
+                    kwargs[key] = replaced
+                return tuple(args), kwargs
+    raise InvalidArgumentError(f"the forward is given no input tensor {label!r}")

@@ -88,6 +88,10 @@ class Selector:
     def describe(self) -> str:
         return repr(self)
 
+    def capture_refusal(self) -> str | None:
+        """Why an edit at this site cannot fire during a capture, known before it runs (None: it can)."""
+        return None
+
     def bind(self, names: Names, *, strings_as_modules: bool) -> Selector:
         """This selector with its names resolved against one model's ``names``, once, before it is
         matched (``trace.bind``, the capture request). A selector without names is itself.
@@ -152,6 +156,9 @@ class ModuleOutput(Selector):
 
     def matches_op(self, op: Op) -> bool:
         return self._target.matches_op(op) if self._target is not None else False
+
+    def capture_refusal(self) -> str | None:
+        return self._target.capture_refusal() if self._target is not None else None
 
     def match(self, trace: Trace) -> list[Record]:
         if self._target is not None:

@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from ..core.inputs import split_inputs
-from ..core.records import INPUT, ModuleCall
+from ..core.inputs import input_tensors, replace_input, split_inputs
+from ..core.records import INPUT, ModuleCall, Op
 from ..core.steps import REPLAY_MODES, Step
 from ..core.sweeping import check_batch_size
-from ..core.tree import tensor_leaves
+from ..core.tree import clone_value, tensor_leaves
 from ..errors import (
     EmptySelectionError,
     GuardChangedError,
@@ -37,6 +37,7 @@ from ._regions import ReplayLog
 from ._replay_run import Target
 from ._strategies import ChangedRows, PartialRead, WholeValue
 from ._sweep import Sweep
+from .edits import AppliedEdit, EditContext, apply_edit, count_changed, land_edit
 
 __all__ = ["REPLAY_MODES", "check_against_forward", "replay_forks", "replay_many", "replay_step",
            "unsaved_for_replay"]
@@ -257,10 +258,51 @@ def unsaved_for_replay(fork, step: Step, first: ValueNotSavedError) -> ValueNotS
 def _reexecute(fork, step: Step, model, args: tuple, kwargs: dict, rerun, how: str) -> None:
     """Make ``fork`` a real re-executed capture of its recipe plus ``step`` (recorded as ``how``)."""
     recipe = [*fork.recipe, step]
-    fresh = rerun(model, args, kwargs, [s.for_capture() for s in [*fork.steps, *recipe]])
+    steps, landed = [], _Landed(fork.changes.strict)
+    for s in [*fork.steps, *recipe]:
+        edited = _edit_inputs(fork, s, args, kwargs, landed)
+        if edited is None:
+            steps.append(s.for_capture())
+        else:
+            args, kwargs = edited
+    fresh = rerun(model, args, kwargs, steps)
     fork.adopt(fresh, recipe)
+    for applied in landed.edits:  # (the input's edits, landed before the forward ran)
+        fork.changes.record_edit(applied)
     for applied in fork.edits:
         applied.how = how
+
+
+class _Landed:
+    """Where the input's edits land before a re-executed forward (``land_edit``'s target): kept
+    for the fork once the forward ran, refused first on a strict trace when one changes nothing."""
+
+    def __init__(self, strict: bool) -> None:
+        self.strict = strict
+        self.edits: list[AppliedEdit] = []
+
+    def record_edit(self, applied: AppliedEdit) -> None:
+        self.edits.append(applied)
+
+
+def _edit_inputs(fork, step: Step, args: tuple, kwargs: dict, landed: _Landed) -> tuple[tuple, dict] | None:
+    """A step at the model's own input (``blocks.0.resid_pre`` where no module produces the first
+    block's input), which no capture can edit, applied to the inputs the forward is given instead:
+    every reader of the input then sees it, as on the fork. None: ``step`` is a capture's to apply."""
+    if step.site.capture_refusal() is None:
+        return None
+    records = step.site.match(fork)
+    given = dict(input_tensors(args, kwargs))
+    if not records or not all(isinstance(r, Op) and r.flags & INPUT and r.label in given for r in records):
+        return None  # (the capture refuses it, saying why)
+    for op in records:
+        value = given[op.label]
+        ctx = EditContext(step.site.describe(), op.label, op.module, op.module_pass, op, fork)
+        new = apply_edit(clone_value(value), step.edit, ctx)
+        land_edit(landed, step.edit, AppliedEdit(step.site.describe(), op.label, None, count_changed(value, new),
+                                                 before=value))
+        args, kwargs = replace_input(args, kwargs, op.label, new)
+    return args, kwargs
 
 
 def check_against_forward(fork) -> None:
