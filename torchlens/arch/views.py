@@ -11,6 +11,8 @@ per family, to one of three kinds of site:
 * a module's input — ``blocks.{i}.resid_pre``: after capture, the op that produced the
   block's hidden-state input (so a fork's edit reaches every reader of it); during capture,
   the output of the module that produced it (the previous block, or the embedding stage);
+  where no module produces it (block 0 reading the model's own input) a capture refuses it
+  before the forward, and a fork that must re-execute applies it to the input it passes;
 * where a block has them: ``blocks.{i}.mixer`` (a state-space or linear-attention sequence mixer:
   Mamba, RWKV-style and hybrid layers; ``attn`` is refused on such a block, naming ``mixer``),
   ``blocks.{i}.cross_attn`` (an encoder-decoder decoder's attention over the encoder),
