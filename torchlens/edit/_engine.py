@@ -151,10 +151,12 @@ class Engine:
                         parents = None
                         reaching = []
                         for r in self._active:
-                            if r.changed and r.start <= j:
+                            changed = r.changed
+                            if changed and r.start <= j:
                                 if parents is None:
                                     parents = {ref.index for ref in op.parent_refs}
-                                if r.reaches(op, parents):
+                                # (``reaches`` inlined for a run whose memory no view wrote: one set test)
+                                if not changed.isdisjoint(parents) if not r.rewrites else r.reaches(op, parents):
                                     reaching.append(r)
                         if reaching:
                             if alone and len(reaching) == 1 and not self._rewrites:

@@ -131,8 +131,11 @@ class Sweep(Strategy):
     # -- the strategy ------------------------------------------------------------------------------
 
     def groups(self, op: Op, runs: list[Replayer]) -> list[list[Replayer]]:
-        found: dict[SweepGroup, list[Replayer]] = {}
         get = self.groups_of.get
+        one = get(runs[0])
+        if one is not None and not one.land_at and all(get(r) is one for r in runs):
+            return [runs]  # (the commonest case: every run in one group, every edit landed)
+        found: dict[SweepGroup, list[Replayer]] = {}
         for run in runs:
             group = get(run)
             if group is not None:
