@@ -181,11 +181,13 @@ class Engine:
         """Recompute ``op`` for ``runs``: the first strategy (of the chain, or of those after
         ``after``) that can takes each; each refusal is recorded with its reason."""
         why = refuse_reason(op)
-        for r in runs:
-            reason = why or (r.refusal(op) if r.rewrites else None)
-            if reason:
-                self.each(r, _refuse, op, reason)
-        pending = [r for r in runs if r in self.live] if why or self._rewrites else runs
+        pending = runs
+        if why or self._rewrites:
+            for r in runs:
+                reason = why or (r.refusal(op) if r.rewrites else None)
+                if reason:
+                    self.each(r, _refuse, op, reason)
+            pending = [r for r in runs if r in self.live]
         chain = self.chain if after is None else self.chain[self.chain.index(after) + 1:]
         for strategy in chain:
             if not pending:

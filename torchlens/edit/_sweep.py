@@ -133,8 +133,8 @@ class Sweep(Strategy):
     def groups(self, op: Op, runs: list[Replayer]) -> list[list[Replayer]]:
         get = self.groups_of.get
         one = get(runs[0])
-        if one is not None and not one.land_at and all(get(r) is one for r in runs):
-            return [runs]  # (the commonest case: every run in one group, every edit landed)
+        if one is not None and one.next_land > op.index and all(get(r) is one for r in runs):
+            return [runs]  # (the commonest case: every run in one group, no edit landing here)
         found: dict[SweepGroup, list[Replayer]] = {}
         for run in runs:
             group = get(run)
@@ -145,7 +145,7 @@ class Sweep(Strategy):
                 members.append(run)
         out = []
         for group, members in found.items():
-            if group.land_at:
+            if group.next_land <= op.index:
                 group.land_until(op.index)
                 members = [r for r in members if r in self.groups_of]
             if members:

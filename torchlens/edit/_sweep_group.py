@@ -56,21 +56,27 @@ class SweepGroup:
         for run in members:
             if landed[id(run)] is not None:
                 self.land_at.setdefault(run.start, []).append((sweep.index_of[run], landed[id(run)]))
+        self.next_land = min(self.land_at, default=math.inf)  # the first position an edit still lands at
 
     def land_until(self, j: int) -> None:
         """Stack the edited rows of every fork whose edit landed at a position up to ``j``."""
-        if not self.land_at:
+        if self.next_land > j:
             return
         for p in sorted(p for p in self.land_at if p <= j):
             for i, edited in self.land_at.pop(p):
                 if self.replayers[i] in self.sweep.groups_of:
                     self._stack_edit(i, *edited)
+        self.next_land = min(self.land_at, default=math.inf)
 
     def cannot(self, op: Op, runs: list[Replayer]) -> str | None:
-        stacks = [self._stack_of(r) for r in op.parent_refs]
-        if any(s is _MIXED for s in stacks):
-            return "it reads one output of a multi-output value the forks changed whole"
-        if all(s is None for s in stacks):
+        unchanged = True
+        for r in op.parent_refs:
+            s = self._stack_of(r)
+            if s is _MIXED:
+                return "it reads one output of a multi-output value the forks changed whole"
+            if s is not None:
+                unchanged = False
+        if unchanged:
             return None  # (it reads only values no fork of the group changed: nothing to do)
         if op.flags & (INPLACE | EDIT | GUARD) or op.func_name in UNINITIALISED:
             return "it is in-place, a guard or uninitialised memory"
@@ -86,14 +92,20 @@ class SweepGroup:
         return None
 
     def run_op(self, op: Op, runs: list[Replayer]) -> None:
-        stacks = [s for s in (self._stack_of(r) for r in op.parent_refs) if s is not None]
+        stacks, held, corner = [], set(), False
+        for r in op.parent_refs:
+            s = self._stack_of(r)
+            if s is not None:
+                stacks.append(s)
+                held.update(s.forks)
+                corner = corner or s.corner is not None
         index_of = self.sweep.index_of
-        forks = tuple(sorted({f for s in stacks for f in s.forks} & {index_of[r] for r in runs}))
+        forks = tuple(sorted(held.intersection([index_of[r] for r in runs])))
         if not forks:
             return
         note = f"stacked with {len(forks) - 1} other fork(s)" if len(forks) > 1 else ""
         done = None
-        if op.func_name in STACKED_OPS and not any(s.corner is not None for s in stacks):
+        if op.func_name in STACKED_OPS and not corner:
             done = self._stacked(op, forks)
             if done is not None:
                 self._keep(op, forks, *done, note)
