@@ -27,6 +27,9 @@ usage: python bench/bench_encoder_grid.py [--quick] [--sweep] [--encoder-only] [
   on ``BertForMaskedLM(BertConfig())`` 1x8 and ``gpt2_causal_trace_seq8`` on GPT-2 small 1x8; the
   figure is per cell and noised run (12 x 8 x 3 restorations); ``ok``: sampled cells equal ROME's
   ``trace_with_patch`` written with plain hooks.
+- ``--whole-row`` runs only GPT-2 small grids whose metric reads the whole output row (the correct
+  token's probability), 8, 16 and 32 tokens, batched cells and sliced forks:
+  ``gpt2_grid_prob_seq{n}_{batched,sliced}`` (the rule ``tl.patching.CAUSAL_BATCHED_TOKENS``).
 Prints one JSON line per case (see ../shared/bench-spec.md).
 """
 
@@ -296,6 +299,9 @@ def main() -> None:
     if "--causal-trace" in sys.argv:
         causal_trace_main()
         return
+    if "--whole-row" in sys.argv:
+        whole_row_main()
+        return
     if "--heads" in sys.argv:
         heads_main(1)  # one grid each way per case: the sliced head grids of BERT-base take a minute
         return
@@ -331,6 +337,26 @@ def main() -> None:
         for batched in (True, False):
             grid_case("torchlens", f"gpt2_grid_seq8_{'batched' if batched else 'sliced'}", model, short_clean,
                       short_corrupt, metric, list(range(8)), 1, hooks=not batched, batched_cells=batched)
+
+
+def whole_row_main() -> None:
+    """GPT-2 small (causal) grids whose metric reads the whole output row (the correct token's
+    probability: a softmax over the vocabulary, no partial read), 8 and 16 tokens, batched cells
+    against sliced forks, alternately: ``tl.patching.CAUSAL_BATCHED_TOKENS``'s rule."""
+    model, ids = gpt2_small()
+    for seq in (8, 16, 32):
+        clean_ids, corrupt_ids = ids[:, :seq], ids[:, :seq].clone()
+        corrupt_ids[0, seq // 2] = 4242
+        with torch.no_grad():
+            correct = int(model(clean_ids).logits[0, -1].argmax())
+
+        def prob(out, correct=correct):
+            return out.logits[0, -1].softmax(-1)[correct]
+
+        for batched in (True, False):
+            grid_case("torchlens", f"gpt2_grid_prob_seq{seq}_{'batched' if batched else 'sliced'}", model, clean_ids,
+                      corrupt_ids, prob, list(range(seq)) if seq <= 8 else list(range(0, seq, seq // 8)), 1,
+                      hooks=False, batched_cells=batched)
 
 
 if __name__ == "__main__":

@@ -403,6 +403,36 @@ def test_encoder_head_grids_are_batched_and_equal_sliced_forks_and_hooked_z(mini
         assert abs(float(got) - want) < ATOL, (layer, h, at[j])
 
 
+def test_causal_grid_whose_metric_reads_the_whole_row_batches_on_short_prompts(tiny_gpt2):
+    """Through causal attention a metric with no partial read (every sliced cell would read the LM
+    head whole) batches on prompts of at most CAUSAL_BATCHED_TOKENS tokens; equal to the sliced
+    grid and to plain hooks; a longer prompt stays sliced."""
+    model, clean_ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    corrupt_ids = _corrupt(clean_ids, 2, 11)
+    clean, corrupted = tl.trace(model, clean_ids), tl.trace(model, corrupt_ids)
+
+    def prob(out):
+        return out.logits[0, -1].softmax(-1)[int(clean_ids[0, 3])]
+
+    auto = tl.patching.activation_patching(clean, corrupted, prob)
+    assert auto.notes["cells"] == {"batched": True, "reason": "6 tokens <= 32; attention is causal, but the metric "
+                                   "reads the whole output row and 6 tokens <= 16", "declined": {}}
+    sliced = tl.patching.activation_patching(clean, corrupted, prob, batched_cells=False)
+    assert _same(auto, sliced, corrupted)
+    donor = _read(model, clean_ids, "resid_pre", 1)
+    for p in range(clean_ids.shape[1]):
+        want = float(prob(_patched(model, corrupt_ids, "resid_pre", 1, p, donor)))
+        assert abs(float(auto.values[1, p]) - want) < ATOL, p
+    declared = tl.patching.activation_patching(clean, corrupted, tl.patching.prob(int(clean_ids[0, 3])))
+    assert declared.notes["cells"]["batched"] is True  # its declared read is the whole last row
+    assert torch.allclose(declared.values, auto.values, atol=1e-6)
+    ids = clean_ids.repeat(3, 1)  # three prompts of 6 tokens: 18 > 16
+    longer = tl.patching.activation_patching(tl.trace(model, ids), tl.trace(model, _corrupt(ids, 2, 11)),
+                                             lambda out: out.logits[:, -1].softmax(-1)[:, 3].sum())
+    assert longer.notes["cells"]["batched"] is False and longer.notes["cells"]["reason"] == \
+        "18 tokens <= 32; attention is causal"
+
+
 def test_causal_head_grids_stay_sliced_by_default_and_forced_batches_equal_them(tiny_gpt2):
     model, clean_ids = tiny_gpt2.model, tiny_gpt2.args[0]
     clean, corrupted = tl.trace(model, clean_ids), tl.trace(model, _corrupt(clean_ids, 2, 11))

@@ -149,10 +149,13 @@ def test_head_patching_equals_plain_hooks_every_cell(case_name, proj, request, m
     corrupt_ids = _corrupt(clean_ids, 1, 7)
     metric = tl.patching.prob(int(clean_ids[0, 2]))
     swept = _spy_sweeps(monkeypatch)
-    result = tl.patching.activation_patching(tl.trace(model, clean_ids), tl.trace(model, corrupt_ids), metric,
-                                             site="heads")
+    clean, corrupted = tl.trace(model, clean_ids), tl.trace(model, corrupt_ids)
+    # sliced forks (the sweep under test); by default this short causal grid with a whole-row metric is batched
+    result = tl.patching.activation_patching(clean, corrupted, metric, site="heads", batched_cells=False)
     view = tl.arch(model)
     assert result.dims == ("layer", "head") and result.values.shape == (view.n_layers, view.n_heads)
+    default = tl.patching.activation_patching(clean, corrupted, metric, site="heads")
+    assert default.notes["cells"]["batched"] and torch.allclose(default.values, result.values, atol=1e-6)
     # one head at every layer replays in one pass; a later layer's patch joins the whole values
     # the earlier layers' patches made
     assert sum(swept) == view.n_layers * view.n_heads

@@ -10,14 +10,15 @@ TransformerLens users look for it next to patching. See docs/patching.md and doc
 """
 
 from ..analysis.logit_lens import LogitLens, logit_lens
-from .activation import BATCHED_TOKENS, KINDS, PatchingResult, activation_patching, restore_rows
+from .activation import BATCHED_TOKENS, CAUSAL_BATCHED_TOKENS, KINDS, PatchingResult, activation_patching, restore_rows
 from .attribution import attribution_patching
 from .causal import causal_trace
 from .feature_basis import feature_attribution_patching, feature_patching, restore_features
 from .metrics import MetricReads, logit_diff, prob
 
 __all__ = [
-    "BATCHED_TOKENS", "KINDS", "LogitLens", "MetricReads", "PatchingResult", "activation_patching",
+    "BATCHED_TOKENS", "CAUSAL_BATCHED_TOKENS", "KINDS", "LogitLens", "MetricReads", "PatchingResult",
+    "activation_patching",
     "attribution_patching", "causal_trace", "feature_attribution_patching", "feature_patching", "logit_diff",
     "logit_lens", "prob", "restore_features", "restore_rows",
 ]

@@ -40,7 +40,7 @@ from ..edit.reads import OutputRead, replay_reads
 from ..errors import GuardChangedError, InvalidArgumentError, TokenNotFoundError
 from .metrics import MetricReads, logits_of, metric_position, score
 
-__all__ = ["BATCHED_TOKENS", "KINDS", "PatchingResult", "activation_patching", "restore_rows"]
+__all__ = ["BATCHED_TOKENS", "CAUSAL_BATCHED_TOKENS", "KINDS", "PatchingResult", "activation_patching", "restore_rows"]
 
 # Cells replayed together by default: enough to share most weight reads of a sweep's few-row
 # recomputations, few enough that the batch's recomputed rows stay well under one trace per cell.
@@ -48,6 +48,9 @@ DEFAULT_BATCH = 16
 # Grids on prompts of at most this many tokens (batch x positions) run their cells as batch entries
 # (``torchlens.edit._cells``): measured by bench/bench_encoder_grid.py, see _batched_decision.
 BATCHED_TOKENS = 32
+# Through causal attention, grids whose metric reads the whole output row (no declared partial read:
+# each sliced cell then reads the LM head whole) batch on prompts of at most this many tokens.
+CAUSAL_BATCHED_TOKENS = 16
 KINDS = ("resid_pre", "resid_mid", "resid_post", "attn", "mlp", "heads")
 
 
@@ -455,7 +458,12 @@ def _batched_decision(corrupted: Trace, batched: bool | None, scorer: _Cells, la
     recomputes only the rows at and after the patched position and wins from 16 tokens on
     (GPT-2 small, ``logit_diff``, 8 positions, traces excluded: 16 tokens 0.14 sliced against
     0.20 batched, 32 tokens 0.14-0.17 against 0.22); at 8 tokens batching is ahead by 10-20%
-    (0.095 against 0.084), too little to split the rule. Head grids follow the same rule
+    (0.095 against 0.084), too little to split the rule for such metrics. A metric that reads the
+    whole output row (no declared partial read: a probability, a user function) makes every sliced
+    cell read the LM head whole, so through causal attention it batches on prompts of at most
+    :data:`CAUSAL_BATCHED_TOKENS` tokens (GPT-2 small, the correct token's probability, 8 positions,
+    traces included, ``--whole-row``: 8 tokens 0.20 batched against 0.26 sliced, 16 tokens 0.20
+    against 0.27, 32 tokens 0.26 against 0.23). Head grids follow the same rule
     (BERT-base 1 x 8, 12 x 12 heads, traces included: 0.28 of a forward per cell batched against
     1.28-1.58 sliced, at 3 positions 0.18 against 1.45-1.60; GPT-2 small 1 x 8: 0.15 against 0.17
     for whole heads, 0.046 against 0.048 at 3 positions).
@@ -476,6 +484,11 @@ def _batched_decision(corrupted: Trace, batched: bool | None, scorer: _Cells, la
             batched = mixes is True
             reason += ("; attention is bidirectional" if batched else "; attention is causal" if mixes is False
                        else f"; cannot tell whether attention is causal: {mixes}")
+            whole_row = scorer.read is None or scorer.read.columns is None  # every sliced cell reads the LM head whole
+            if mixes is False and whole_row and tokens <= CAUSAL_BATCHED_TOKENS:
+                batched = True
+                reason += (f", but the metric reads the whole output row and {tokens} tokens "
+                           f"<= {CAUSAL_BATCHED_TOKENS}")
     else:
         reason = f"batched_cells={batched}"
     return {"batched": batched, "reason": reason, "declined": {}}
