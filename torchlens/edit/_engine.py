@@ -151,12 +151,10 @@ class Engine:
                         parents = None
                         reaching = []
                         for r in self._active:
-                            changed = r.changed
-                            if changed and r.start <= j:
+                            if r.changed and r.start <= j:
                                 if parents is None:
                                     parents = {ref.index for ref in op.parent_refs}
-                                # (``reaches`` inlined for a run whose memory no view wrote: one set test)
-                                if not changed.isdisjoint(parents) if not r.rewrites else r.reaches(op, parents):
+                                if r.reaches(op, parents):
                                     reaching.append(r)
                         if reaching:
                             if alone and len(reaching) == 1 and not self._rewrites:
@@ -230,12 +228,8 @@ class Engine:
         for strategy in self.chain:
             reason = strategy.cannot(op, runs)
             if reason is None:
-                try:
-                    strategy.run_op(op, runs)
-                except ReplayFallbackError:
-                    raise
-                except Exception as exc:  # noqa: BLE001 - handed back as that fork's error (its outcome)
-                    self.fail(run, exc)
+                self.each(run, strategy.run_op, op, runs)
+                if run not in self.live:  # it failed: its fork is restored, its error handed back
                     return
                 if run in self._handed:  # it handed the op on: the strategy that finished it counted it
                     self._handed.discard(run)
