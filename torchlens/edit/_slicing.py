@@ -143,22 +143,23 @@ def rows_linear(input: torch.Tensor, weight: torch.Tensor,  # noqa: A002 - linea
     return torch.nn.functional.linear(input, weight, bias)
 
 
-def plan_op(op: Any, args: tuple, kwargs: dict, region_of: Callable[[Any], Region]) -> Plan:
-    """How to recompute ``op`` given its rebuilt arguments and ``region_of(argument) -> region``.
+def plan_op(op: Any, args: tuple, kwargs: dict, regions: dict[int, Region]) -> Plan:
+    """How to recompute ``op`` given its rebuilt arguments and the changed region of each.
 
     Args:
         op: the recorded op.
         args: its positional arguments, rebuilt from the fork's current values.
         kwargs: its keyword arguments.
-        region_of: the changed region of an argument tensor (None for unchanged ones).
+        regions: ``id(argument tensor) -> its changed region`` (unchanged ones absent or None).
 
     Returns:
         the :class:`Plan`.
     """
     changed = []
     corner = whole = False
+    region_of = regions.get
     for t in _tensors(args, kwargs):
-        r = region_of(t)
+        r = region_of(id(t))
         if r is not None:
             changed.append((t, r))
             if type(r) is not Rows:
