@@ -143,7 +143,7 @@ def rows_linear(input: torch.Tensor, weight: torch.Tensor,  # noqa: A002 - linea
     return torch.nn.functional.linear(input, weight, bias)
 
 
-def plan_op(op: Any, args: tuple, kwargs: dict, regions: dict[int, Region]) -> Plan:
+def plan_op(op: Any, args: tuple, kwargs: dict, regions: dict[int, Region], shape: Any = None) -> Plan:
     """How to recompute ``op`` given its rebuilt arguments and the changed region of each.
 
     Args:
@@ -151,6 +151,7 @@ def plan_op(op: Any, args: tuple, kwargs: dict, regions: dict[int, Region]) -> P
         args: its positional arguments, rebuilt from the fork's current values.
         kwargs: its keyword arguments.
         regions: ``id(argument tensor) -> its changed region`` (unchanged ones absent or None).
+        shape: ``op.shape``, when the caller has it.
 
     Returns:
         the :class:`Plan`.
@@ -175,7 +176,7 @@ def plan_op(op: Any, args: tuple, kwargs: dict, regions: dict[int, Region]) -> P
     if whole:
         return Plan("full", WHOLE)
     call = _Call(op, args, kwargs)
-    out_shape = op.shape
+    out_shape = op.shape if shape is None else shape
     if not isinstance(out_shape, tuple) or (out_shape and isinstance(out_shape[0], tuple)):
         rule = _MULTI.get(name)
         if rule is None:
@@ -193,11 +194,12 @@ def plan_op(op: Any, args: tuple, kwargs: dict, regions: dict[int, Region]) -> P
 
 def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     found = []
-    for v in (*args, *kwargs.values()):
-        if isinstance(v, _TENSORS):
-            found.append(v)
-        elif isinstance(v, (list, tuple)):
-            found.extend(x for x in v if isinstance(x, _TENSORS))
+    for values in (args, kwargs.values()) if kwargs else (args,):
+        for v in values:
+            if isinstance(v, _TENSORS):
+                found.append(v)
+            elif isinstance(v, (list, tuple)):
+                found.extend(x for x in v if isinstance(x, _TENSORS))
     return found
 
 

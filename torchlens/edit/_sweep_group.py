@@ -186,7 +186,7 @@ class SweepGroup:
                 s = self._stack_of(ref)
             if s is None:
                 return seen_value(ref, j)
-            rows = s.aligned(forks)
+            rows = s.rows if s.forks == forks else s.aligned(forks)
             stacked.add(id(rows))
             patch = swept(s.base, s.axis, s.start, rows)
             regions[id(patch)] = s.region
@@ -195,17 +195,17 @@ class SweepGroup:
             return patch
 
         args, kwargs = build_args(op, resolve)
+        shape = op.shape
         # forks' whole values (rows from 0): planned as rows, so an op that keeps their axis runs
         # once on all of them (a head's patch changes every later value whole)
         if later:
-            plan = plan_op(op, args, kwargs, regions)
+            plan = plan_op(op, args, kwargs, regions, shape)
         else:
             with rows_from_zero():
-                plan = plan_op(op, args, kwargs, regions)
+                plan = plan_op(op, args, kwargs, regions, shape)
         region = plan.region
         if name in SHAPED:
             return shaped(op, args, kwargs, plan, len(forks))
-        shape = op.shape
         if not isinstance(region, Rows) or not isinstance(shape, tuple):
             raise PerFork
         want = list(shape)
