@@ -136,8 +136,8 @@ class SweepGroup:
                 done = self._stacked_rule(op, forks)
             except PerFork:  # a rule read a stacked argument other than by its rows (what PerFork declares)
                 done = None
-            if done is not None:
-                self._keep(op, forks, *done, note)
+            if done is not None:  # (rows of the shape the op's stacked forks give: checked in the rule)
+                self._keep(op, forks, *done, note, fits=True)
                 return
         done = self._scores(op, forks, stacks)
         if done is not None:
@@ -212,11 +212,12 @@ class SweepGroup:
         want[region.axis] = (want[region.axis] - region.start) * len(forks)
         if op.func_name in ROW_VIEWS:
             x = args[0] if args else None
+            # (one stacked argument in all: x, no other)
             if plan.kind != "full" or not isinstance(x, Swept) \
-                    or any(isinstance(a, Swept) for a in (*args[1:], *kwargs.values())):
+                    or len(regions) > 1 and any(isinstance(a, Swept) for a in (*args[1:], *kwargs.values())):
                 raise PerFork
             if op.func_name in MEMORY_VIEWS:
-                if math.prod(x.shape[: x.axis]) != math.prod(op.shape[: region.axis]):
+                if math.prod(x.shape[: x.axis]) != math.prod(shape[: region.axis]):
                     raise PerFork
                 rows = x.rows.reshape(want)
             else:
@@ -409,9 +410,9 @@ class SweepGroup:
         self.sweep.release(runs)
 
     def _keep(self, op: Any, forks: tuple[int, ...], region: Any, rows: Any, how: str, note: str,
-              logged: bool = True) -> None:
+              logged: bool = True, fits: bool = False) -> None:
         """Put the stacked rows of ``op`` in the stack and give each fork its own (``logged``: the
-        replay log names the rows)."""
+        replay log names the rows; ``fits``: a tensor of rows was checked against the op's shape)."""
         j = op.index
         base = self._base_of(op)
         live = self.engine.live
@@ -437,7 +438,7 @@ class SweepGroup:
                 self.replayers[i].store(j, value, WHOLE if whole else region)
                 self.replayers[i].log.entries.append((op.label, op.func_name, how, None, note))
             return
-        s = self.stack[j] = _checked(Stack(base, region.axis, region.start, rows, forks, region=region))
+        s = self.stack[j] = _checked(Stack(base, region.axis, region.start, rows, forks, region=region), fits)
         axis, start, m, rows = s.axis, region.start, s.block, s.rows
         whole = start == 0  # every row: each fork holds its whole value
         how = _as_whole(how) if whole else how
@@ -469,8 +470,11 @@ def _cut(value: torch.Tensor, region: Rows) -> torch.Tensor:
     return value.narrow(region.axis, region.start, value.shape[region.axis] - region.start)
 
 
-def _checked(s: Stack) -> Stack:
-    """``s``, whose rows must be one block of the recorded shape per fork (else a stacked rule is wrong)."""
+def _checked(s: Stack, fits: bool = False) -> Stack:
+    """``s``, whose rows must be one block of the recorded shape per fork (else a stacked rule is wrong;
+    ``fits``: the rows are a tensor of that shape, only their dtype is left to check)."""
+    if fits and s.rows.dtype == s.base.dtype:
+        return s
     want = list(s.base.shape)
     want[s.axis] = s.block * len(s.forks)
     if not isinstance(s.rows, torch.Tensor) or list(s.rows.shape) != want or s.rows.dtype != s.base.dtype:
