@@ -202,7 +202,7 @@ class Engine:
                         self.each_of(group, strategy.run_op, op, group)
                     name, handed = strategy.name, self._handed
                     for r in group:
-                        if r in handed:  # handed on mid-run: the strategy that finished the op counted it
+                        if handed and r in handed:  # handed on mid-run: the strategy that finished the op counted it
                             handed.discard(r)
                             continue
                         chosen = r.log.chosen

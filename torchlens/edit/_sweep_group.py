@@ -121,7 +121,8 @@ class SweepGroup:
         return got[1] if got is not None and got[0] is op else self.parent.value(op.index)
 
     def run_op(self, op: Op, runs: list[Replayer]) -> None:
-        stacks = self._parents(op)
+        at = self._at
+        stacks = at[1] if at is not None and at[0] is op else self._parents(op)
         held, corner = set(), False
         for s in stacks:
             held.update(s.forks)
