@@ -362,7 +362,7 @@ def test_an_unexpected_error_inside_the_sweep_propagates_and_restores_every_fork
     def bug(self, op, forks):
         raise RuntimeError("a bug in a stacked rule")
 
-    monkeypatch.setattr(_sweep_group.SweepGroup, "_stacked", bug)
+    monkeypatch.setattr(_sweep_group.SweepGroup, "_stacked_rule", bug)
     trace = tl.trace(tiny_gpt2.model, *tiny_gpt2.args)
     forks = [trace.fork() for _ in range(2)]
     steps = _steps(forks, [("transformer.h.0", scale_row_edit(5)), ("transformer.h.1", scale_row_edit(5))])

@@ -337,11 +337,12 @@ class Trace(TraceActions):
         current = dict(held_tensors(obj))
         new = dict(current)
         changed = False
+        own = self._own_values()
         for path, ref in entry[1]:
-            if ref is None or path not in current or (ref.index not in self._own_values()
-                                                      and self._substitution(ref.index) is None):
+            if ref is None or path not in current or (ref.index not in own and self._substitution(ref.index) is None):
                 continue
-            if self.stale_after(ref.index) is not None and not self._reproduces_writes(ref.index):
+            stale = self.stale_after(ref.index)
+            if stale is not None and not self._reproduces_writes(ref.index):
                 # memory written again through a view in a way replay cannot lay out again: not op's value
                 return Withheld(obj, ReplayNotExactError(
                     f"this fork cannot give its {type(obj).__name__}: its {'.'.join(str(key) for _, key in path)} "
@@ -349,7 +350,7 @@ class Trace(TraceActions):
                     "a view before the model returned, so replay cannot rebuild it, and the recorded one is stale",
                     op_label=self._graph.ops[ref.index].label,
                     remedy="Re-execute the real forward: fork.do(site, edit, model=model, inputs=x)."))
-            v = self.seen_value(ref, len(self._graph.ops) if self.stale_after(ref.index) is not None else None)
+            v = self.seen_value(ref, len(self._graph.ops) if stale is not None else None)
             if v is not current[path]:
                 new[path] = v
                 changed = True

@@ -58,12 +58,38 @@ def unflatten_call(leaves: list[Any], spec: Any) -> tuple[tuple, dict]:
     """
     if spec is not None and spec.type is tuple and spec.num_children == 2:
         a, k = spec.child(0), spec.child(1)
-        # flat: every child is one node and one leaf (no nested, empty or None-holding container)
-        if a.type is tuple and k.type is dict and a.num_leaves == a.num_children == a.num_nodes - 1 \
-                and k.num_leaves == k.num_children == k.num_nodes - 1:
-            n = a.num_children
-            return tuple(leaves[:n]), dict(zip(k.context, leaves[n:]))
+        # flat kwargs: every child is one node and one leaf (no nested, empty or None-holding container)
+        if a.type is tuple and k.type is dict and k.num_leaves == k.num_children == k.num_nodes - 1:
+            n = a.num_leaves
+            if n == a.num_children == a.num_nodes - 1:  # flat args too
+                return tuple(leaves[:n]), dict(zip(k.context, leaves[n:]))
+            args = _shallow_args(a, leaves)
+            if args is not None:
+                return args, dict(zip(k.context, leaves[n:]))
     return unflatten(leaves, spec)
+
+
+# Containers of leaves an op's argument may be (a shape, a list of tensors to cat), each rebuilt as pytree does.
+_SHALLOW = {t: pytree.SUPPORTED_NODES[t].unflatten_fn for t in (tuple, list, torch.Size) if t in pytree.SUPPORTED_NODES}
+
+
+def _shallow_args(spec: Any, leaves: list[Any]) -> tuple | None:
+    """The positional arguments of ``spec`` (a tuple's), each a leaf or a tuple, list or shape
+    of leaves, rebuilt as ``pytree.tree_unflatten`` does (None: some argument is nested deeper)."""
+    out = []
+    i = 0
+    for c in spec.children():
+        if c.type is None:  # a leaf
+            out.append(leaves[i])
+            i += 1
+            continue
+        m = c.num_children
+        build = _SHALLOW.get(c.type)
+        if build is None or not c.num_leaves == m == c.num_nodes - 1:
+            return None
+        out.append(build(leaves[i:i + m], c.context))
+        i += m
+    return tuple(out)
 
 
 def tensor_leaves(value: Any) -> list[Tensor]:
@@ -142,30 +168,36 @@ def replace_held(value: Any, new: dict[tuple, Any]) -> Any:
     """A copy of ``value`` with the tensor at each path of ``new`` (paths as :func:`held_tensors`
     gives them) replaced by ``new[path]``. Every object and container on a path is copied, so the
     copy and ``value`` share tensors only: growing one (a cache's ``update``) never grows the other."""
+    if () in new:
+        return new[()]
+    # the paths as a tree: step -> (the new tensor, None) at a path's end, else (None, the steps below)
+    tree: dict[tuple, Any] = {}
+    for path, tensor in new.items():
+        node = tree
+        for step in path[:-1]:
+            node = node.setdefault(step, (None, {}))[1]
+        node[path[-1]] = (tensor, None)
     memo: dict[int, Any] = {}
 
-    def rebuilt(node: Any, at: tuple) -> Any:
-        if at in new:
-            return new[at]
+    def rebuilt(node: Any, steps: dict[tuple, Any]) -> Any:
         if id(node) in memo:
             return memo[id(node)]
-        steps = list(dict.fromkeys(p[len(at)] for p in new if len(p) > len(at) and p[:len(at)] == at))
         if isinstance(node, tuple):
             items = list(node)
-            for kind, key in steps:
-                items[key] = rebuilt(node[key], (*at, (kind, key)))
+            for (_, key), (tensor, below) in steps.items():
+                items[key] = tensor if below is None else rebuilt(node[key], below)
             out = type(node)(*items) if hasattr(node, "_fields") else type(node)(items)
         else:
             out = copy.copy(node)
-            for kind, key in steps:
+            for (kind, key), (tensor, below) in steps.items():
                 if kind == "a":
-                    setattr(out, key, rebuilt(getattr(node, key), (*at, (kind, key))))
+                    setattr(out, key, tensor if below is None else rebuilt(getattr(node, key), below))
                 else:
-                    out[key] = rebuilt(node[key], (*at, (kind, key)))
+                    out[key] = tensor if below is None else rebuilt(node[key], below)
         memo[id(node)] = out
         return out
 
-    return rebuilt(value, ())
+    return rebuilt(value, tree)
 
 
 class Withheld:

@@ -202,7 +202,7 @@ class Engine:
                         self.each_of(group, strategy.run_op, op, group)
                     name, handed = strategy.name, self._handed
                     for r in group:
-                        if r in handed:  # handed on mid-run: the strategy that finished the op counted it
+                        if handed and r in handed:  # handed on mid-run: the strategy that finished the op counted it
                             handed.discard(r)
                             continue
                         chosen = r.log.chosen
@@ -212,7 +212,9 @@ class Engine:
                     self.decline(strategy, group, f"op {op.label} ({op.func_name}): {reason}")
                 strategy.release(group)
                 rest += group
-            pending = [r for r in rest if r in self.live] + [r for r in pending if r not in seen]
+            # (``seen`` holds runs of ``pending``: as many means every one was offered)
+            pending = ([r for r in rest if r in self.live] if rest else []) \
+                + ([r for r in pending if r not in seen] if len(seen) < len(pending) else [])
         for r in pending:  # (the last strategy, ``whole``, takes every op the engine did not refuse)
             self.each(r, _refuse, op, f"op {op.label} ({op.func_name}) at {op.source}: no replay strategy takes it")
 

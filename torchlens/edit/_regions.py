@@ -321,7 +321,6 @@ def _region_at(value: Any, index: int, elem: int | None, regions: dict[int, Regi
     return r
 
 
-def region_lookup(values: list[Any], refs: list[Any], regions: dict[int, Region]) -> Callable[[Any], Region]:
-    """``region_of`` for :func:`plan_op`: the region of each rebuilt argument, by identity."""
-    by_id = {id(v): _region_at(v, r.index, r.elem, regions) for v, r in zip(values, refs)}
-    return lambda t: by_id.get(id(t))
+def region_lookup(values: list[Any], refs: list[Any], regions: dict[int, Region]) -> dict[int, Region]:
+    """The regions :func:`plan_op` reads: of each rebuilt argument, by identity."""
+    return {id(v): _region_at(v, r.index, r.elem, regions) for v, r in zip(values, refs)}

@@ -143,22 +143,24 @@ def rows_linear(input: torch.Tensor, weight: torch.Tensor,  # noqa: A002 - linea
     return torch.nn.functional.linear(input, weight, bias)
 
 
-def plan_op(op: Any, args: tuple, kwargs: dict, region_of: Callable[[Any], Region]) -> Plan:
-    """How to recompute ``op`` given its rebuilt arguments and ``region_of(argument) -> region``.
+def plan_op(op: Any, args: tuple, kwargs: dict, regions: dict[int, Region], shape: Any = None) -> Plan:
+    """How to recompute ``op`` given its rebuilt arguments and the changed region of each.
 
     Args:
         op: the recorded op.
         args: its positional arguments, rebuilt from the fork's current values.
         kwargs: its keyword arguments.
-        region_of: the changed region of an argument tensor (None for unchanged ones).
+        regions: ``id(argument tensor) -> its changed region`` (unchanged ones absent or None).
+        shape: ``op.shape``, when the caller has it.
 
     Returns:
         the :class:`Plan`.
     """
     changed = []
     corner = whole = False
+    region_of = regions.get
     for t in _tensors(args, kwargs):
-        r = region_of(t)
+        r = region_of(id(t))
         if r is not None:
             changed.append((t, r))
             if type(r) is not Rows:
@@ -174,7 +176,7 @@ def plan_op(op: Any, args: tuple, kwargs: dict, region_of: Callable[[Any], Regio
     if whole:
         return Plan("full", WHOLE)
     call = _Call(op, args, kwargs)
-    out_shape = op.shape
+    out_shape = op.shape if shape is None else shape
     if not isinstance(out_shape, tuple) or (out_shape and isinstance(out_shape[0], tuple)):
         rule = _MULTI.get(name)
         if rule is None:
@@ -192,11 +194,12 @@ def plan_op(op: Any, args: tuple, kwargs: dict, region_of: Callable[[Any], Regio
 
 def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     found = []
-    for v in (*args, *kwargs.values()):
-        if isinstance(v, _TENSORS):
-            found.append(v)
-        elif isinstance(v, (list, tuple)):
-            found.extend(x for x in v if isinstance(x, _TENSORS))
+    for values in (args, kwargs.values()) if kwargs else (args,):
+        for v in values:
+            if isinstance(v, _TENSORS):
+                found.append(v)
+            elif isinstance(v, (list, tuple)):
+                found.extend(x for x in v if isinstance(x, _TENSORS))
     return found
 
 

@@ -22,17 +22,15 @@ WHOLE_ROWS = Rows(0, 0)
 class Stack:
     """The changed rows ``start:`` along ``axis`` of op values, one block per fork of ``forks`` (in order)."""
 
-    __slots__ = ("base", "axis", "start", "rows", "forks", "corner")
+    __slots__ = ("base", "axis", "start", "rows", "forks", "corner", "region", "block")
 
     def __init__(self, base: torch.Tensor, axis: int, start: int, rows: torch.Tensor, forks: tuple[int, ...],
-                 corner: Corner | None = None) -> None:
+                 corner: Corner | None = None, region: Rows | None = None) -> None:
         self.base, self.axis, self.start, self.rows, self.forks = base, axis, start, rows, forks
         # eager attention's scores: each fork's whole value (all rows along axis 0), changed in this corner
         self.corner = corner
-
-    @property
-    def block(self) -> int:
-        return self.base.shape[self.axis] - self.start
+        self.region = Rows(axis, start) if region is None else region  # (``Rows(axis, start)``, made once)
+        self.block = base.shape[axis] - start  # each fork's rows along ``axis``
 
     def rows_of(self, fork: int) -> torch.Tensor:
         """Fork ``fork``'s rows (the recorded ones if it has not changed this value)."""

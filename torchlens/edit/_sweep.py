@@ -133,7 +133,7 @@ class Sweep(Strategy):
     def groups(self, op: Op, runs: list[Replayer]) -> list[list[Replayer]]:
         get = self.groups_of.get
         one = get(runs[0])
-        if one is not None and one.next_land > op.index and all(get(r) is one for r in runs):
+        if one is not None and one.next_land > op.index and one.swept.issuperset(runs):
             return [runs]  # (the commonest case: every run in one group, no edit landing here)
         found: dict[SweepGroup, list[Replayer]] = {}
         for run in runs:
@@ -163,6 +163,9 @@ class Sweep(Strategy):
         group = self.groups_of[runs[0]]
         for run in group.members:
             self.groups_of.pop(run, None)
+        group.swept.clear()
 
     def drop(self, run: Replayer) -> None:
-        self.groups_of.pop(run, None)
+        group = self.groups_of.pop(run, None)
+        if group is not None:
+            group.swept.discard(run)

@@ -57,6 +57,9 @@ class SweepGroup:
             if landed[id(run)] is not None:
                 self.land_at.setdefault(run.start, []).append((sweep.index_of[run], landed[id(run)]))
         self.next_land = min(self.land_at, default=math.inf)  # the first position an edit still lands at
+        self.swept = set(members)  # the members still swept (the sweep's ``groups_of`` maps them to this group)
+        self._at: tuple[Op, Any] | None = None  # the op _parents looked at last, and its stacked arguments
+        self._base: tuple[Op, Any] | None = None  # the op cannot accepted last, and its recorded value
 
     def land_until(self, j: int) -> None:
         """Stack the edited rows of every fork whose edit landed at a position up to ``j``."""
@@ -69,46 +72,73 @@ class SweepGroup:
         self.next_land = min(self.land_at, default=math.inf)
 
     def cannot(self, op: Op, runs: list[Replayer]) -> str | None:
-        unchanged = True
-        for r in op.parent_refs:
-            s = self._stack_of(r)
-            if s is _MIXED:
-                return "it reads one output of a multi-output value the forks changed whole"
-            if s is not None:
-                unchanged = False
-        if unchanged:
+        stacks = self._parents(op)
+        if stacks is _MIXED:
+            return "it reads one output of a multi-output value the forks changed whole"
+        if not stacks:
             return None  # (it reads only values no fork of the group changed: nothing to do)
         if op.flags & (INPLACE | EDIT | GUARD) or op.func_name in UNINITIALISED:
             return "it is in-place, a guard or uninitialised memory"
         if not self.parent.has_value(op.index):
             return "its recorded value was not kept"
-        base = self.parent.value(op.index)
+        base = self._base_of(op)
         if isinstance(base, (tuple, list)):
             if not isinstance(op.shape, tuple) or len(base) != len(op.shape) \
                     or not all(isinstance(b, torch.Tensor) for b in base):
                 return "its recorded outputs are not tensors, one per recorded shape"
         elif not isinstance(base, torch.Tensor) or base.dim() == 0:
             return "its recorded value is not a tensor of rows"
+        self._base = (op, base)
         return None
 
-    def run_op(self, op: Op, runs: list[Replayer]) -> None:
-        stacks, held, corner = [], set(), False
+    def _parents(self, op: Op) -> Any:
+        """The stacks of the values ``op`` reads that some fork of the group changed (one per such
+        argument; ``_MIXED``: it reads one output of a multi-output value the forks changed whole).
+        Kept for :meth:`run_op` until the next op: the engine asks :meth:`cannot` first."""
+        at = self._at
+        if at is not None and at[0] is op:
+            return at[1]
+        stacks: Any = []
+        stack = self.stack
         for r in op.parent_refs:
-            s = self._stack_of(r)
-            if s is not None:
-                stacks.append(s)
-                held.update(s.forks)
-                corner = corner or s.corner is not None
+            s = stack.get(r.index)
+            if s is None:
+                continue
+            if type(s) is not Stack or r.elem is not None:
+                s = self._stack_of(r)
+                if s is _MIXED:
+                    stacks = _MIXED
+                    break
+                if s is None:
+                    continue
+            stacks.append(s)
+        self._at = (op, stacks)
+        return stacks
+
+    def _base_of(self, op: Op) -> Any:
+        """Op ``op``'s recorded value (looked up once: :meth:`cannot` read it)."""
+        got = self._base
+        return got[1] if got is not None and got[0] is op else self.parent.value(op.index)
+
+    def run_op(self, op: Op, runs: list[Replayer]) -> None:
+        at = self._at
+        stacks = at[1] if at is not None and at[0] is op else self._parents(op)
+        held, corner = set(), False
+        for s in stacks:
+            held.update(s.forks)
+            corner = corner or s.corner is not None
         index_of = self.sweep.index_of
         forks = tuple(sorted(held.intersection([index_of[r] for r in runs])))
         if not forks:
             return
         note = f"stacked with {len(forks) - 1} other fork(s)" if len(forks) > 1 else ""
-        done = None
         if op.func_name in STACKED_OPS and not corner:
-            done = self._stacked(op, forks)
-            if done is not None:
-                self._keep(op, forks, *done, note)
+            try:
+                done = self._stacked_rule(op, forks)
+            except PerFork:  # a rule read a stacked argument other than by its rows (what PerFork declares)
+                done = None
+            if done is not None:  # (rows of the shape the op's stacked forks give: checked in the rule)
+                self._keep(op, forks, *done, note, fits=True)
                 return
         done = self._scores(op, forks, stacks)
         if done is not None:
@@ -129,7 +159,7 @@ class SweepGroup:
         base = self.parent.value(o)
         s = self.stack.get(o)
         if s is None:
-            self.stack[o] = Stack(base, region.axis, region.start, _cut(edited, region), (i,))
+            self.stack[o] = Stack(base, region.axis, region.start, _cut(edited, region), (i,), region=region)
             return
         # other forks reached this op first: its stack must hold every row this edit changed
         # (the same rows or more along its axis; a whole value, from rows 0, holds anything)
@@ -145,46 +175,50 @@ class SweepGroup:
         s.rows = torch.cat([mine if f == i else s.rows_of(f) for f in forks], s.axis)
         s.forks = forks
 
-    def _stacked(self, op: Any, forks: tuple[int, ...]) -> tuple[Rows, torch.Tensor, str] | None:
-        """Run ``op`` once on every fork's rows (None: its rule cannot, it runs once per fork)."""
-        try:
-            return self._stacked_rule(op, forks)
-        except PerFork:  # a rule read a stacked argument other than by its rows (what PerFork declares)
-            return None
-
     def _stacked_rule(self, op: Any, forks: tuple[int, ...]) -> tuple[Rows, torch.Tensor, str]:
-        j, regions, stacked = op.index, {}, set()
+        j, regions, stacked, later = op.index, {}, set(), []
+        name = op.func_name
+        swept = SweptWhole if name == ATTENTION else Swept
+        stack, seen_value = self.stack, self.parent.seen_value
 
         def resolve(ref):
-            s = self._stack_of(ref)
+            s = stack.get(ref.index)
+            if s is not None and (type(s) is not Stack or ref.elem is not None):
+                s = self._stack_of(ref)
             if s is None:
-                return self.parent.seen_value(ref, j)
-            rows = s.aligned(forks)
+                return seen_value(ref, j)
+            rows = s.rows if s.forks == forks else s.aligned(forks)
             stacked.add(id(rows))
-            patch = (SweptWhole if op.func_name == ATTENTION else Swept)(s.base, s.axis, s.start, rows)
-            regions[id(patch)] = Rows(s.axis, s.start)
+            patch = swept(s.base, s.axis, s.start, rows)
+            regions[id(patch)] = s.region
+            if s.start:
+                later.append(s)
             return patch
 
         args, kwargs = build_args(op, resolve)
+        shape = op.shape
         # forks' whole values (rows from 0): planned as rows, so an op that keeps their axis runs
         # once on all of them (a head's patch changes every later value whole)
-        with rows_from_zero(all(r.start == 0 for r in regions.values())):
-            plan = plan_op(op, args, kwargs, lambda t: regions.get(id(t)))
+        if later:
+            plan = plan_op(op, args, kwargs, regions, shape)
+        else:
+            with rows_from_zero():
+                plan = plan_op(op, args, kwargs, regions, shape)
         region = plan.region
-        name = op.func_name
         if name in SHAPED:
             return shaped(op, args, kwargs, plan, len(forks))
-        if not isinstance(region, Rows) or not isinstance(op.shape, tuple):
+        if not isinstance(region, Rows) or not isinstance(shape, tuple):
             raise PerFork
-        want = list(op.shape)
+        want = list(shape)
         want[region.axis] = (want[region.axis] - region.start) * len(forks)
         if op.func_name in ROW_VIEWS:
             x = args[0] if args else None
+            # (one stacked argument in all: x, no other)
             if plan.kind != "full" or not isinstance(x, Swept) \
-                    or any(isinstance(a, Swept) for a in (*args[1:], *kwargs.values())):
+                    or len(regions) > 1 and any(isinstance(a, Swept) for a in (*args[1:], *kwargs.values())):
                 raise PerFork
             if op.func_name in MEMORY_VIEWS:
-                if math.prod(x.shape[: x.axis]) != math.prod(op.shape[: region.axis]):
+                if math.prod(x.shape[: x.axis]) != math.prod(shape[: region.axis]):
                     raise PerFork
                 rows = x.rows.reshape(want)
             else:
@@ -198,16 +232,20 @@ class SweepGroup:
             if name == ATTENTION:
                 return region, attention(call, args, kwargs, n, want), "rows"
 
-            def per_fork(v: Any) -> Any:
-                if isinstance(v, torch.Tensor):
-                    axis = call.axes.get(id(v))
-                    # an unchanged argument cut to the same rows: once per fork
-                    return v if axis is None or id(v) in stacked or n == 1 else torch.cat([v] * n, axis)
-                if isinstance(v, (list, tuple)):
-                    return type(v)(per_fork(x) for x in v)
-                return v
+            if n == 1 or stacked.issuperset(call.axes):  # (every argument cut to rows is stacked)
+                rows = call.func(*call.args, **call.kwargs)
+            else:
+                def per_fork(v: Any) -> Any:
+                    if isinstance(v, torch.Tensor):
+                        axis = call.axes.get(id(v))
+                        # an unchanged argument cut to the same rows: once per fork
+                        return v if axis is None or id(v) in stacked else torch.cat([v] * n, axis)
+                    if isinstance(v, (list, tuple)):
+                        return type(v)(per_fork(x) for x in v)
+                    return v
 
-            rows = call.func(*(per_fork(a) for a in call.args), **{k: per_fork(v) for k, v in call.kwargs.items()})
+                rows = call.func(*(per_fork(a) for a in call.args),
+                                 **{k: per_fork(v) for k, v in call.kwargs.items()})
             how = "rows"
         if not isinstance(rows, torch.Tensor) or list(rows.shape) != want:
             raise PerFork
@@ -231,7 +269,7 @@ class SweepGroup:
             return patch
 
         args, kwargs = build_args(op, resolve)
-        return plan_op(op, args, kwargs, lambda t: regions.get(id(t))), resolve
+        return plan_op(op, args, kwargs, regions), resolve
 
     def _scores(self, op: Any, forks: tuple[int, ...], stacks: list[Any]) -> tuple[Any, Any, str, bool] | None:
         """Eager attention's scores for every fork in one call, each fork one batch entry:
@@ -241,7 +279,7 @@ class SweepGroup:
                 or any(s.forks != forks for s in stacks):
             return None
         plan, _ = self._fork_plan(op, forks[0])  # every fork of the stacks changed the same rows
-        base = self.parent.value(op.index)
+        base = self._base_of(op)
         if plan.kind != "full" or not isinstance(plan.region, Corner) or not isinstance(base, torch.Tensor):
             return None
         n, changed = len(forks), set()
@@ -278,7 +316,7 @@ class SweepGroup:
                 self.sweep.release(runs)
                 self.engine.hand_on(self.sweep, op, runs, "no rule bounds what a fork changed")
                 return
-        base = self.parent.value(op.index)
+        base = self._base_of(op)
         got: list[tuple[int, Any, Any]] = []  # (fork, region, its rows or whole value)
         kinds, corner, reason = set(), False, ""
         for i in forks:
@@ -351,7 +389,7 @@ class SweepGroup:
         """The forks' new values of ``op`` cannot be stacked (``why``: they changed different regions
         of it, ...): each keeps its own value, and the group goes on alone from here (declared in
         their replay records)."""
-        j, base = op.index, self.parent.value(op.index)
+        j, base = op.index, self._base_of(op)
         runs = [self.replayers[i] for i, _, _ in got]
         for (_, region, value), run in zip(got, runs):
             size = None
@@ -373,11 +411,11 @@ class SweepGroup:
         self.sweep.release(runs)
 
     def _keep(self, op: Any, forks: tuple[int, ...], region: Any, rows: Any, how: str, note: str,
-              logged: bool = True) -> None:
+              logged: bool = True, fits: bool = False) -> None:
         """Put the stacked rows of ``op`` in the stack and give each fork its own (``logged``: the
-        replay log names the rows)."""
+        replay log names the rows; ``fits``: a tensor of rows was checked against the op's shape)."""
         j = op.index
-        base = self.parent.value(j)
+        base = self._base_of(op)
         live = self.engine.live
         if isinstance(region, Corner):  # each fork's whole value, as all its rows along axis 0
             s = self.stack[j] = _checked(Stack(base, 0, 0, rows, forks, region))
@@ -401,7 +439,7 @@ class SweepGroup:
                 self.replayers[i].store(j, value, WHOLE if whole else region)
                 self.replayers[i].log.entries.append((op.label, op.func_name, how, None, note))
             return
-        s = self.stack[j] = _checked(Stack(base, region.axis, region.start, rows, forks))
+        s = self.stack[j] = _checked(Stack(base, region.axis, region.start, rows, forks, region=region), fits)
         axis, start, m, rows = s.axis, region.start, s.block, s.rows
         whole = start == 0  # every row: each fork holds its whole value
         how = _as_whole(how) if whole else how
@@ -433,8 +471,11 @@ def _cut(value: torch.Tensor, region: Rows) -> torch.Tensor:
     return value.narrow(region.axis, region.start, value.shape[region.axis] - region.start)
 
 
-def _checked(s: Stack) -> Stack:
-    """``s``, whose rows must be one block of the recorded shape per fork (else a stacked rule is wrong)."""
+def _checked(s: Stack, fits: bool = False) -> Stack:
+    """``s``, whose rows must be one block of the recorded shape per fork (else a stacked rule is wrong;
+    ``fits``: the rows are a tensor of that shape, only their dtype is left to check)."""
+    if fits and s.rows.dtype == s.base.dtype:
+        return s
     want = list(s.base.shape)
     want[s.axis] = s.block * len(s.forks)
     if not isinstance(s.rows, torch.Tensor) or list(s.rows.shape) != want or s.rows.dtype != s.base.dtype:
