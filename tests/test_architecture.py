@@ -465,7 +465,7 @@ def test_the_dict_copying_rule_sees_each_spelling():
 # units of one layer are independent of each other. A module's unit is the longest entry naming it.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("torchlens.errors",),
-    ("torchlens.hookspecs", "torchlens._interrupts", "torchlens._progress", "torchlens.demo"),
+    ("torchlens.hookspecs", "torchlens._interrupts", "torchlens._collector", "torchlens._progress", "torchlens.demo"),
     ("torchlens.plugins",),
     ("torchlens.core",),
     ("torchlens.edit",),  # edit rules (apply_edit, helpers) are applied by capture during the forward

@@ -408,7 +408,7 @@ def test_the_collector_is_held_off_only_while_an_in_memory_capture_runs(tmp_path
 
 
 def test_captures_in_two_threads_give_the_collector_back_once_both_ended():
-    from torchlens.capture._memory import GcPause
+    from torchlens._collector import GcPause
 
     first, second = GcPause(), GcPause()
     first.__enter__()
@@ -632,3 +632,36 @@ def test_ops_called_without_keywords_each_keep_a_dict_of_their_own(tiny_gpt2):
     empty = [op.kwargs for op in ops if not op.kwargs]
     assert len(empty) > 10 and len({id(k) for k in empty}) == len(empty)  # no dict shared between records
     assert _records(trace) == _records(tl.trace(tiny_gpt2.model, *tiny_gpt2.args, grad=True))
+
+
+def test_the_collector_is_held_off_while_a_replay_runs_and_given_back_after():
+    """A replay's records stay reachable from its fork: the collector is off while the engine
+    walks the graph (the edit runs inside it), on again after, also when the edit raises, and a
+    collector the user turned off stays off."""
+    model, x = _NotesTheCollector().eval(), torch.randn(2, 4)
+    trace = tl.trace(model, x)
+    seen: list[bool] = []
+
+    def doubled(out):
+        seen.append(gc.isenabled())
+        return out * 2
+
+    fork = trace.fork().do(tl.func("linear"), doubled)
+    assert seen == [False] and gc.isenabled()
+    with torch.no_grad():
+        assert torch.equal(fork.output, model.fc(x) * 2 + 1)  # the fork's value: a re-computation by hand
+    forks = trace.forks([(tl.func("linear"), doubled), (tl.func("add"), doubled)])
+    assert seen[1:] == [False, False] and gc.isenabled() and len(forks) == 2
+
+    def raising(out):
+        raise ValueError("edit raised on purpose")
+
+    with pytest.raises(ValueError, match="on purpose"):
+        trace.fork().do(tl.func("linear"), raising)
+    assert gc.isenabled()
+    gc.disable()  # the user's own choice is kept
+    try:
+        trace.fork().do(tl.func("linear"), doubled)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -11,6 +11,7 @@ from itertools import repeat
 
 import torch
 
+from .._collector import GcPause
 from .._interrupts import Attached
 from ..core.builder import TraceBuilder
 from ..core.inputs import input_tensors
@@ -22,7 +23,6 @@ from ..core.tree import clone_value, flatten
 from ..edit.edits import AppliedEdit, EditContext, apply_edit, count_changed, land_edit
 from ..errors import StopCapture
 from ..hookspecs import hookimpl
-from ._memory import GcPause
 from ._offload import defer_offloaded_weights
 from ._random import active_dropout, warn_random
 from ._recorder import Recorder

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from .._collector import GcPause
 from ..core.records import INPUT, RANDOM, Op
 from ..core.steps import Step
 from ..errors import ReplayFallbackError, ReplayNotExactError, TorchLensError
@@ -126,6 +127,10 @@ class Engine:
             per fork, its run (the fork holds its edit) or the error its replay met (the fork is
             as it was).
         """
+        with GcPause():  # every record made meanwhile stays reachable from a fork (``torchlens._collector``)
+            return self._run(build)
+
+    def _run(self, build: Callable[[Engine], list[Strategy]]) -> list[Any]:
         try:
             chain = self.chain = build(self)
             holding = [s for s in chain if type(s).flush is not Strategy.flush]  # (those that hold work back)
