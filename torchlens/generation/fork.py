@@ -31,6 +31,10 @@ __all__ = ["ForkRecord", "rerun"]
 
 # generate keywords counted from the start of the call: resuming mid-way would change what they mean
 _RELATIVE = ("min_new_tokens",)
+# generate keywords that can end a row of a batch on a condition the fork cannot read back from the tokens
+_ROW_STOPS = ("stopping_criteria", "stop_strings")
+# per-step fields of a generate output (one entry per step): a resumed generate holds only its own steps
+_PER_STEP = ("scores", "logits", "attentions", "hidden_states")
 
 
 @dataclass
@@ -90,6 +94,7 @@ def rerun(gen: GenerationTrace, triple: tuple[Any, StepSet, Any]) -> tuple[list[
             records, output = record_steps(gen.model, gen.run, edits, inputs=inputs, kwargs=kwargs, first=first,
                                            capture=capture)
             records = [*gen.records[:first], *records]
+            output = _with_parent_steps(gen, output, first) if first > 0 else output
     check_reached([triple], len(records))
     seq = getattr(output, "sequences", output)
     position = first_token_difference(gen.sequences, seq if isinstance(seq, torch.Tensor) else None, gen.prompt_length)
@@ -131,6 +136,9 @@ def _resume_at(gen: GenerationTrace, k: int) -> tuple[tuple[Any, dict] | None, s
         return None, f"{[key for key in _RELATIVE if key in run.kwargs]} count from the start of generate"
     step = gen.records[k]
     key, cache = cache_of(step.kwargs)
+    stopped = _stopped_rows(gen, k)
+    if stopped:
+        return None, stopped
     if cache is None or step.start is None or step.length is None:
         return None, "the step received no KV cache to resume from"
     if not getattr(cache, "is_croppable", False) or not hasattr(cache, "crop"):
@@ -150,6 +158,48 @@ def _resume_at(gen: GenerationTrace, k: int) -> tuple[tuple[Any, dict] | None, s
         kwargs["max_new_tokens"] -= end - gen.prompt_length
     kwargs[key] = cache
     return (inputs, kwargs), ""
+
+
+def _stopped_rows(gen: GenerationTrace, k: int) -> str:
+    """Why resuming ``generate`` at step ``k`` would decode a batch row that already ended ("" if none did).
+
+    ``generate`` starts every row unfinished: a row that chose an end-of-sequence token before step
+    ``k`` (and was padded since) would be decoded again from its pad token.
+    """
+    rows = gen.sequences.shape[0] if gen.sequences is not None else 1
+    if rows < 2:
+        return ""  # a lone row that ended ended the generation: there is no step after it
+    given = [key for key in _ROW_STOPS if gen.run.kwargs.get(key) is not None]
+    if given:
+        return f"{given} may have ended a row of the batch before step {k}, which resuming would decode again"
+    eos = _eos_ids(gen)
+    chosen = gen.sequences[:, gen.prompt_length:gen.prompt_length + k]  # the tokens steps 0..k-1 chose
+    ended = [row for row in range(rows) if any(int(t) in eos for t in chosen[row])]
+    if ended:
+        return (f"batch row(s) {ended} chose an end-of-sequence token before step {k}; resuming generate "
+                "would decode them again")
+    return ""
+
+
+def _eos_ids(gen: GenerationTrace) -> set[int]:
+    """The end-of-sequence token ids the generation stopped rows on (``eos_token_id=``, else its config's)."""
+    config = gen.run.kwargs.get("generation_config") or getattr(gen.model, "generation_config", None)
+    eos = gen.run.kwargs.get("eos_token_id", getattr(config, "eos_token_id", None))
+    if eos is None:
+        return set()
+    if isinstance(eos, torch.Tensor):
+        return {int(t) for t in eos.flatten().tolist()}
+    return {int(t) for t in eos} if isinstance(eos, (list, tuple, set)) else {int(eos)}
+
+
+def _with_parent_steps(gen: GenerationTrace, output: Any, first: int) -> Any:
+    """A resumed ``generate``'s output with the parent's per-step fields of steps ``0..first-1`` in front,
+    so ``fork.output.scores`` (and logits, attentions, hidden states) has one entry per step, as generate's."""
+    for name in _PER_STEP:
+        mine, theirs = getattr(output, name, None), getattr(gen.output, name, None)
+        if isinstance(mine, tuple) and isinstance(theirs, tuple) and len(theirs) >= first:
+            setattr(output, name, (*theirs[:first], *mine))
+    return output
 
 
 def _first_step(steps: StepSet) -> int:

@@ -371,9 +371,10 @@ class GenerationFork(GenerationTrace):
     token is the parent's is replayed: only the blocks from the edited one on run, on its new
     position, reading the changed KV rows; the blocks below are read from the parent's records.
     From the first step whose token differs, the whole model runs again, for real. A decoding
-    loop, no KV cache or a cache that cannot be cut back re-executes instead. ``record`` (a
-    :class:`~torchlens.generation.fork.ForkRecord`) says which steps were reused, replayed, edited
-    and regenerated, which blocks ran, why replay did not apply, and where the text first diverged.
+    loop, no KV cache, a cache that cannot be cut back or a batch row that already ended
+    re-executes instead. ``record`` (a :class:`~torchlens.generation.fork.ForkRecord`) says which
+    steps were reused, replayed, edited and regenerated, which blocks ran, why replay did not
+    apply, and where the text first diverged.
     """
 
     def __init__(self, parent: GenerationTrace) -> None:

@@ -1,0 +1,116 @@
+"""Generation code a researcher ports, checked against a plain ``model.generate`` with forward hooks.
+
+Each test is a snippet the main generation tests do not cover (a batch whose rows stop at different
+steps, a fork of a generation asked for its per-step scores), run through ``tl.generate`` and its
+forks and compared with the same edit applied by a hook that counts the model's calls.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_model_clean, hook_state
+
+import torchlens as tl
+
+BLOCK = "transformer.h.1"
+
+
+def hooked(model, vector: torch.Tensor | None, steps: range, seed: int | None = None, **kwargs):
+    """``model.generate(**kwargs)`` with ``vector`` added to ``BLOCK``'s output at the model calls in ``steps``."""
+    calls = [0]
+    handles = [model.register_forward_hook(lambda m, a, k, o: calls.__setitem__(0, calls[0] + 1), with_kwargs=True)]
+    if vector is not None:
+        handles.append(model.get_submodule(BLOCK).register_forward_hook(
+            lambda m, i, o: o + vector if calls[0] in steps else None))
+    try:
+        if seed is not None:
+            torch.manual_seed(seed)
+        return model.generate(**kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def vector_for(model, scale: float, seed: int = 3) -> torch.Tensor:
+    return torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+# Two prompts of the tiny GPT-2. Greedy decoding repeats token 6 on row 0 and token 12 on row 1;
+# sampling with seed 1 draws token 14 first on row 0. With that token as eos_token_id, row 0 stops at
+# step 0 (then is padded with 0) while row 1 runs on, and a vector of norm 40 added to block 1 at step 2
+# changes row 1's text (checked once by hand).
+ROWS = torch.tensor([[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]])
+ROW_0_STOPS = {"greedy": ({"do_sample": False, "eos_token_id": 6}, None),
+               "sampling": ({"do_sample": True, "eos_token_id": 14}, 1)}
+
+
+@pytest.mark.parametrize("how", list(ROW_0_STOPS))
+def test_a_fork_of_a_batch_keeps_a_row_that_already_stopped_padded(tiny_gpt2, how):
+    """A row that chose its end-of-sequence token before the edited step stays finished in the fork,
+    as in a hooked ``generate``: padded, not decoded again from its last (pad) token."""
+    model = tiny_gpt2.model
+    options, seed = ROW_0_STOPS[how]
+    kwargs = dict(max_new_tokens=8, pad_token_id=0, **options)
+    gen = tl.generate(model, ROWS, seed=seed, **kwargs)
+    vector = vector_for(model, 40.0)
+    want = hooked(model, vector, range(2, 3), seed=seed, input_ids=ROWS, **kwargs)
+    assert torch.equal(gen.sequences, hooked(model, None, range(0), seed=seed, input_ids=ROWS, **kwargs))
+    assert bool((gen.sequences[0, 7:] == 0).all())  # row 0 stopped at step 0
+    before = hook_state(model)
+    fork = gen.fork().do(tl.at_step(BLOCK, 2), tl.add(vector))
+    assert_model_clean(model, before)
+    assert torch.equal(fork.sequences, want), (fork.sequences, want)
+    assert not torch.equal(fork.sequences, gen.sequences)  # the edit did change the text
+    assert "chose an end-of-sequence token before step 2" in fork.record.how
+
+
+def test_a_fork_of_a_batch_with_a_stopping_criterion_regenerates_and_says_why(tiny_gpt2):
+    """A stopping criterion may end a row on a condition the tokens do not show: the fork regenerates."""
+    import transformers
+
+    class StopRow0AtStep1(transformers.StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
+            done[0] = input_ids.shape[1] >= ROWS.shape[1] + 2
+            return done
+
+    model = tiny_gpt2.model
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0,
+                  stopping_criteria=transformers.StoppingCriteriaList([StopRow0AtStep1()]))
+    gen = tl.generate(model, ROWS, **kwargs)
+    vector = vector_for(model, 40.0)
+    fork = gen.fork().do(tl.at_step(BLOCK, 3), tl.add(vector))
+    assert torch.equal(fork.sequences, hooked(model, vector, range(3, 4), input_ids=ROWS, **kwargs))
+    assert bool((fork.sequences[0, 8:] == 0).all())
+    assert "['stopping_criteria'] may have ended a row" in fork.record.how
+
+
+def test_a_fork_whose_rows_run_on_still_replays_from_the_parent(tiny_gpt2):
+    """Without a finished row (no end-of-sequence token chosen) the fork resumes from the parent's cache."""
+    model = tiny_gpt2.model
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    gen = tl.generate(model, ROWS, **kwargs)
+    vector = vector_for(model, 40.0)
+    fork = gen.fork().do(tl.at_step(BLOCK, 2), tl.add(vector))
+    assert torch.equal(fork.sequences, hooked(model, vector, range(2, 3), input_ids=ROWS, **kwargs))
+    assert fork.record.reused == [0, 1] and fork.record.fallback is None
+
+
+def test_a_fork_answers_every_steps_scores_and_logits_as_generate_does(tiny_gpt2):
+    """``return_dict_in_generate=True``: the fork's output holds one score and one logits row per step,
+    those of a hooked ``generate`` (the resumed part and the steps shared with the parent)."""
+    model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    kwargs = dict(max_new_tokens=6, do_sample=False, output_scores=True, output_logits=True,
+                  return_dict_in_generate=True)
+    gen = tl.generate(model, ids, **kwargs)
+    vector = vector_for(model, 40.0)
+    want = hooked(model, vector, range(2, 3), input_ids=ids, **kwargs)
+    fork = gen.fork().do(tl.at_step(BLOCK, 2), tl.add(vector))
+    assert torch.equal(fork.output.sequences, want.sequences)
+    for name in ("scores", "logits"):
+        got, expected = getattr(fork.output, name), getattr(want, name)
+        assert len(got) == len(expected) == 6, name
+        for k, (a, b) in enumerate(zip(got, expected)):
+            assert torch.allclose(a, b, atol=1e-5, rtol=0), (name, k)
+    assert len(gen.output.scores) == 6  # the parent's output is unchanged
