@@ -114,3 +114,42 @@ def test_a_fork_answers_every_steps_scores_and_logits_as_generate_does(tiny_gpt2
         for k, (a, b) in enumerate(zip(got, expected)):
             assert torch.allclose(a, b, atol=1e-5, rtol=0), (name, k)
     assert len(gen.output.scores) == 6  # the parent's output is unchanged
+
+
+def test_a_fork_of_several_return_sequences_equals_a_hooked_generate(tiny_gpt2):
+    """``num_return_sequences=3``: the fork resumes the three expanded rows (not 3 x 3 of them)."""
+    model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    kwargs = dict(max_new_tokens=6, do_sample=True, num_return_sequences=3)
+    gen = tl.generate(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, seed=1, **kwargs)
+    assert gen.sequences.shape == (3, 12)
+    vector = vector_for(model, 40.0)
+    want = hooked(model, vector, range(2, 3), seed=1, input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs)
+    fork = gen.fork().do(tl.at_step(BLOCK, 2), tl.add(vector))
+    assert torch.equal(fork.sequences, want)
+    assert not torch.equal(fork.sequences, gen.sequences)
+    assert fork.record.reused == [0, 1]  # resumed from the parent's cache, not regenerated
+
+
+@pytest.fixture(scope="module")
+def right_padding_tokenizer():
+    """A word-level tokenizer of 'w0' .. 'w63' (w0 pads) that pads on the right, a tokenizer's default."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    core = Tokenizer(models.WordLevel({f"w{i}": i for i in range(64)}, unk_token="w0"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=core, pad_token="w0", padding_side="right")
+
+
+def test_prompts_of_different_lengths_are_left_padded_for_generation(tiny_gpt2, right_padding_tokenizer):
+    """A decoder-only model continues each row from its last token: text prompts are padded on the left
+    whatever the tokenizer's ``padding_side`` (as nnsight's LanguageModel does), so each row's new tokens
+    are those of its prompt generated alone."""
+    model, tok = tiny_gpt2.model, right_padding_tokenizer
+    prompts = ["w3 w17", "w5 w9 w11 w20 w2"]
+    gen = tl.generate(model, prompts, tokenizer=tok, max_new_tokens=4, do_sample=False)
+    alone = [model.generate(**tok(p, return_tensors="pt"), max_new_tokens=4, do_sample=False)[0, -4:]
+             for p in prompts]
+    assert torch.equal(gen.tokens, torch.stack(alone))
+    assert tok.padding_side == "right"  # the tokenizer is left as it was
+    assert gen.sequences[0, :3].tolist() == [0, 0, 0] and gen.sequences[0, 3:5].tolist() == [3, 17]

@@ -146,6 +146,10 @@ def _resume_at(gen: GenerationTrace, k: int) -> tuple[tuple[Any, dict] | None, s
     cache = cache_at(cache, step.start)  # a copy: the parent's steps keep theirs
     end = step.start + step.length  # the tokens known when step k ran: the prompt and k - 1 new ones
     inputs = dict(run.inputs) if isinstance(run.inputs, dict) else {"input_ids": run.inputs}
+    # generate expanded each prompt row into its num_return_sequences rows (repeat_interleave): the
+    # sequences and the cache hold the expanded rows, so the other inputs are expanded alike, once
+    rows = gen.sequences.shape[0]
+    inputs = {name: _expanded(v, rows) for name, v in inputs.items()}
     inputs["input_ids"] = gen.sequences[:, :end]
     # generate reads only the tokens the cache lacks when the mask covers every token given
     mask = inputs.get("attention_mask")
@@ -153,7 +157,7 @@ def _resume_at(gen: GenerationTrace, k: int) -> tuple[tuple[Any, dict] | None, s
         mask = torch.ones(inputs["input_ids"].shape[0], gen.prompt_length, dtype=torch.long,
                           device=inputs["input_ids"].device)
     inputs["attention_mask"] = torch.cat([mask, mask.new_ones(mask.shape[0], end - mask.shape[1])], dim=1)
-    kwargs = {name: v for name, v in run.kwargs.items() if name != "cache_implementation"}
+    kwargs = {name: v for name, v in run.kwargs.items() if name not in ("cache_implementation", "num_return_sequences")}
     if isinstance(kwargs.get("max_new_tokens"), int):
         kwargs["max_new_tokens"] -= end - gen.prompt_length
     kwargs[key] = cache
@@ -200,6 +204,14 @@ def _with_parent_steps(gen: GenerationTrace, output: Any, first: int) -> Any:
         if isinstance(mine, tuple) and isinstance(theirs, tuple) and len(theirs) >= first:
             setattr(output, name, (*theirs[:first], *mine))
     return output
+
+
+def _expanded(value: Any, rows: int) -> Any:
+    """A per-row input tensor repeated row by row to ``rows`` rows, as ``generate`` expands its inputs."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] in (0, rows) \
+            or rows % value.shape[0]:
+        return value
+    return value.repeat_interleave(rows // value.shape[0], dim=0)
 
 
 def _first_step(steps: StepSet) -> int:

@@ -102,7 +102,20 @@ def _encode(model: nn.Module, inputs: Any, tokenizer: Any) -> Any:
         return inputs
     args, kwargs = text_inputs(inputs, model, tokenizer)
     kwargs.pop("position_ids", None)  # generate counts positions from the attention mask itself
+    if not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        kwargs = _left_padded(kwargs)
     return args[0] if args else kwargs
+
+
+def _left_padded(kwargs: dict) -> dict:
+    """Text inputs with each row's padding moved to its left: a decoder-only model continues a row
+    from its last position, which right padding (a tokenizer's ``padding_side="right"``) fills with pads."""
+    mask = kwargs.get("attention_mask")
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not bool((mask[:, -1] == 0).any()):
+        return kwargs
+    order = torch.argsort(mask, dim=1, stable=True)  # each row: its pads first, then its tokens, in order
+    return {name: value.gather(1, order) if isinstance(value, torch.Tensor) and value.shape == mask.shape else value
+            for name, value in kwargs.items()}
 
 
 def _prompt_length(inputs: Any) -> int:
