@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_model_clean, hook_state
+from conftest import assert_model_clean, hook_state, refused
 
 import torchlens as tl
+from torchlens.errors import SiteNotInStepError
 
 BLOCK = "transformer.h.1"
 
@@ -153,3 +154,48 @@ def test_prompts_of_different_lengths_are_left_padded_for_generation(tiny_gpt2, 
     assert torch.equal(gen.tokens, torch.stack(alone))
     assert tok.padding_side == "right"  # the tokenizer is left as it was
     assert gen.sequences[0, :3].tolist() == [0, 0, 0] and gen.sequences[0, 3:5].tolist() == [3, 17]
+
+
+# -- an encoder-decoder model: generate runs the encoder once, before step 0 ------------------------------
+def encoder_refusal(model, call):
+    err = refused(model, call, SiteNotInStepError)
+    assert "runs once, before step 0" in err.message and "encoder" in err.message
+    assert "encoder_outputs" in err.remedy
+    return err
+
+
+def test_an_encoder_site_of_an_encoder_decoder_is_refused_with_the_way_to_edit_it(tiny_t5):
+    """T5's ``generate`` calls the encoder outside the model calls that are steps: an edit, a ``save=``
+    or a read of an encoder site names that and how to do it instead (not "the edit never fired")."""
+    model, ids = tiny_t5.model, tiny_t5.args[0]
+    vector = torch.ones(32)
+    encoder_refusal(model, lambda: tl.generate(model, ids, max_new_tokens=2, do_sample=False,
+                                               intervene=[("encoder.block.1", tl.add(vector))]))
+    encoder_refusal(model, lambda: tl.generate(model, ids, max_new_tokens=2, do_sample=False,
+                                               intervene=[(tl.at_step(tl.module("encoder.block.0"), 0),
+                                                           tl.add(vector))]))
+    encoder_refusal(model, lambda: tl.generate(model, ids, max_new_tokens=2, do_sample=False,
+                                               save=["encoder.final_layer_norm"]))
+    gen = tl.generate(model, ids, max_new_tokens=2, do_sample=False)
+    encoder_refusal(model, lambda: gen.read("encoder.block.0"))
+    assert set(gen.read("decoder.block.1")) == {0, 1}  # decoder sites are steps' sites as before
+
+
+def test_the_remedy_for_an_encoder_edit_equals_a_hooked_generate(tiny_t5):
+    """The refusal's remedy: run the encoder with the edit, generate from its output."""
+    model, ids = tiny_t5.model, tiny_t5.args[0]
+    vector = vector_for(model, 8.0)
+    with torch.no_grad():
+        encoded = tl.trace(model.get_encoder(), ids, intervene=tl.when("block.1", tl.add(vector))).raw_output
+    gen = tl.generate(model, {"input_ids": ids, "encoder_outputs": encoded}, max_new_tokens=4, do_sample=False)
+    handle = model.encoder.block[1].register_forward_hook(lambda m, i, o: (o[0] + vector, *o[1:]))
+    try:
+        want = model.generate(ids, max_new_tokens=4, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True)
+    finally:
+        handle.remove()
+    plain = model.generate(ids, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    assert torch.equal(gen.sequences, want.sequences)
+    for k, step in enumerate(gen.steps):
+        assert torch.allclose(step.logits, want.logits[k], atol=1e-5, rtol=0), k
+    assert not torch.allclose(gen.steps[0].logits, plain.logits[0], atol=1e-3)  # the edit did reach the decoder

@@ -21,7 +21,7 @@ from ..errors import (
     NoGenerateError,
 )
 from ._steps import GenerationRun, record_steps
-from .sites import StepKeep, StepSet, check_reached, edit_triple
+from .sites import StepKeep, StepSet, check_outside_encoder, check_reached, edit_triple
 from .trace import GenerationTrace
 
 __all__ = ["generate"]
@@ -68,6 +68,9 @@ def generate(model: nn.Module, inputs: Any, *, loop: Callable[[nn.Module, Any], 
         GenerationStrategyError: beam search or another strategy that is not greedy or sampling.
         EmptyGenerationError: ``max_new_tokens`` is 0, or the loop never called the model.
         StepNotFoundError: an edit names a step beyond the steps the generation ran.
+        SiteNotInStepError: an edit or ``save=`` site is in an encoder-decoder model's encoder, which
+            ``generate`` runs once before step 0 (the remedy runs it with ``tl.trace`` and passes
+            ``encoder_outputs``).
         StepEditShapeError: an edit does not fit the activation at some step (named with its shape).
         UnsupportedModelError: the model is not an eager ``nn.Module``.
     """
@@ -84,6 +87,8 @@ def generate(model: nn.Module, inputs: Any, *, loop: Callable[[nn.Module, Any], 
     keep = StepKeep(save)
     if loop is None:
         _check_reach(keep.triples(), generate_kwargs.get("max_new_tokens"))
+        saved = [] if save is None else list(save) if isinstance(save, (list, tuple)) else [save]
+        check_outside_encoder(model, [inner for inner, _, _ in edits] + saved)
     tokenizer = tokenizer_for(model, tokenizer)
     inputs = _encode(model, inputs, tokenizer)
     prompt_length = _prompt_length(inputs)

@@ -29,7 +29,7 @@ from ..errors import (
 from ._steps import GenerationRun, StepRecord
 from .compare import GenerationComparison, compare_generations
 from .fork import ForkRecord, rerun
-from .sites import StepSet, edit_triple, split_step
+from .sites import StepSet, check_outside_encoder, edit_triple, split_step
 
 __all__ = ["GenerationFork", "GenerationStep", "GenerationTrace", "StepList"]
 
@@ -296,8 +296,11 @@ class GenerationTrace:
         Raises:
             StepNotFoundError: a step named is beyond the generation's steps.
             PositionNotInStepError: ``tl.at_step(site, k)`` names a step that did not compute ``position``.
+            SiteNotInStepError: ``site`` is in an encoder-decoder model's encoder (run once, before step 0).
         """
         inner, steps = split_step(site)
+        if self.run.loop is None:
+            check_outside_encoder(self.model, [inner])
         chosen = steps.resolve(len(self.steps))
         out = {}
         for k in chosen:
