@@ -199,3 +199,34 @@ def test_the_remedy_for_an_encoder_edit_equals_a_hooked_generate(tiny_t5):
     for k, step in enumerate(gen.steps):
         assert torch.allclose(step.logits, want.logits[k], atol=1e-5, rtol=0), k
     assert not torch.allclose(gen.steps[0].logits, plain.logits[0], atol=1e-3)  # the edit did reach the decoder
+
+
+# -- decoding options set in a GenerationConfig rather than as keywords -------------------------------------
+def test_a_fork_counts_max_new_tokens_of_a_generation_config(tiny_gpt2):
+    """``generation_config=GenerationConfig(max_new_tokens=5)``: the fork makes 5 new tokens in all, as a
+    hooked generate does (it resumed with 5 more from the edited step)."""
+    import transformers
+
+    model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    config = transformers.GenerationConfig(max_new_tokens=5, do_sample=False)
+    gen = tl.generate(model, ids, generation_config=config)
+    vector = vector_for(model, 40.0)
+    fork = gen.fork().do(tl.at_step(BLOCK, 2), tl.add(vector))
+    want = hooked(model, vector, range(2, 3), input_ids=ids, generation_config=config)
+    assert want.shape == (1, 11) and torch.equal(fork.sequences, want)
+    assert fork.record.reused == [0, 1]
+
+
+def test_a_fork_regenerates_when_a_generation_config_sets_min_new_tokens(tiny_gpt2):
+    """``min_new_tokens`` in the generation config counts from the start of generate, as the keyword does:
+    the fork regenerates (resumed, it would let the end-of-sequence token through too early)."""
+    import transformers
+
+    model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    config = transformers.GenerationConfig(max_new_tokens=6, min_new_tokens=5, eos_token_id=22, do_sample=False)
+    gen = tl.generate(model, ids, generation_config=config)
+    vector = vector_for(model, 40.0)
+    fork = gen.fork().do(tl.at_step(BLOCK, 2), tl.add(vector))
+    want = hooked(model, vector, range(2, 3), input_ids=ids, generation_config=config)
+    assert torch.equal(fork.sequences, want)
+    assert "['min_new_tokens'] count from the start of generate" in fork.record.how

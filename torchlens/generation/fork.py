@@ -132,8 +132,9 @@ def _resume_at(gen: GenerationTrace, k: int) -> tuple[tuple[Any, dict] | None, s
         return None, "a decoding loop runs from its inputs"
     if k == 0:
         return None, "the edit reaches step 0, the prompt"
-    if any(key in run.kwargs for key in _RELATIVE):
-        return None, f"{[key for key in _RELATIVE if key in run.kwargs]} count from the start of generate"
+    relative = [key for key in _RELATIVE if _decoding_option(gen, key)]
+    if relative:
+        return None, f"{relative} count from the start of generate"
     step = gen.records[k]
     key, cache = cache_of(step.kwargs)
     stopped = _stopped_rows(gen, k)
@@ -158,8 +159,9 @@ def _resume_at(gen: GenerationTrace, k: int) -> tuple[tuple[Any, dict] | None, s
                           device=inputs["input_ids"].device)
     inputs["attention_mask"] = torch.cat([mask, mask.new_ones(mask.shape[0], end - mask.shape[1])], dim=1)
     kwargs = {name: v for name, v in run.kwargs.items() if name not in ("cache_implementation", "num_return_sequences")}
-    if isinstance(kwargs.get("max_new_tokens"), int):
-        kwargs["max_new_tokens"] -= end - gen.prompt_length
+    new = _decoding_option(gen, "max_new_tokens")  # given, or set in a generation config
+    if isinstance(new, int):
+        kwargs["max_new_tokens"] = new - (end - gen.prompt_length)
     kwargs[key] = cache
     return (inputs, kwargs), ""
 
@@ -187,13 +189,21 @@ def _stopped_rows(gen: GenerationTrace, k: int) -> str:
 
 def _eos_ids(gen: GenerationTrace) -> set[int]:
     """The end-of-sequence token ids the generation stopped rows on (``eos_token_id=``, else its config's)."""
-    config = gen.run.kwargs.get("generation_config") or getattr(gen.model, "generation_config", None)
-    eos = gen.run.kwargs.get("eos_token_id", getattr(config, "eos_token_id", None))
+    eos = _decoding_option(gen, "eos_token_id")
     if eos is None:
         return set()
     if isinstance(eos, torch.Tensor):
         return {int(t) for t in eos.flatten().tolist()}
     return {int(t) for t in eos} if isinstance(eos, (list, tuple, set)) else {int(eos)}
+
+
+def _decoding_option(gen: GenerationTrace, name: str) -> Any:
+    """A ``generate`` option as the generation used it: the keyword, else the ``generation_config=``
+    given, else the model's own ``generation_config`` (None: set nowhere)."""
+    if name in gen.run.kwargs:
+        return gen.run.kwargs[name]
+    config = gen.run.kwargs.get("generation_config") or getattr(gen.model, "generation_config", None)
+    return getattr(config, name, None)
 
 
 def _with_parent_steps(gen: GenerationTrace, output: Any, first: int) -> Any:
