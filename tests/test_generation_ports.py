@@ -230,3 +230,15 @@ def test_a_fork_regenerates_when_a_generation_config_sets_min_new_tokens(tiny_gp
     want = hooked(model, vector, range(2, 3), input_ids=ids, generation_config=config)
     assert torch.equal(fork.sequences, want)
     assert "['min_new_tokens'] count from the start of generate" in fork.record.how
+
+
+def test_a_fork_regenerates_when_tokens_are_suppressed_at_the_beginning(tiny_gpt2):
+    """``begin_suppress_tokens`` applies at the first new token only, counted from the start of generate:
+    resumed at step 2 it would suppress token 22 there, the token the edit makes the model choose."""
+    model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    kwargs = dict(max_new_tokens=5, do_sample=False, begin_suppress_tokens=[22])
+    gen = tl.generate(model, ids, **kwargs)
+    vector = vector_for(model, 40.0)
+    fork = gen.fork().do(tl.at_step(BLOCK, 2), tl.add(vector))
+    want = hooked(model, vector, range(2, 3), input_ids=ids, **kwargs)
+    assert want[0, 8] == 22 and torch.equal(fork.sequences, want)

@@ -29,8 +29,9 @@ if TYPE_CHECKING:
 
 __all__ = ["ForkRecord", "rerun"]
 
-# generate keywords counted from the start of the call: resuming mid-way would change what they mean
-_RELATIVE = ("min_new_tokens",)
+# generate options counted from the start of the call: resuming mid-way would change what they mean
+# (the first new token; the penalty's start index is the prompt's length)
+_RELATIVE = ("min_new_tokens", "begin_suppress_tokens", "exponential_decay_length_penalty")
 # generate keywords that can end a row of a batch on a condition the fork cannot read back from the tokens
 _ROW_STOPS = ("stopping_criteria", "stop_strings")
 # per-step fields of a generate output (one entry per step): a resumed generate holds only its own steps
