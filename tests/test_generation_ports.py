@@ -12,7 +12,7 @@ import torch
 from conftest import assert_model_clean, hook_state, refused
 
 import torchlens as tl
-from torchlens.errors import SiteNotInStepError
+from torchlens.errors import GenerationStrategyError, SiteNotInStepError
 
 BLOCK = "transformer.h.1"
 
@@ -242,3 +242,18 @@ def test_a_fork_regenerates_when_tokens_are_suppressed_at_the_beginning(tiny_gpt
     fork = gen.fork().do(tl.at_step(BLOCK, 2), tl.add(vector))
     want = hooked(model, vector, range(2, 3), input_ids=ids, **kwargs)
     assert want[0, 8] == 22 and torch.equal(fork.sequences, want)
+
+
+def test_classifier_free_guidance_is_refused_as_two_model_calls_per_token(tiny_gpt2):
+    """``guidance_scale=1.5`` runs the model a second time per new token (the unconditional pass inside a
+    logits processor): recorded, every other "step" was that pass and ``tl.at_step(site, 1)`` edited it."""
+    model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    err = refused(model, lambda: tl.generate(model, ids, max_new_tokens=3, do_sample=False, guidance_scale=1.5),
+                  GenerationStrategyError)
+    assert "classifier-free guidance (guidance_scale=1.5)" in err.message and "loop=" in err.remedy
+    import transformers
+
+    config = transformers.GenerationConfig(max_new_tokens=3, do_sample=False, guidance_scale=2.0)
+    refused(model, lambda: tl.generate(model, ids, generation_config=config), GenerationStrategyError)
+    gen = tl.generate(model, ids, max_new_tokens=3, do_sample=False, guidance_scale=1.0)  # 1: no guidance
+    assert len(gen.steps) == 3

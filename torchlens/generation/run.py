@@ -65,7 +65,8 @@ def generate(model: nn.Module, inputs: Any, *, loop: Callable[[nn.Module, Any], 
 
     Raises:
         NoGenerateError: the model has no ``generate`` and no ``loop`` was given.
-        GenerationStrategyError: beam search or another strategy that is not greedy or sampling.
+        GenerationStrategyError: beam search or another strategy that is not greedy or sampling, or
+            classifier-free guidance (``guidance_scale``), which calls the model twice per token.
         EmptyGenerationError: ``max_new_tokens`` is 0, or the loop never called the model.
         StepNotFoundError: an edit names a step beyond the steps the generation ran.
         SiteNotInStepError: an edit or ``save=`` site is in an encoder-decoder model's encoder, which
@@ -177,6 +178,13 @@ def _check_generate(model: nn.Module, kwargs: dict) -> None:
             raise GenerationStrategyError(
                 f"tl.generate runs greedy decoding and sampling, one beam, one model call per step; this "
                 f"generation is {name} (num_beams={config.num_beams})", mode=name)
+        scale = getattr(config, "guidance_scale", None)
+        if scale is not None and scale != 1 and not getattr(model.config, "is_encoder_decoder", False):
+            # the guidance processor runs the model again on the unconditional rows inside each step
+            raise GenerationStrategyError(
+                f"tl.generate runs one model call per step; classifier-free guidance (guidance_scale={scale}) "
+                "calls the model twice per new token (the second, unconditional call inside a logits "
+                "processor), so a step would not be one token", mode="classifier_free_guidance")
 
 
 def _check_reach(edits: list[tuple[Selector, StepSet, Any]], max_new_tokens: Any) -> None:
