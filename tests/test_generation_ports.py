@@ -12,7 +12,7 @@ import torch
 from conftest import assert_model_clean, hook_state, refused
 
 import torchlens as tl
-from torchlens.errors import GenerationStrategyError, SiteNotInStepError
+from torchlens.errors import GenerationStrategyError, SiteNotInStepError, ValueNotSavedError
 
 BLOCK = "transformer.h.1"
 
@@ -257,3 +257,20 @@ def test_classifier_free_guidance_is_refused_as_two_model_calls_per_token(tiny_g
     refused(model, lambda: tl.generate(model, ids, generation_config=config), GenerationStrategyError)
     gen = tl.generate(model, ids, max_new_tokens=3, do_sample=False, guidance_scale=1.0)  # 1: no guidance
     assert len(gen.steps) == 3
+
+
+def test_reading_a_step_that_save_did_not_keep_names_the_site_and_step(tiny_gpt2):
+    """``save=tl.at_step(site, 1)`` keeps step 1 only: reading step 2 names the site and step 2, not an op label."""
+    model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    gen = tl.generate(model, ids, max_new_tokens=3, do_sample=False, save=[tl.at_step("transformer.h.0", 1)])
+    seen = []
+    handle = model.transformer.h[0].register_forward_hook(lambda m, i, o: seen.append(o.detach().clone()))
+    try:
+        model.generate(ids, max_new_tokens=3, do_sample=False)
+    finally:
+        handle.remove()
+    assert torch.equal(gen.read(tl.at_step("transformer.h.0", 1)), seen[1])
+    with pytest.raises(ValueNotSavedError) as err:
+        gen.read(tl.at_step("transformer.h.0", 2))
+    assert "'transformer.h.0' at step 2 was recorded but not kept" in err.value.message
+    assert "tl.at_step(site, 2)" in err.value.remedy

@@ -25,6 +25,7 @@ from ..errors import (
     SiteNotFoundError,
     SiteNotInStepError,
     StepNotFoundError,
+    ValueNotSavedError,
 )
 from ._steps import GenerationRun, StepRecord
 from .compare import GenerationComparison, compare_generations
@@ -297,6 +298,7 @@ class GenerationTrace:
             StepNotFoundError: a step named is beyond the generation's steps.
             PositionNotInStepError: ``tl.at_step(site, k)`` names a step that did not compute ``position``.
             SiteNotInStepError: ``site`` is in an encoder-decoder model's encoder (run once, before step 0).
+            ValueNotSavedError: ``save=`` did not keep ``site`` at a step read (the step is named).
         """
         inner, steps = split_step(site)
         if self.run.loop is None:
@@ -309,6 +311,12 @@ class GenerationTrace:
                 continue
             try:
                 out[k] = step.read(inner, position=position)
+            except ValueNotSavedError as err:
+                raise ValueNotSavedError(
+                    f"{inner.describe()} at step {k} was recorded but not kept: this generation's save= "
+                    f"({self.run.keep!r:.120}) does not keep it at step {k} ({err.message})", step=k,
+                    site=inner.describe(), remedy=f"Generate again with save= including {inner.describe()} at "
+                    f"step {k} (tl.at_step(site, {k}), or the plain site for every step), or save=None.") from err
             except SiteNotFoundError as err:
                 if isinstance(err, SiteNotInStepError):
                     raise
