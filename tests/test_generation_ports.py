@@ -7,6 +7,8 @@ forks and compared with the same edit applied by a hook that counts the model's 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from conftest import assert_model_clean, hook_state, refused
@@ -274,3 +276,20 @@ def test_reading_a_step_that_save_did_not_keep_names_the_site_and_step(tiny_gpt2
         gen.read(tl.at_step("transformer.h.0", 2))
     assert "'transformer.h.0' at step 2 was recorded but not kept" in err.value.message
     assert "tl.at_step(site, 2)" in err.value.remedy
+
+
+def test_a_tokenizers_batch_encoding_is_a_prompt(tiny_gpt2, right_padding_tokenizer):
+    """``tok(prompts, return_tensors="pt", padding=True)`` (a BatchEncoding, a mapping but not a dict) is
+    taken as ``{"input_ids": ..., "attention_mask": ...}``, as ``model.generate(**enc)`` and ``tl.trace`` take it."""
+    model = tiny_gpt2.model
+    tok = copy.deepcopy(right_padding_tokenizer)
+    tok.padding_side = "left"
+    enc = tok(["w3 w17", "w5 w9 w11 w20 w2"], return_tensors="pt", padding=True)
+    assert not isinstance(enc, dict)
+    gen = tl.generate(model, enc, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    want = model.generate(**enc, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(gen.sequences, want)
+    vector = vector_for(model, 40.0)
+    fork = gen.fork().do(tl.at_step(BLOCK, 2), tl.add(vector))
+    assert torch.equal(fork.sequences, hooked(model, vector, range(2, 3), **enc, max_new_tokens=4, do_sample=False,
+                                              pad_token_id=0))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -42,8 +42,8 @@ def generate(model: nn.Module, inputs: Any, *, loop: Callable[[nn.Module, Any], 
 
     Args:
         model: an eager ``nn.Module``; left exactly as it was, also if generation raises or is interrupted.
-        inputs: token ids (a tensor), a dict of keyword inputs (``{"input_ids": ..., "attention_mask": ...}``),
-            or text (a string or list of strings) with ``tokenizer=``.
+        inputs: token ids (a tensor), a dict of keyword inputs (``{"input_ids": ..., "attention_mask": ...}``,
+            or a tokenizer's ``BatchEncoding``), or text (a string or list of strings) with ``tokenizer=``.
         loop: your decoding loop instead of ``model.generate``: ``loop(model, inputs)`` calls
             ``model(...)`` once per step (each call is a step) and returns the token ids
             ``(batch, prompt + new)``.
@@ -103,7 +103,10 @@ def generate(model: nn.Module, inputs: Any, *, loop: Callable[[nn.Module, Any], 
 
 
 def _encode(model: nn.Module, inputs: Any, tokenizer: Any) -> Any:
-    """Token ids for ``generate`` from text (the one text rule, ``core.text``); other inputs as given."""
+    """Token ids for ``generate`` from text (the one text rule, ``core.text``); a mapping of keyword
+    inputs (a tokenizer's ``BatchEncoding``) as a dict; other inputs as given."""
+    if isinstance(inputs, Mapping) and not isinstance(inputs, dict):
+        return dict(inputs)
     if not is_text(inputs):
         return inputs
     args, kwargs = text_inputs(inputs, model, tokenizer)
