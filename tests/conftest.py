@@ -997,3 +997,20 @@ def refused(model: nn.Module, call: Any, error: type[BaseException]) -> BaseExce
     assert_model_clean(model, before)
     assert all(torch.equal(v, params[k]) for k, v in model.state_dict().items())
     return err.value
+
+
+def build_tiny_t5() -> nn.Module:
+    """A 2+2-layer T5 encoder-decoder (width 32, 64 tokens) with random weights (seeded, eval mode):
+    generate runs its encoder once, then the model once per new token with ``encoder_outputs``."""
+    import transformers
+
+    config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                   decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    return _seeded(lambda: transformers.T5ForConditionalGeneration(config))
+
+
+@pytest.fixture(scope="session")
+def tiny_t5() -> Case:
+    """``build_tiny_t5``'s model and a 5-token prompt."""
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    return Case("tiny_t5", build_tiny_t5(), (ids,), block="decoder.block.0", inputs_for_do=ids)

@@ -29,8 +29,13 @@ if TYPE_CHECKING:
 
 __all__ = ["ForkRecord", "rerun"]
 
-# generate keywords counted from the start of the call: resuming mid-way would change what they mean
-_RELATIVE = ("min_new_tokens",)
+# generate options counted from the start of the call: resuming mid-way would change what they mean
+# (the first new token; the penalty's start index is the prompt's length)
+_RELATIVE = ("min_new_tokens", "begin_suppress_tokens", "exponential_decay_length_penalty")
+# generate keywords that can end a row of a batch on a condition the fork cannot read back from the tokens
+_ROW_STOPS = ("stopping_criteria", "stop_strings")
+# per-step fields of a generate output (one entry per step): a resumed generate holds only its own steps
+_PER_STEP = ("scores", "logits", "attentions", "hidden_states")
 
 
 @dataclass
@@ -90,6 +95,7 @@ def rerun(gen: GenerationTrace, triple: tuple[Any, StepSet, Any]) -> tuple[list[
             records, output = record_steps(gen.model, gen.run, edits, inputs=inputs, kwargs=kwargs, first=first,
                                            capture=capture)
             records = [*gen.records[:first], *records]
+            output = _with_parent_steps(gen, output, first) if first > 0 else output
     check_reached([triple], len(records))
     seq = getattr(output, "sequences", output)
     position = first_token_difference(gen.sequences, seq if isinstance(seq, torch.Tensor) else None, gen.prompt_length)
@@ -127,10 +133,14 @@ def _resume_at(gen: GenerationTrace, k: int) -> tuple[tuple[Any, dict] | None, s
         return None, "a decoding loop runs from its inputs"
     if k == 0:
         return None, "the edit reaches step 0, the prompt"
-    if any(key in run.kwargs for key in _RELATIVE):
-        return None, f"{[key for key in _RELATIVE if key in run.kwargs]} count from the start of generate"
+    relative = [key for key in _RELATIVE if _decoding_option(gen, key)]
+    if relative:
+        return None, f"{relative} count from the start of generate"
     step = gen.records[k]
     key, cache = cache_of(step.kwargs)
+    stopped = _stopped_rows(gen, k)
+    if stopped:
+        return None, stopped
     if cache is None or step.start is None or step.length is None:
         return None, "the step received no KV cache to resume from"
     if not getattr(cache, "is_croppable", False) or not hasattr(cache, "crop"):
@@ -138,6 +148,10 @@ def _resume_at(gen: GenerationTrace, k: int) -> tuple[tuple[Any, dict] | None, s
     cache = cache_at(cache, step.start)  # a copy: the parent's steps keep theirs
     end = step.start + step.length  # the tokens known when step k ran: the prompt and k - 1 new ones
     inputs = dict(run.inputs) if isinstance(run.inputs, dict) else {"input_ids": run.inputs}
+    # generate expanded each prompt row into its num_return_sequences rows (repeat_interleave): the
+    # sequences and the cache hold the expanded rows, so the other inputs are expanded alike, once
+    rows = gen.sequences.shape[0]
+    inputs = {name: _expanded(v, rows) for name, v in inputs.items()}
     inputs["input_ids"] = gen.sequences[:, :end]
     # generate reads only the tokens the cache lacks when the mask covers every token given
     mask = inputs.get("attention_mask")
@@ -145,11 +159,70 @@ def _resume_at(gen: GenerationTrace, k: int) -> tuple[tuple[Any, dict] | None, s
         mask = torch.ones(inputs["input_ids"].shape[0], gen.prompt_length, dtype=torch.long,
                           device=inputs["input_ids"].device)
     inputs["attention_mask"] = torch.cat([mask, mask.new_ones(mask.shape[0], end - mask.shape[1])], dim=1)
-    kwargs = {name: v for name, v in run.kwargs.items() if name != "cache_implementation"}
-    if isinstance(kwargs.get("max_new_tokens"), int):
-        kwargs["max_new_tokens"] -= end - gen.prompt_length
+    kwargs = {name: v for name, v in run.kwargs.items() if name not in ("cache_implementation", "num_return_sequences")}
+    new = _decoding_option(gen, "max_new_tokens")  # given, or set in a generation config
+    if isinstance(new, int):
+        kwargs["max_new_tokens"] = new - (end - gen.prompt_length)
     kwargs[key] = cache
     return (inputs, kwargs), ""
+
+
+def _stopped_rows(gen: GenerationTrace, k: int) -> str:
+    """Why resuming ``generate`` at step ``k`` would decode a batch row that already ended ("" if none did).
+
+    ``generate`` starts every row unfinished: a row that chose an end-of-sequence token before step
+    ``k`` (and was padded since) would be decoded again from its pad token.
+    """
+    rows = gen.sequences.shape[0] if gen.sequences is not None else 1
+    if rows < 2:
+        return ""  # a lone row that ended ended the generation: there is no step after it
+    given = [key for key in _ROW_STOPS if gen.run.kwargs.get(key) is not None]
+    if given:
+        return f"{given} may have ended a row of the batch before step {k}, which resuming would decode again"
+    eos = _eos_ids(gen)
+    chosen = gen.sequences[:, gen.prompt_length:gen.prompt_length + k]  # the tokens steps 0..k-1 chose
+    ended = [row for row in range(rows) if any(int(t) in eos for t in chosen[row])]
+    if ended:
+        return (f"batch row(s) {ended} chose an end-of-sequence token before step {k}; resuming generate "
+                "would decode them again")
+    return ""
+
+
+def _eos_ids(gen: GenerationTrace) -> set[int]:
+    """The end-of-sequence token ids the generation stopped rows on (``eos_token_id=``, else its config's)."""
+    eos = _decoding_option(gen, "eos_token_id")
+    if eos is None:
+        return set()
+    if isinstance(eos, torch.Tensor):
+        return {int(t) for t in eos.flatten().tolist()}
+    return {int(t) for t in eos} if isinstance(eos, (list, tuple, set)) else {int(eos)}
+
+
+def _decoding_option(gen: GenerationTrace, name: str) -> Any:
+    """A ``generate`` option as the generation used it: the keyword, else the ``generation_config=``
+    given, else the model's own ``generation_config`` (None: set nowhere)."""
+    if name in gen.run.kwargs:
+        return gen.run.kwargs[name]
+    config = gen.run.kwargs.get("generation_config") or getattr(gen.model, "generation_config", None)
+    return getattr(config, name, None)
+
+
+def _with_parent_steps(gen: GenerationTrace, output: Any, first: int) -> Any:
+    """A resumed ``generate``'s output with the parent's per-step fields of steps ``0..first-1`` in front,
+    so ``fork.output.scores`` (and logits, attentions, hidden states) has one entry per step, as generate's."""
+    for name in _PER_STEP:
+        mine, theirs = getattr(output, name, None), getattr(gen.output, name, None)
+        if isinstance(mine, tuple) and isinstance(theirs, tuple) and len(theirs) >= first:
+            setattr(output, name, (*theirs[:first], *mine))
+    return output
+
+
+def _expanded(value: Any, rows: int) -> Any:
+    """A per-row input tensor repeated row by row to ``rows`` rows, as ``generate`` expands its inputs."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] in (0, rows) \
+            or rows % value.shape[0]:
+        return value
+    return value.repeat_interleave(rows // value.shape[0], dim=0)
 
 
 def _first_step(steps: StepSet) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ from ..errors import (
     NoGenerateError,
 )
 from ._steps import GenerationRun, record_steps
-from .sites import StepKeep, StepSet, check_reached, edit_triple
+from .sites import StepKeep, StepSet, check_outside_encoder, check_reached, edit_triple
 from .trace import GenerationTrace
 
 __all__ = ["generate"]
@@ -42,8 +42,8 @@ def generate(model: nn.Module, inputs: Any, *, loop: Callable[[nn.Module, Any], 
 
     Args:
         model: an eager ``nn.Module``; left exactly as it was, also if generation raises or is interrupted.
-        inputs: token ids (a tensor), a dict of keyword inputs (``{"input_ids": ..., "attention_mask": ...}``),
-            or text (a string or list of strings) with ``tokenizer=``.
+        inputs: token ids (a tensor), a dict of keyword inputs (``{"input_ids": ..., "attention_mask": ...}``,
+            or a tokenizer's ``BatchEncoding``), or text (a string or list of strings) with ``tokenizer=``.
         loop: your decoding loop instead of ``model.generate``: ``loop(model, inputs)`` calls
             ``model(...)`` once per step (each call is a step) and returns the token ids
             ``(batch, prompt + new)``.
@@ -65,9 +65,13 @@ def generate(model: nn.Module, inputs: Any, *, loop: Callable[[nn.Module, Any], 
 
     Raises:
         NoGenerateError: the model has no ``generate`` and no ``loop`` was given.
-        GenerationStrategyError: beam search or another strategy that is not greedy or sampling.
+        GenerationStrategyError: beam search or another strategy that is not greedy or sampling, or
+            classifier-free guidance (``guidance_scale``), which calls the model twice per token.
         EmptyGenerationError: ``max_new_tokens`` is 0, or the loop never called the model.
         StepNotFoundError: an edit names a step beyond the steps the generation ran.
+        SiteNotInStepError: an edit or ``save=`` site is in an encoder-decoder model's encoder, which
+            ``generate`` runs once before step 0 (the remedy runs it with ``tl.trace`` and passes
+            ``encoder_outputs``).
         StepEditShapeError: an edit does not fit the activation at some step (named with its shape).
         UnsupportedModelError: the model is not an eager ``nn.Module``.
     """
@@ -84,6 +88,8 @@ def generate(model: nn.Module, inputs: Any, *, loop: Callable[[nn.Module, Any], 
     keep = StepKeep(save)
     if loop is None:
         _check_reach(keep.triples(), generate_kwargs.get("max_new_tokens"))
+        saved = [] if save is None else list(save) if isinstance(save, (list, tuple)) else [save]
+        check_outside_encoder(model, [inner for inner, _, _ in edits] + saved)
     tokenizer = tokenizer_for(model, tokenizer)
     inputs = _encode(model, inputs, tokenizer)
     prompt_length = _prompt_length(inputs)
@@ -97,12 +103,28 @@ def generate(model: nn.Module, inputs: Any, *, loop: Callable[[nn.Module, Any], 
 
 
 def _encode(model: nn.Module, inputs: Any, tokenizer: Any) -> Any:
-    """Token ids for ``generate`` from text (the one text rule, ``core.text``); other inputs as given."""
+    """Token ids for ``generate`` from text (the one text rule, ``core.text``); a mapping of keyword
+    inputs (a tokenizer's ``BatchEncoding``) as a dict; other inputs as given."""
+    if isinstance(inputs, Mapping) and not isinstance(inputs, dict):
+        return dict(inputs)
     if not is_text(inputs):
         return inputs
     args, kwargs = text_inputs(inputs, model, tokenizer)
     kwargs.pop("position_ids", None)  # generate counts positions from the attention mask itself
+    if not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        kwargs = _left_padded(kwargs)
     return args[0] if args else kwargs
+
+
+def _left_padded(kwargs: dict) -> dict:
+    """Text inputs with each row's padding moved to its left: a decoder-only model continues a row
+    from its last position, which right padding (a tokenizer's ``padding_side="right"``) fills with pads."""
+    mask = kwargs.get("attention_mask")
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not bool((mask[:, -1] == 0).any()):
+        return kwargs
+    order = torch.argsort(mask, dim=1, stable=True)  # each row: its pads first, then its tokens, in order
+    return {name: value.gather(1, order) if isinstance(value, torch.Tensor) and value.shape == mask.shape else value
+            for name, value in kwargs.items()}
 
 
 def _prompt_length(inputs: Any) -> int:
@@ -159,6 +181,13 @@ def _check_generate(model: nn.Module, kwargs: dict) -> None:
             raise GenerationStrategyError(
                 f"tl.generate runs greedy decoding and sampling, one beam, one model call per step; this "
                 f"generation is {name} (num_beams={config.num_beams})", mode=name)
+        scale = getattr(config, "guidance_scale", None)
+        if scale is not None and scale != 1 and not getattr(model.config, "is_encoder_decoder", False):
+            # the guidance processor runs the model again on the unconditional rows inside each step
+            raise GenerationStrategyError(
+                f"tl.generate runs one model call per step; classifier-free guidance (guidance_scale={scale}) "
+                "calls the model twice per new token (the second, unconditional call inside a logits "
+                "processor), so a step would not be one token", mode="classifier_free_guidance")
 
 
 def _check_reach(edits: list[tuple[Selector, StepSet, Any]], max_new_tokens: Any) -> None:

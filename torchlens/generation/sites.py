@@ -14,9 +14,10 @@ from typing import Any
 from ..core.records import ModuleCall, Op
 from ..core.selectors import Record, Selector, as_selector
 from ..core.steps import check_edit
-from ..errors import InvalidArgumentError, StepNotFoundError, StepSiteOutsideGenerationError
+from ..errors import InvalidArgumentError, SiteNotInStepError, StepNotFoundError, StepSiteOutsideGenerationError
 
-__all__ = ["AtStep", "NoSite", "StepKeep", "StepSet", "at_step", "check_reached", "edit_triple", "split_step"]
+__all__ = ["AtStep", "NoSite", "StepKeep", "StepSet", "at_step", "check_outside_encoder", "check_reached",
+           "edit_triple", "split_step"]
 
 
 class StepSet:
@@ -218,3 +219,37 @@ class StepKeep:
     def triples(self) -> list[tuple[Selector, StepSet, Any]]:
         """``(site, steps, None)`` per step-bound entry: what ``check_reached`` checks."""
         return [(inner, steps, None) for inner, steps in self.entries or () if not steps.every]
+
+
+def check_outside_encoder(model: Any, sites: list[Any]) -> None:
+    """Refuse a site inside an encoder-decoder model's encoder: ``generate`` runs the encoder once, itself,
+    before step 0, outside the model calls that are the steps, so no step has it to read or edit.
+
+    Raises:
+        SiteNotInStepError: a site names a module of the encoder (or the encoder itself).
+    """
+    encoder = _encoder_address(model)
+    if encoder is None:
+        return
+    for site in sites:
+        inner, _ = split_step(site)
+        path = next((getattr(inner, a) for a in ("path", "label") if isinstance(getattr(inner, a, None), str)), None)
+        address = None if path is None else path.split(":")[0]
+        if address is not None and (address == encoder or address.startswith(encoder + ".")):
+            inside = address[len(encoder) + 1:] or "the encoder's output"
+            raise SiteNotInStepError(
+                f"{inner.describe()} is in the encoder of {type(model).__name__}, which generate runs once, before "
+                f"step 0 and outside the model calls that are the steps (each step reads encoder_outputs)",
+                site=inner.describe(),
+                remedy=f"Run the encoder yourself and generate from its output: enc = tl.trace(model.{encoder}, ids, "
+                       f"intervene=tl.when({inside!r}, edit)).raw_output (or save= to read it), then "
+                       f"tl.generate(model, {{'input_ids': ids, 'encoder_outputs': enc}}, ...).")
+
+
+def _encoder_address(model: Any) -> str | None:
+    """The address of an encoder-decoder model's encoder (None: not an encoder-decoder, or no ``get_encoder``)."""
+    if not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return None
+    get = getattr(model, "get_encoder", None)
+    encoder = get() if callable(get) else None
+    return next((name for name, module in model.named_modules() if module is encoder and name), None)

@@ -25,11 +25,12 @@ from ..errors import (
     SiteNotFoundError,
     SiteNotInStepError,
     StepNotFoundError,
+    ValueNotSavedError,
 )
 from ._steps import GenerationRun, StepRecord
 from .compare import GenerationComparison, compare_generations
 from .fork import ForkRecord, rerun
-from .sites import StepSet, edit_triple, split_step
+from .sites import StepSet, check_outside_encoder, edit_triple, split_step
 
 __all__ = ["GenerationFork", "GenerationStep", "GenerationTrace", "StepList"]
 
@@ -296,8 +297,12 @@ class GenerationTrace:
         Raises:
             StepNotFoundError: a step named is beyond the generation's steps.
             PositionNotInStepError: ``tl.at_step(site, k)`` names a step that did not compute ``position``.
+            SiteNotInStepError: ``site`` is in an encoder-decoder model's encoder (run once, before step 0).
+            ValueNotSavedError: ``save=`` did not keep ``site`` at a step read (the step is named).
         """
         inner, steps = split_step(site)
+        if self.run.loop is None:
+            check_outside_encoder(self.model, [inner])
         chosen = steps.resolve(len(self.steps))
         out = {}
         for k in chosen:
@@ -306,6 +311,12 @@ class GenerationTrace:
                 continue
             try:
                 out[k] = step.read(inner, position=position)
+            except ValueNotSavedError as err:
+                raise ValueNotSavedError(
+                    f"{inner.describe()} at step {k} was recorded but not kept: this generation's save= "
+                    f"({self.run.keep!r:.120}) does not keep it at step {k} ({err.message})", step=k,
+                    site=inner.describe(), remedy=f"Generate again with save= including {inner.describe()} at "
+                    f"step {k} (tl.at_step(site, {k}), or the plain site for every step), or save=None.") from err
             except SiteNotFoundError as err:
                 if isinstance(err, SiteNotInStepError):
                     raise
@@ -371,9 +382,10 @@ class GenerationFork(GenerationTrace):
     token is the parent's is replayed: only the blocks from the edited one on run, on its new
     position, reading the changed KV rows; the blocks below are read from the parent's records.
     From the first step whose token differs, the whole model runs again, for real. A decoding
-    loop, no KV cache or a cache that cannot be cut back re-executes instead. ``record`` (a
-    :class:`~torchlens.generation.fork.ForkRecord`) says which steps were reused, replayed, edited
-    and regenerated, which blocks ran, why replay did not apply, and where the text first diverged.
+    loop, no KV cache, a cache that cannot be cut back or a batch row that already ended
+    re-executes instead. ``record`` (a :class:`~torchlens.generation.fork.ForkRecord`) says which
+    steps were reused, replayed, edited and regenerated, which blocks ran, why replay did not
+    apply, and where the text first diverged.
     """
 
     def __init__(self, parent: GenerationTrace) -> None:
