@@ -105,6 +105,14 @@ def test_bad_inputs_raise_named_errors_and_change_nothing(tiny_gpt2):
         tl.accumulated_resid(trace, apply_ln="ln_final")
     with pytest.raises(InvalidArgumentError, match="pos_slice"):
         tl.accumulated_resid(trace, pos_slice="last")
+    # a position outside the prompt is refused, never wrapped to another position (it was: [6] read position 2)
+    n = ids.shape[-1]
+    for bad in ([n], [-n - 1], [0, n + 3], n, -n - 1):
+        with pytest.raises(InvalidArgumentError, match=f"{n} positions"):
+            tl.accumulated_resid(trace, pos_slice=bad)
+    assert torch.equal(tl.accumulated_resid(trace, pos_slice=[-1, 0]),
+                       tl.accumulated_resid(trace)[:, :, [n - 1, 0]])
+    assert torch.equal(tl.accumulated_resid(trace, pos_slice=slice(1, n + 5)), tl.accumulated_resid(trace)[:, :, 1:])
     with pytest.raises(InvalidArgumentError, match="takes a trace"):
         tl.accumulated_resid(model)
     with pytest.raises(InvalidArgumentError, match="norm="):

@@ -27,6 +27,7 @@ from torch import nn
 
 from ..arch.resolve import arch
 from ..arch.views import ArchView
+from ..core.indices import python_indices
 from ..core.records import ModuleCall
 from ..core.sites import Site
 from ..core.trace import Trace
@@ -131,14 +132,17 @@ def _positions(t: torch.Tensor, pos_slice: Any) -> torch.Tensor:
     """TransformerLens's ``pos_slice`` on the position axis (-2): an int drops the axis."""
     if pos_slice is None:
         return t
-    if isinstance(pos_slice, (int, slice)) and not isinstance(pos_slice, bool):
+    if isinstance(pos_slice, slice):  # a slice clips to the axis, as in Python and TransformerLens
         return t[..., pos_slice, :]
-    try:
-        index = torch.as_tensor(list(pos_slice), dtype=torch.long, device=t.device)
-    except (TypeError, ValueError):
+    seq = t.shape[-2]
+    axis = f"the trace has {seq} positions"
+    if isinstance(pos_slice, int) and not isinstance(pos_slice, bool):  # out of range: refused, never wrapped
+        return t[..., python_indices(pos_slice, seq, what="position", axis=axis)[0], :]
+    if isinstance(pos_slice, (str, bytes, bool)) or not hasattr(pos_slice, "__iter__"):
         raise InvalidArgumentError(f"pos_slice is an int, a slice or a list of ints, got {pos_slice!r}",
-                                   remedy="pos_slice=-1 (the last position), slice(2, 5) or [0, 3].") from None
-    return t.index_select(-2, index % t.shape[-2])
+                                   remedy="pos_slice=-1 (the last position), slice(2, 5) or [0, 3].")
+    index = python_indices(pos_slice, seq, what="position", axis=axis)
+    return t.index_select(-2, torch.tensor(index, dtype=torch.long, device=t.device))
 
 
 def _final_norm(trace: Trace, norm: str | bool) -> str:
