@@ -112,3 +112,21 @@ def test_refused_names_leave_the_model_unchanged(twin):
     refused(model, lambda: tl.trace(model, ids, intervene=tl.when("blocks.0.attn.hook_pattern",
                                                                   lambda a, **_: a)), SiteNotFoundError)
     refused(model, lambda: tl.arch(model).selector("blocks.0.hook_attn_out"), SiteNotFoundError)
+
+
+def test_grids_given_a_transformerlens_site_name_say_which_kind_it_is(tiny_gpt2):
+    model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    clean, corrupted = tl.trace(model, ids), tl.trace(model, (ids + 1) % model.config.vocab_size)
+    metric = tl.patching.logit_diff(3, 4)
+    for given, kind in (("hook_attn_out", "site='attn'"), ("blocks.1.hook_resid_pre", "site='resid_pre', layers=[1]"),
+                        ("mlp_out", "site='mlp'"), ("blocks.0.attn.hook_z", "site='heads', layers=[0]"),
+                        ("blocks.1.mlp", "site='mlp', layers=[1]")):
+        err = refused(model, lambda given=given: tl.patching.activation_patching(clean, corrupted, metric, site=given),
+                      tl.errors.InvalidArgumentError)
+        assert err.remedy.startswith(kind), (given, err.remedy)
+    err = refused(model, lambda: tl.patching.attribution_patching(clean, corrupted, metric, site="z"),
+                  tl.errors.InvalidArgumentError)
+    assert err.remedy.startswith("site='heads'")
+    err = refused(model, lambda: tl.patching.activation_patching(clean, corrupted, metric, site="q"),
+                  tl.errors.InvalidArgumentError)
+    assert "one of" in err.remedy

@@ -16,6 +16,7 @@ fused-attention facets, ``torchlens.mechinterp.patch_head``).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +41,8 @@ from ..edit.reads import OutputRead, replay_reads
 from ..errors import GuardChangedError, InvalidArgumentError, TokenNotFoundError
 from .metrics import MetricReads, logits_of, metric_position, score
 
-__all__ = ["BATCHED_TOKENS", "CAUSAL_BATCHED_TOKENS", "KINDS", "PatchingResult", "activation_patching", "restore_rows"]
+__all__ = ["BATCHED_TOKENS", "CAUSAL_BATCHED_TOKENS", "KINDS", "PatchingResult", "activation_patching", "restore_rows",
+           "site_kind_remedy"]
 
 # Cells replayed together by default: enough to share most weight reads of a sweep's few-row
 # recomputations, few enough that the batch's recomputed rows stay well under one trace per cell.
@@ -332,6 +334,24 @@ def _positions(positions: Sequence[int] | int | None, seq: int) -> list[int]:
     return python_indices(positions, seq, what="position", axis=f"the prompt has {seq} positions")
 
 
+# TransformerLens's spellings of a grid's site (its hook names, its get_act_patch_* suffixes) -> the kind here
+_TL_KINDS = {"resid_pre": "resid_pre", "resid_mid": "resid_mid", "resid_post": "resid_post", "attn_out": "attn",
+             "mlp_out": "mlp", "z": "heads", "attn_head_out": "heads", "result": "heads"}
+
+
+def site_kind_remedy(site: Any, kinds: Sequence[str]) -> str:
+    """What to pass as ``site=`` instead of ``site``: the kind a TransformerLens spelling
+    (``"hook_attn_out"``, ``"blocks.3.hook_resid_pre"``, ``"z"``) or a canonical name (``"blocks.3.mlp"``) means."""
+    text = site if isinstance(site, str) else ""
+    block = re.match(r"^blocks\.(\d+)\.(?:attn\.)?", text)
+    tail = text[block.end():] if block else text
+    kind = _TL_KINDS.get(tail.removeprefix("hook_")) or (tail if tail in kinds else None)
+    if kind is None or kind not in kinds:
+        return f"site= names a kind of site, one per block: one of {tuple(kinds)}."
+    layers = f", layers=[{block.group(1)}]" if block else ""
+    return f"site={kind!r}{layers}: site= names a kind of site (one per block), the rows are picked with layers=."
+
+
 def _check_pair(clean: Trace, corrupted: Trace) -> None:
     a, b = first_tensor(clean.args or tuple(clean.kwargs.values())), \
         first_tensor(corrupted.args or tuple(corrupted.kwargs.values()))
@@ -400,7 +420,7 @@ def activation_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any]
             or occurring twice.
     """
     if site not in KINDS:
-        raise InvalidArgumentError(f"site= is one of {KINDS}, got {site!r}")
+        raise InvalidArgumentError(f"site= is one of {KINDS}, got {site!r}", remedy=site_kind_remedy(site, KINDS))
     _check_batch(batch_size)
     _check_batched(batched_cells)
     clean, corrupted = as_trace(model, clean, "clean", tokenizer), as_trace(model, corrupted, "corrupted", tokenizer)
