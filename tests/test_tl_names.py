@@ -130,3 +130,22 @@ def test_grids_given_a_transformerlens_site_name_say_which_kind_it_is(tiny_gpt2)
     err = refused(model, lambda: tl.patching.activation_patching(clean, corrupted, metric, site="q"),
                   tl.errors.InvalidArgumentError)
     assert "one of" in err.remedy
+
+
+def test_eager_scores_hold_the_models_mask_value_as_documented(twin):
+    """docs/facets.md: eager scores are the softmax's real input (masked: finfo.min), the fused facet's are -inf as
+    TransformerLens's hook_attn_scores; both give TransformerLens's pattern and unmasked scores."""
+    from conftest import eager_copy
+
+    model, _, ids, cache, trace = twin
+    eager = tl.trace(eager_copy(model), ids).find_sites(tl.module("blocks.0.attn")).first().facets
+    fused = trace.find_sites(tl.module("blocks.0.attn")).first().facets
+    theirs = cache["blocks.0.attn.hook_attn_scores"]
+    masked = theirs.isneginf()
+    assert masked.any() and torch.equal(fused.scores.isneginf(), masked)
+    assert torch.all(eager.scores[masked] == torch.finfo(eager.scores.dtype).min)
+    for facets in (eager, fused):
+        assert torch.allclose(facets.scores[~masked], theirs[~masked], atol=ATOL)
+        assert torch.allclose(facets.pattern, cache["blocks.0.attn.hook_pattern"], atol=ATOL)
+    with pytest.raises(AttributeError):
+        eager.q
