@@ -70,6 +70,9 @@ def test_every_other_transformerlens_name_is_refused_with_how_to_read_it(twin):
     with pytest.raises(SiteNotFoundError) as err:
         trace["blocks.1.hook_resid_post.hook_sae_acts_post"]  # SAELens's sub-hook
     assert "features={'blocks.1': sae}" in err.value.remedy and "'blocks.1.features'" in err.value.remedy
+    with pytest.raises(SiteNotFoundError) as err:
+        trace["blocks.1.attn.hook_z.hook_sae_acts_post"]  # an SAE on z: no module output holds z here
+    assert "no such site holds TransformerLens's hook_z" in err.value.remedy
 
 
 def test_facets_hold_what_the_remedies_say(twin):

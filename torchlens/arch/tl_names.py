@@ -56,6 +56,9 @@ def transformerlens_hint(name: str) -> str:
     if sae is not None:
         site = _canonical_spelling(b, part, hook)
         sub = _SAE.get(sae)
+        if "hook_" in site:
+            return (f"features= attaches a dictionary to one module's output of one tensor ({b}, {b}.resid_pre, "
+                    f"{b}.mlp, or a real module path); no such site holds TransformerLens's {hook}")
         if sub == "":
             return f"SAELens's {sae} is the site's own value: trace[{site!r}].out"
         return (f"attach the SAE with tl.trace(model, x, features={{{site!r}: sae}}) and read "
