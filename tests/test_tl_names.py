@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import refused
-from tl_oracle import hooked_gpt2, hooked_llama, randomized_norms
+from conftest import build_tiny_neox, refused
+from tl_oracle import hooked_gpt2, hooked_llama, hooked_neox, randomized_norms
 
 import torchlens as tl
 from torchlens.errors import SiteNotFoundError
@@ -24,12 +24,15 @@ pytest.importorskip("transformer_lens", reason="transformer_lens (the test extra
 ATOL = 1e-5
 
 
-@pytest.fixture(scope="module", params=["gpt2", "llama_gqa"])
+@pytest.fixture(scope="module", params=["gpt2", "llama_gqa", "neox_parallel", "neox_serial"])
 def twin(request):
     """(our model, HookedTransformer on its weights, ids of batch 2, TransformerLens's cache, our trace)."""
     if request.param == "gpt2":
         model = randomized_norms(request.getfixturevalue("tiny_gpt2").model, seed=3, biases=True)
         hooked = hooked_gpt2(model)
+    elif request.param.startswith("neox"):
+        model = randomized_norms(build_tiny_neox(request.param == "neox_parallel"), seed=3, biases=True)
+        hooked = hooked_neox(model)
     else:
         model = randomized_norms(request.getfixturevalue("tiny_llama").model, seed=3)
         hooked = hooked_llama(model)
@@ -46,7 +49,8 @@ def test_declared_names_read_transformerlens_values(twin):
     declared = tl.arch(model).transformerlens
     assert set(declared) == {"hook_resid_pre", "hook_resid_mid", "hook_resid_post", "hook_mlp_out", "hook_embed"}
     names = [n for n in cache.keys() if n.rpartition(".")[2] in declared and n.count(".") <= 2]
-    assert len(names) == 4 * model.config.num_hidden_layers + 1
+    parallel = getattr(model.config, "use_parallel_residual", False)  # no hook_resid_mid in either library
+    assert len(names) == (3 if parallel else 4) * model.config.num_hidden_layers + 1
     for name in names:
         ours = trace[name].out
         assert ours.shape == cache[name].shape, name
@@ -102,6 +106,10 @@ def test_edits_through_transformerlens_names_equal_run_with_hooks(twin):
 
     for name in ("blocks.1.hook_resid_pre", "blocks.0.hook_resid_mid", "blocks.0.hook_mlp_out",
                  "blocks.1.hook_resid_post"):
+        if name not in hooked.mod_dict:  # a parallel residual has no resid_mid, in either library
+            with pytest.raises(SiteNotFoundError, match="parallel"):
+                tl.trace(model, ids, intervene=tl.when(name, double_row(2)))
+            continue
         with torch.no_grad():
             theirs = hooked.run_with_hooks(ids, fwd_hooks=[(name, lambda act, hook: double_row(2)(act))])
         during = tl.trace(model, ids, intervene=tl.when(name, double_row(2)))
