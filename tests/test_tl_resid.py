@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_model_clean, eager_copy, hook_state
+from conftest import assert_model_clean, build_tiny_gemma3, eager_copy, hook_state
 from tl_oracle import hooked_gpt2, hooked_llama, randomized_norms
 
 import torchlens as tl
@@ -66,6 +66,25 @@ def test_accumulated_resid_matches_transformerlens(pair):
     assert _max_diff(tl.accumulated_resid(trace, pos_slice=-1), cache.accumulated_resid(pos_slice=-1)) < ATOL
     assert _max_diff(tl.accumulated_resid(trace, apply_ln="final_scale", pos_slice=[0, 2]),
                      cache.apply_ln_to_stack(cache.accumulated_resid(pos_slice=[0, 2]), pos_slice=[0, 2])) < ATOL
+
+
+def test_logit_lens_last_row_is_the_models_soft_capped_logits():
+    """Gemma-3 soft-caps its LM head's output (final_logit_softcapping): the lens applies the same cap to every
+    row, so its last row is still the model's logits (it differed by 0.07 here, silently, before)."""
+    model = build_tiny_gemma3(final_logit_softcapping=5.0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(5)  # logits well past the cap, so a forgotten cap shows
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    trace = tl.trace(model, ids)
+    lens = tl.logit_lens(trace)
+    assert lens.softcap == 5.0 and float(lens.logits.abs().max()) <= 5.0
+    assert _max_diff(lens.logits[-1], trace.output.logits) < ATOL
+    with torch.no_grad():
+        raw = model.lm_head(model.model.norm(trace["blocks.0.resid_post"].out))
+    assert _max_diff(lens.logits[1], torch.tanh(raw / 5.0) * 5.0) < ATOL
+    uncapped = tl.logit_lens(tl.trace(build_tiny_gemma3(), ids))
+    assert uncapped.softcap is None and _max_diff(uncapped.logits[-1], build_tiny_gemma3()(ids).logits) < ATOL
 
 
 def test_logit_lens_matches_transformerlens(pair):
