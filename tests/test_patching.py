@@ -443,6 +443,12 @@ def test_positions_outside_the_prompt_raise_and_negative_ones_count_from_the_end
     assert by_end.notes["subject"] == [1, 2]
     assert torch.equal(by_end.values, tl.patching.causal_trace(model, ids, subject=[1, 2], samples=1,
                                                                kinds=["mlp"])["mlp"].values)
+    # a subject position named twice (1 and -5) got one noise row, the other silently dropped: refused
+    for twice in ([1, -5], [2, 2]):
+        with pytest.raises(InvalidArgumentError, match="twice") as err:
+            tl.patching.causal_trace(model, ids, subject=twice, samples=1, kinds=["mlp"])
+        assert err.value.remedy
+    assert_model_clean(model, before)
 
 
 @pytest.mark.parametrize("case_name,proj", [("tiny_gpt2", "c_proj"), ("tiny_llama", "o_proj")])
