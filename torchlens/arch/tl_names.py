@@ -82,9 +82,10 @@ def transformerlens_hint(name: str) -> str:
     if part is not None:
         return ""
     if hook == "hook_attn_out":
-        return (f"trace[{b + '.attn'!r}].out[0] (a Hugging Face attention module returns a tuple; where a family "
-                "norms the attention output before adding it, Gemma's post_attention_layernorm, TransformerLens's "
-                "hook_attn_out is after that norm)")
+        return (f"trace[{b + '.attn'!r}].out[0] where the attention module returns its projected output (GPT-2, "
+                "NeoX, Llama; a Hugging Face attention module returns a tuple); tl.arch(model).describe() shows which "
+                "module blocks.L.attn is (BERT's is attention.self, before the output projection; Gemma norms the "
+                "output before adding it, and TransformerLens's hook_attn_out is after that norm)")
     if hook == "hook_mlp_out":
         return (f"trace[{b + '.mlp'!r}].out is the MLP module's output; where a family norms it before adding it "
                 "to the residual (Gemma's post_feedforward_layernorm) TransformerLens's hook_mlp_out is after "
