@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_model_clean, build_tiny_gemma3, eager_copy, hook_state
+from conftest import assert_model_clean, build_tiny_bert_mlm, build_tiny_gemma3, eager_copy, hook_state
 from tl_oracle import hooked_gpt2, hooked_llama, randomized_norms
 
 import torchlens as tl
@@ -85,6 +85,25 @@ def test_logit_lens_last_row_is_the_models_soft_capped_logits():
     assert _max_diff(lens.logits[1], torch.tanh(raw / 5.0) * 5.0) < ATOL
     uncapped = tl.logit_lens(tl.trace(build_tiny_gemma3(), ids))
     assert uncapped.softcap is None and _max_diff(uncapped.logits[-1], build_tiny_gemma3()(ids).logits) < ATOL
+
+
+def test_logit_lens_reads_rows_through_the_whole_lm_head_transform():
+    """BERT's LM head computes LayerNorm(gelu(dense(x))) before the decoder: the lens applied the LayerNorm alone
+    (its last row 0.65 off the model's logits, silently). It reads each row through cls.predictions.transform,
+    so the last row is the model's logits; the final-norm scale (a LayerNorm of the final residual) is refused."""
+    model = build_tiny_bert_mlm()
+    ids = torch.tensor([[2, 5, 7, 9, 3]])
+    trace = tl.trace(model, ids)
+    lens = tl.logit_lens(trace)
+    assert lens.norm == "cls.predictions.transform"
+    assert _max_diff(lens.logits[-1], trace.output.logits) < ATOL
+    with torch.no_grad():
+        by_hand = model.cls.predictions.decoder(model.cls.predictions.transform(trace["blocks.0.resid_post"].out))
+    assert _max_diff(lens.logits[1], by_hand) < ATOL
+    assert _max_diff(tl.accumulated_resid(trace, apply_ln=True)[1],
+                     model.cls.predictions.transform(trace["blocks.0.resid_post"].out).detach()) < ATOL
+    with pytest.raises(UnsupportedModelError, match="BertPredictionHeadTransform"):
+        tl.accumulated_resid(trace, apply_ln="final_scale")
 
 
 def test_logit_lens_matches_transformerlens(pair):

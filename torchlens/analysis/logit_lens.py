@@ -2,7 +2,8 @@
 
 ``logit_lens(trace)`` takes the ``n_layers + 1`` rows of ``accumulated_resid`` (row 0 the
 embeddings' output, row ``L`` the output of block ``L-1``: TransformerLens's rows), applies the
-model's final norm (found from the trace: the module whose output feeds the unembedding,
+model's final norm (found from the trace: the module mapping the final residual to the unembedding's input,
+``residual.final_stage``: the final norm, or BERT's whole LM-head transform,
 through shape-only ops) and the unembedding (``unembed``) once over the stacked rows, and
 returns the logits per row and position, with the top tokens (as strings when a tokenizer is given).
 """

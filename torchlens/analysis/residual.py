@@ -35,7 +35,8 @@ from ..core.tree import first_tensor
 from ..errors import InvalidArgumentError, SiteNotFoundError, UnsupportedModelError
 from ._workflow_inputs import as_trace, model_of
 
-__all__ = ["APPLY_LN", "FinalNorm", "accumulated_resid", "final_norm_scale", "find_final_norm", "resid_labels"]
+__all__ = ["APPLY_LN", "FinalNorm", "accumulated_resid", "final_norm_scale", "final_stage", "find_final_norm",
+           "resid_labels"]
 
 APPLY_LN = (False, True, "per_row", "final_scale")
 
@@ -69,6 +70,52 @@ def find_final_norm(trace: Trace) -> str:
             return ""
         refs = list(parent.parent_refs)
     return ""
+
+
+def final_stage(trace: Trace) -> str:
+    """The module that maps the final residual to the unembedding's input, as this run computed it ('' for none).
+
+    The final norm (:func:`find_final_norm`) where its input is the final residual (GPT-2's ``ln_f``, Llama's
+    ``norm``); else the nearest module holding it whose input is (BERT's LM head computes
+    ``LayerNorm(gelu(dense(x)))``: ``cls.predictions.transform``), so a row read through it is what the
+    unembedding would read.
+
+    Raises:
+        UnsupportedModelError: no module between the final residual and the unembedding does that.
+        SiteNotFoundError: the unembedding did not run in this trace.
+    """
+    norm = find_final_norm(trace)
+    if not norm:
+        return ""
+    model = model_of(trace)
+    view = arch(model)
+    final = _boundary(trace, view, view.n_layers)
+    unembed_call = trace.calls_of(view.resolve("unembed"))[-1]
+    read = _hidden_arg(unembed_call)
+    parts = norm.split(".")
+    for address in (".".join(parts[:n]) for n in range(len(parts), 0, -1)):
+        calls = trace.calls_of(address)
+        if not calls:
+            continue
+        x, out = _hidden_arg(calls[-1]), first_tensor(Site(trace, calls[-1]).out)
+        if address == norm and not all(isinstance(t, torch.Tensor) for t in (x, out, final, read)):
+            return norm  # values this capture did not keep: nothing to check the norm against
+        if _same(x, final) and _same(out, read):
+            return address
+    raise UnsupportedModelError(
+        f"the unembedding's input is not a module of the final residual: {norm!r} feeds it, but neither it nor a "
+        "module holding it reads the last block's output", site="unembed",
+        remedy="Pass norm= the module whose output the unembedding reads when given the final residual, or "
+        "norm=False to unembed the raw residual.")
+
+
+def _hidden_arg(call: ModuleCall) -> Any:
+    args, kwargs = call.args or (), call.kwargs or {}
+    return args[0] if args else kwargs.get("hidden_states", kwargs.get("input"))
+
+
+def _same(a: Any, b: Any) -> bool:
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
 
 
 def resid_labels(n_layers: int, rows: Sequence[int] | None = None) -> list[str]:
@@ -147,7 +194,7 @@ def _positions(t: torch.Tensor, pos_slice: Any) -> torch.Tensor:
 
 def _final_norm(trace: Trace, norm: str | bool) -> str:
     if norm is True:
-        return find_final_norm(trace)
+        return final_stage(trace)
     if norm is False:
         return ""
     if not isinstance(norm, str):
