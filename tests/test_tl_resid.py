@@ -64,6 +64,9 @@ def test_accumulated_resid_matches_transformerlens(pair):
     assert _max_diff(got_scaled[:-1], want_ln[:-1]) > 1e-2
     # pos_slice as TransformerLens's: an int drops the position axis
     assert _max_diff(tl.accumulated_resid(trace, pos_slice=-1), cache.accumulated_resid(pos_slice=-1)) < ATOL
+    # a tuple is a slice's arguments in TransformerLens (positions 1 to 3), not the positions 1 and 4
+    assert _max_diff(tl.accumulated_resid(trace, pos_slice=(1, 4)), cache.accumulated_resid(pos_slice=(1, 4))) < ATOL
+    assert _max_diff(tl.accumulated_resid(trace, pos_slice=(3,)), cache.accumulated_resid(pos_slice=(3,))) < ATOL
     assert _max_diff(tl.accumulated_resid(trace, apply_ln="final_scale", pos_slice=[0, 2]),
                      cache.apply_ln_to_stack(cache.accumulated_resid(pos_slice=[0, 2]), pos_slice=[0, 2])) < ATOL
 

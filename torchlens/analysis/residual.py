@@ -176,9 +176,12 @@ def final_norm_scale(trace: Trace, address: str, final: torch.Tensor, *, remedy:
 
 
 def _positions(t: torch.Tensor, pos_slice: Any) -> torch.Tensor:
-    """TransformerLens's ``pos_slice`` on the position axis (-2): an int drops the axis."""
+    """TransformerLens's ``pos_slice`` on the position axis (-2): an int drops the axis; a tuple is a slice's
+    arguments (``(1, 4)``: positions 1 to 3, as TransformerLens's ``Slice``), a list the positions themselves."""
     if pos_slice is None:
         return t
+    if isinstance(pos_slice, tuple):
+        pos_slice = slice(*pos_slice)
     if isinstance(pos_slice, slice):  # a slice clips to the axis, as in Python and TransformerLens
         return t[..., pos_slice, :]
     seq = t.shape[-2]
@@ -221,7 +224,8 @@ def accumulated_resid(trace: Any, inputs: Any = None, *, layers: Sequence[int] |
             module on each row (TransformerLens 3.9's ``accumulated_resid(apply_ln=True)``).
             ``"final_scale"``: centred (LayerNorm) and divided by the final norm's scale from
             this run's final residual, no weight or bias (TransformerLens's ``apply_ln_to_stack``).
-        pos_slice: positions to keep: an int (the axis is dropped), a slice, or a list of ints.
+        pos_slice: positions to keep: an int (the axis is dropped), a slice (or a tuple of its arguments,
+            ``(1, 4)``, as TransformerLens reads one), or a list of ints.
         norm: the final norm, as in ``tl.logit_lens`` (True: found from the trace; an address; False: none).
         return_labels: also return TransformerLens's row labels (``0_pre`` ... ``final_post``).
         tokenizer: tokenizes text ``inputs`` (default: the model's ``tokenizer`` attribute).
