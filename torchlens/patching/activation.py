@@ -352,13 +352,32 @@ def site_kind_remedy(site: Any, kinds: Sequence[str]) -> str:
     return f"site={kind!r}{layers}: site= names a kind of site (one per block), the rows are picked with layers=."
 
 
-def _check_pair(clean: Trace, corrupted: Trace) -> None:
+def _check_pair(clean: Trace, corrupted: Trace, metric: Any = None) -> None:
+    """Inputs of one shape; and a built-in metric's read position is a real token of every prompt.
+
+    Raises:
+        InvalidArgumentError: inputs of different shapes; a metric (``logit_diff``, ``prob``) reading a
+            position that is padding in some row (right-padded prompts of different lengths read at -1).
+    """
     a, b = first_tensor(clean.args or tuple(clean.kwargs.values())), \
         first_tensor(corrupted.args or tuple(corrupted.kwargs.values()))
     if a is not None and b is not None and a.shape != b.shape:
         raise InvalidArgumentError(
             f"clean and corrupted inputs differ in shape ({tuple(a.shape)} vs {tuple(b.shape)}); patching copies "
             "values position by position", remedy="Use prompts of the same token length (pad or choose them so).")
+    reads = getattr(metric, "reads", None)
+    for which, trace in (("clean", clean), ("corrupted", corrupted)):
+        mask = (trace.kwargs or {}).get("attention_mask")
+        if not isinstance(reads, MetricReads) or not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+            continue
+        at = metric_position(reads.position, mask.shape[-1])
+        padded = (mask[:, at] == 0).nonzero().flatten().tolist()
+        if padded:
+            raise InvalidArgumentError(
+                f"the metric reads position {reads.position} ({at}), which is padding in row(s) {padded} of the "
+                f"{which} prompts: it would score the logits of a pad token",
+                remedy="Pad on the left (tokenizer.padding_side = 'left') so the last position is a real token in "
+                "every row, or give the metric a position every prompt has (logit_diff(a, b, position=...)).")
 
 
 def activation_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any], *, model: Any = None,
@@ -424,7 +443,7 @@ def activation_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any]
     _check_batch(batch_size)
     _check_batched(batched_cells)
     clean, corrupted = as_trace(model, clean, "clean", tokenizer), as_trace(model, corrupted, "corrupted", tokenizer)
-    _check_pair(clean, corrupted)
+    _check_pair(clean, corrupted, metric)
     refuse_random("activation patching", clean, corrupted)
     model = model if model is not None else model_of(corrupted, clean)
     corrupted.ensure_graph()  # once here, not once per fork

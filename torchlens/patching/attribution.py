@@ -68,7 +68,7 @@ def attribution_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any
                                    remedy="Use activation_patching for resid_mid." if site == "resid_mid" else
                                    site_kind_remedy(site, ATTRIBUTION_KINDS))
     clean, corrupted = as_trace(model, clean, "clean", tokenizer), as_trace(model, corrupted, "corrupted", tokenizer)
-    _check_pair(clean, corrupted)
+    _check_pair(clean, corrupted, metric)
     model = model if model is not None else model_of(corrupted, clean)
     refuse_random("attribution patching", clean, corrupted, model=model)  # its gradients would be a random graph's
     rows = _layers(model, site, layers)
