@@ -36,4 +36,6 @@ class BertAdapter:
         cfg = model.config
         heads = cfg.num_attention_heads
         return LAYOUT.view(model, self.name, n_heads=heads, n_kv_heads=heads,
-                           head_dim=cfg.hidden_size // heads, d_model=cfg.hidden_size)
+                           head_dim=cfg.hidden_size // heads, d_model=cfg.hidden_size,
+                           # TransformerLens's BERT hooks resid_mid / resid_post before the LayerNorm
+                           transformerlens={"hook_resid_pre": "resid_pre"})

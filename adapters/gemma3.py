@@ -14,6 +14,7 @@ from __future__ import annotations
 from torch import nn
 
 from torchlens.arch import ArchView, Layout, ResidualAdd
+from torchlens.arch.tl_names import TL_PRE_NORM
 
 from .llama import llama_dims
 
@@ -28,4 +29,6 @@ class Gemma3TextAdapter:
     model_types = ("gemma3_text",)
 
     def view(self, model: nn.Module) -> ArchView:
-        return LAYOUT.view(model, self.name, **llama_dims(model.config))
+        # the residual stream only: TransformerLens's hook_mlp_out is after post_feedforward_layernorm
+        residual = {k: v for k, v in TL_PRE_NORM.items() if k.startswith("hook_resid")}
+        return LAYOUT.view(model, self.name, **llama_dims(model.config), transformerlens=residual)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from torch import nn
 
 from torchlens.arch import ArchView, Layout, ResidualAdd
+from torchlens.arch.tl_names import TL_PRE_NORM
 
 LAYOUT = Layout(blocks="h", attn="attn", mlp="mlp", resid_mid=ResidualAdd(1), embed="wte", embed_out="drop",
                 unembed="lm_head", pos_embed="wpe")
@@ -24,4 +25,4 @@ class GPT2Adapter:
     def view(self, model: nn.Module) -> ArchView:
         cfg = model.config
         return LAYOUT.view(model, self.name, n_heads=cfg.n_head, n_kv_heads=cfg.n_head,
-                           head_dim=cfg.n_embd // cfg.n_head, d_model=cfg.n_embd)
+                           head_dim=cfg.n_embd // cfg.n_head, d_model=cfg.n_embd, transformerlens=TL_PRE_NORM)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from torchlens.arch import Absent, ArchView, Layout, ResidualAdd
+from torchlens.arch.tl_names import TL_PRE_NORM
 
 PARALLEL = Absent("GPT-NeoX with use_parallel_residual=True adds attention and MLP to the residual "
                   "stream in one step, so there is no residual state between them")
@@ -29,4 +30,4 @@ class GPTNeoXAdapter:
                         embed_out="emb_dropout", unembed="lm_head")
         heads = cfg.num_attention_heads
         return layout.view(model, self.name, n_heads=heads, n_kv_heads=heads,
-                           head_dim=cfg.hidden_size // heads, d_model=cfg.hidden_size)
+                           head_dim=cfg.hidden_size // heads, d_model=cfg.hidden_size, transformerlens=TL_PRE_NORM)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from torchlens.arch import ArchView, Layout, ResidualAdd
+from torchlens.arch.tl_names import TL_PRE_NORM
 
 LAYOUT = Layout(blocks="layers", attn="self_attn", mlp="mlp", resid_mid=ResidualAdd(1), embed="embed_tokens",
                 embed_out="embed_tokens", unembed="lm_head")
@@ -31,4 +32,4 @@ class LlamaAdapter:
     model_types = ("llama", "mistral", "qwen2")
 
     def view(self, model: nn.Module) -> ArchView:
-        return LAYOUT.view(model, self.name, **llama_dims(model.config))
+        return LAYOUT.view(model, self.name, **llama_dims(model.config), transformerlens=TL_PRE_NORM)

@@ -341,6 +341,28 @@ def build_tiny_bert_mlm() -> nn.Module:
     return _seeded(lambda: transformers.BertForMaskedLM(config))
 
 
+def build_tiny_neox(parallel: bool = True) -> nn.Module:
+    """A 2-layer GPT-NeoX LM with random weights (seeded, eval mode): rotary on a quarter of each head, and
+    the parallel residual (attention and MLP read the same input) unless ``parallel=False``."""
+    import transformers
+
+    config = transformers.GPTNeoXConfig(hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=100,
+                                        max_position_embeddings=32, num_hidden_layers=2,
+                                        use_parallel_residual=parallel)
+    return _seeded(lambda: transformers.GPTNeoXForCausalLM(config))
+
+
+def build_tiny_gemma3(**overrides: Any) -> nn.Module:
+    """A 2-layer Gemma-3 text LM with random weights (seeded, eval mode); ``overrides`` go to its config
+    (``final_logit_softcapping=5.0`` ...)."""
+    import transformers
+
+    config = transformers.Gemma3TextConfig(hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=64,
+                                           max_position_embeddings=16, num_hidden_layers=2, num_key_value_heads=2,
+                                           head_dim=16, **overrides)
+    return _seeded(lambda: transformers.Gemma3ForCausalLM(config))
+
+
 @pytest.fixture(scope="session")
 def tiny_gpt2() -> Case:
     ids = torch.tensor(TINY_GPT2_IDS)

@@ -399,6 +399,39 @@ def test_resolving_canonical_names_does_not_keep_the_model_alive():
 # -- sites a model does not have -----------------------------------------------------------
 
 
+# TransformerLens's names, by its own block code: which hold a canonical site's tensor in each family
+# (the rest are refused; tests/test_tl_names.py checks GPT-2 and Llama against HookedTransformer itself).
+PRE_NORM_TL = {"hook_resid_pre", "hook_resid_mid", "hook_resid_post", "hook_mlp_out", "hook_embed"}
+TL_DECLARED = {"gpt2": PRE_NORM_TL, "gpt_neox": PRE_NORM_TL, "gpt_neox_serial": PRE_NORM_TL, "llama": PRE_NORM_TL,
+               "mistral": PRE_NORM_TL, "qwen2": PRE_NORM_TL,
+               # hook_mlp_out is after post_feedforward_layernorm; hook_embed: not checked against TransformerLens
+               "gemma3_text": {"hook_resid_pre", "hook_resid_mid", "hook_resid_post"},
+               # TransformerLens's BertBlock hooks resid_mid and resid_post before the LayerNorm
+               "bert": {"hook_resid_pre"}}
+
+
+@pytest.mark.parametrize("key", FAMILIES)
+def test_transformerlens_names_resolve_only_where_they_hold_the_same_tensor(key):
+    fam, model, reads, _, trace = family_state(key)
+    view = tl.arch(model)
+    assert set(view.transformerlens) == TL_DECLARED[key]
+    for i in range(view.n_layers):
+        for hook, kind in (("hook_resid_pre", "resid_pre"), ("hook_resid_mid", "resid_mid"),
+                           ("hook_resid_post", "resid_post"), ("hook_mlp_out", "mlp")):
+            name = f"blocks.{i}.{hook}"
+            if hook in view.transformerlens and f"blocks.{i}.{kind}" in reads:
+                assert_equal_tree(trace[name].out, reads[f"blocks.{i}.{kind}"], what=name)
+            else:  # refused (NeoX's parallel residual: no resid_mid at all), never another tensor
+                with pytest.raises(SiteNotFoundError) as err:
+                    trace[name]
+                assert err.value.remedy
+    if "hook_embed" in view.transformerlens:
+        assert_equal_tree(trace["hook_embed"].out, reads["embed"], what="hook_embed")
+    else:
+        with pytest.raises(SiteNotFoundError, match="TransformerLens hook name"):
+            trace["hook_embed"]
+
+
 def test_parallel_residual_has_no_resid_mid():
     _, model, _, _, trace = family_state("gpt_neox")
     with pytest.raises(SiteNotFoundError, match="parallel"):

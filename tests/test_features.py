@@ -524,3 +524,38 @@ def test_loaded_trace_names_sub_sites_by_real_address(gpt, tmp_path) -> None:
             loaded[f"{SITE}.{part}"]
         assert info.value.candidates == [f"{REAL}.{part}"]
         assert "no model" in info.value.message and f"trace['{REAL}.{part}']" in info.value.remedy
+
+
+def test_positions_outside_the_prompt_are_refused_not_wrapped(gpt, sae) -> None:
+    """Feature edits and reads name a position that exists, or raise InvalidArgumentError (not IndexError)."""
+    model, ids = gpt
+    n = ids.shape[-1]
+    trace = tl.trace(model, ids, features={SITE: sae})
+    before = hook_state(model)
+    for bad in (n, -n - 1, [0, n]):
+        with pytest.raises(InvalidArgumentError, match=f"{n} positions"):
+            trace.fork().do(f"{SITE}.features", tl.features.ablate(0, positions=bad))
+        with pytest.raises(InvalidArgumentError, match=f"{n} positions"):
+            tl.trace(model, ids, features={SITE: sae},
+                     intervene=tl.when(f"{SITE}.features", tl.features.clamp(0, 1.0, positions=bad)))
+    for bad in (n, -n - 1):
+        with pytest.raises(InvalidArgumentError, match=f"{n} positions"):
+            tl.features.top(trace, SITE, position=bad)
+        with pytest.raises(InvalidArgumentError, match=f"{n} positions"):
+            tl.features.active(trace, SITE, position=bad)
+    with pytest.raises(InvalidArgumentError, match="batch row"):
+        tl.features.top(trace, SITE, batch=ids.shape[0])
+    assert_model_clean(model, before)
+    # in range, negative counts from the end: the same row as its positive spelling
+    acts = trace[f"{SITE}.features"].out
+    assert torch.equal(tl.features.active(trace, SITE, position=-n).indices, tl.features.active(acts[0, 0]).indices)
+
+
+@pytest.mark.xfail(strict=True, raises=IndexError, reason=(
+    "torchlens/edit/helpers.py Add.__call__ indexes out[..., self.positions, :] unchecked: an out-of-range "
+    "position of tl.add / tl.features.steer raises a bare IndexError, not a named error (edit/ is not this area)"))
+def test_steer_position_outside_the_prompt_is_a_named_error(gpt, sae) -> None:
+    model, ids = gpt
+    trace = tl.trace(model, ids, features={SITE: sae})
+    with pytest.raises(InvalidArgumentError):
+        trace.fork().do(SITE, tl.features.steer(sae, 0, 2.0, positions=ids.shape[-1]))

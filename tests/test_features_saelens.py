@@ -112,3 +112,30 @@ def test_gradient_at_the_features(pair, sae) -> None:
     assert ours.abs().sum() > 0
     for p in [*hf.parameters(), *hs.parameters(), *sae.parameters()]:
         p.grad = None
+
+
+@pytest.mark.parametrize("norm", ["layer_norm", "constant_norm_rescale"])
+def test_sae_normalising_at_run_time(pair, norm) -> None:
+    """A SAELens SAE that normalises its input at run time, attached as it is: features, ablated logits and the
+    SAE-only logits agree with SAELens; ``.recon`` is decode's output in the site's units, while SAELens's
+    ``hook_sae_recons`` sits before the de-normalisation (docs/features.md)."""
+    hf, hs, ids = pair
+    s = saelens_sae("standard", d_in=32, d_sae=64, seed=7, normalize_activations=norm)
+    s.cfg.metadata.hook_name = HOOK
+    _, cache = _theirs(hs, ids, s, use_error_term=True)
+    t = tl.trace(hf, ids, features={"blocks.1": s})
+    assert torch.allclose(t["blocks.1.features"].out, cache[f"{HOOK}.hook_sae_acts_post"], atol=ATOL)
+    with torch.no_grad():
+        s.encode(cache[f"{HOOK}.hook_sae_input"])  # SAELens keeps this input's statistics for the decode
+        denormalised = s.run_time_activation_norm_fn_out(cache[f"{HOOK}.hook_sae_recons"])
+    assert torch.allclose(t["blocks.1.recon"].out, denormalised, atol=ATOL)
+    assert not torch.allclose(t["blocks.1.recon"].out, cache[f"{HOOK}.hook_sae_recons"], atol=1e-2)
+    assert torch.allclose(t["blocks.1.error"].out, cache[f"{HOOK}.hook_sae_error"], atol=ATOL)
+    feature = int(torch.argmax(t["blocks.1.features"].out[0, -1]))
+    tl.trace(hf, (ids + 1) % 64, features={"blocks.1": s})  # another input through the SAE before the fork
+    theirs, _ = _theirs(hs, ids, s, use_error_term=True, ablate=feature)
+    assert torch.allclose(t.fork().do("blocks.1.features", tl.features.ablate(feature)).output.logits, theirs,
+                          atol=ATOL)
+    theirs, _ = _theirs(hs, ids, s, use_error_term=False)
+    alone = tl.trace(hf, ids, features={"blocks.1": tl.features.attach(s, use_error_term=False)})
+    assert torch.allclose(alone.output.logits, theirs, atol=ATOL)

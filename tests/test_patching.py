@@ -443,6 +443,12 @@ def test_positions_outside_the_prompt_raise_and_negative_ones_count_from_the_end
     assert by_end.notes["subject"] == [1, 2]
     assert torch.equal(by_end.values, tl.patching.causal_trace(model, ids, subject=[1, 2], samples=1,
                                                                kinds=["mlp"])["mlp"].values)
+    # a subject position named twice (1 and -5) got one noise row, the other silently dropped: refused
+    for twice in ([1, -5], [2, 2]):
+        with pytest.raises(InvalidArgumentError, match="twice") as err:
+            tl.patching.causal_trace(model, ids, subject=twice, samples=1, kinds=["mlp"])
+        assert err.value.remedy
+    assert_model_clean(model, before)
 
 
 @pytest.mark.parametrize("case_name,proj", [("tiny_gpt2", "c_proj"), ("tiny_llama", "o_proj")])
@@ -636,3 +642,32 @@ def test_ambiguous_or_mismatched_answers_raise_named_errors(tiny_gpt2):
         tl.patching.activation_patching(clean, corrupted, three, site="heads")
     assert_model_clean(model, before)
     assert torch.equal(corrupted.output.logits, logits_before) and not corrupted.edits
+
+
+def test_a_metric_reading_a_pad_position_is_refused(tiny_gpt2):
+    """Right-padded prompts of different lengths: logit_diff at -1 scored row 1's pad token, silently (as
+    TransformerLens's would). Refused, naming the rows; a position every prompt has, and left padding, work."""
+    model = tiny_gpt2.model
+    ids = torch.tensor([[5, 17, 3, 42, 9, 11], [1, 2, 3, 4, 0, 0]])
+    right = torch.tensor([[1] * 6, [1, 1, 1, 1, 0, 0]])
+    clean = tl.trace(model, input_ids=ids, attention_mask=right)
+    corrupted = tl.trace(model, input_ids=_corrupt(ids, 1, 60), attention_mask=right)
+    sae = tl.features.SavedSAE({"d_in": 32, "d_sae": 16}, {
+        "W_enc": torch.ones(32, 16) / 32, "b_enc": torch.zeros(16), "W_dec": torch.ones(16, 32) / 16,
+        "b_dec": torch.zeros(32)})
+    before = hook_state(model)
+    for call in (lambda m: tl.patching.activation_patching(clean, corrupted, m, site="resid_pre"),
+                 lambda m: tl.patching.attribution_patching(clean, corrupted, m, site="resid_pre"),
+                 lambda m: tl.patching.feature_patching(clean, corrupted, m, site="blocks.0", sae=sae, features=[0])):
+        with pytest.raises(InvalidArgumentError, match=r"padding in row\(s\) \[1\]") as err:
+            call(tl.patching.logit_diff(3, 4))
+        assert "padding_side" in err.value.remedy
+        with pytest.raises(InvalidArgumentError, match="padding"):
+            call(tl.patching.prob(3, position=5))
+        call(tl.patching.logit_diff(3, 4, position=3))  # a real token of both rows
+    assert_model_clean(model, before)
+    left_ids, left = torch.tensor([[5, 17, 3, 42, 9, 11], [0, 0, 1, 2, 3, 4]]), right.flip(-1)
+    grid = tl.patching.activation_patching(tl.trace(model, input_ids=left_ids, attention_mask=left),
+                                           tl.trace(model, input_ids=_corrupt(left_ids, 3, 60), attention_mask=left),
+                                           tl.patching.logit_diff(3, 4), site="resid_pre")
+    assert grid.values.shape == (2, 6)

@@ -26,8 +26,8 @@ import warnings
 
 import pytest
 import torch
-from conftest import eager_copy
-from tl_oracle import hooked_gpt2, hooked_llama, randomized_norms
+from conftest import build_tiny_neox, eager_copy
+from tl_oracle import hooked_gpt2, hooked_llama, hooked_neox, randomized_norms
 
 import torchlens as tl
 
@@ -166,3 +166,50 @@ def test_attribution_patching_raw_estimate_equals_transformer_lens_recipe(pair, 
     assert torch.allclose(result.values, result.corrupted + result.estimate, atol=1e-6)
     with torch.no_grad():
         assert abs(result.corrupted - float(metric(hooked(corrupted)))) < ATOL
+
+
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "serial"])
+def test_gpt_neox_grids_decomposition_and_lens_match_transformerlens(parallel):
+    """GPT-NeoX (partial rotary; the parallel residual, and the serial one) against HookedTransformer: the
+    patching grids (layer x position, layer x head), the decomposition and head stack, the accumulated
+    residual through the final norm (and through block 1's norm) and the logit lens."""
+    model = randomized_norms(build_tiny_neox(parallel), seed=3, biases=True)
+    hooked = hooked_neox(model)
+    clean, corrupted = _prompts(torch.tensor([[5, 17, 3, 42, 9, 11]]), model.config.vocab_size)
+    with torch.no_grad():
+        logits, cache = hooked.run_with_cache(clean)
+        assert _max_diff(logits, model(clean).logits) < ATOL
+    ours, theirs = tl.trace(model, clean), tl.trace(model, corrupted)
+
+    def metric_tl(out):
+        return (out[:, -1, 3] - out[:, -1, 4]).mean()
+
+    def patched(hook, index):
+        def restore(act, hook):
+            act = act.clone()
+            act[index] = cache[hook.name][index]
+            return act
+        with torch.no_grad():
+            return float(metric_tl(hooked.run_with_hooks(corrupted, fwd_hooks=[(hook, restore)])))
+
+    metric = lambda out: metric_tl(out.logits)  # noqa: E731 - a custom metric, no declared read
+    for site, hook in (("resid_pre", "hook_resid_pre"), ("attn", "hook_attn_out"), ("mlp", "hook_mlp_out")):
+        grid = tl.patching.activation_patching(ours, theirs, metric, site=site, positions=[2, -1])
+        want = torch.tensor([[patched(f"blocks.{layer}.{hook}", (slice(None), p)) for p in (2, 5)]
+                             for layer in range(2)])
+        assert _max_diff(grid.values, want) < ATOL, site
+    grid = tl.patching.activation_patching(ours, theirs, metric, site="heads")
+    want = torch.tensor([[patched(f"blocks.{layer}.attn.hook_z", (slice(None), slice(None), h)) for h in range(4)]
+                         for layer in range(2)])
+    assert _max_diff(grid.values, want) < ATOL
+    stack, labels = tl.decompose_resid(ours)
+    want, want_labels = cache.decompose_resid(return_labels=True)
+    assert labels == want_labels and _max_diff(stack, want) < ATOL
+    heads, head_labels = tl.decompose_resid(ours, heads=True)
+    rows = [i for i, name in enumerate(head_labels) if name.startswith("L")]
+    assert _max_diff(heads[rows], cache.stack_head_results()) < ATOL
+    assert _max_diff(tl.accumulated_resid(ours, apply_ln=True), cache.accumulated_resid(apply_ln=True)) < ATOL
+    assert _max_diff(tl.apply_ln_to_stack(ours, tl.accumulated_resid(ours, layers=range(2)), layer=1),
+                     cache.accumulated_resid(layer=1, apply_ln=True)) < ATOL
+    with torch.no_grad():
+        assert _max_diff(tl.logit_lens(ours).logits, hooked.unembed(cache.accumulated_resid(apply_ln=True))) < ATOL

@@ -136,6 +136,25 @@ def test_apply_ln_to_stack_matches_transformer_lens(gpt2_pair):
     assert _max_diff(tl.apply_ln_to_stack(trace, ours), cache.apply_ln_to_stack(theirs, layer=-1)) < ATOL
 
 
+@pytest.mark.parametrize("layer", [0, 1])
+def test_apply_ln_to_stack_at_a_block_matches_transformer_lens(gpt2_pair, layer):
+    """TransformerLens's ``layer=k`` scales a stack by block k's first norm (``mlp_input``: its pre-MLP norm) as it
+    scaled that block's input; ``accumulated_resid(layer=k, apply_ln=True)`` and ``decompose_resid(layer=k,
+    apply_ln=True)`` do so. A ported call gets those values, not the final norm's."""
+    _, trace, cache, _ = gpt2_pair
+    acc = tl.accumulated_resid(trace, layers=range(layer + 1))
+    want = cache.accumulated_resid(layer=layer, apply_ln=True)
+    assert _max_diff(tl.apply_ln_to_stack(trace, acc, layer=layer), want) < ATOL
+    assert _max_diff(tl.apply_ln_to_stack(trace, acc, layer=layer), tl.apply_ln_to_stack(trace, acc)) > 1e-3
+    stack, _ = tl.decompose_resid(trace, layer, mlp_input=True)
+    want = cache.decompose_resid(layer=layer, mlp_input=True, apply_ln=True)
+    assert _max_diff(tl.apply_ln_to_stack(trace, stack, layer=layer, mlp_input=True), want) < ATOL
+    # None, -1 and n_layers are the final norm, as in TransformerLens
+    final = tl.apply_ln_to_stack(trace, stack)
+    for same in (None, -1, 2):
+        assert torch.equal(tl.apply_ln_to_stack(trace, stack, layer=same), final)
+
+
 def test_attributions_sum_to_the_model_logits(gpt2_pair):
     """Hand check, no TransformerLens: every component's attribution plus the norm's and unembedding's
     constant is the model's own logit, at every position."""
@@ -179,6 +198,13 @@ def test_gqa_llama_decomposition_heads_and_logit_attrs_match_transformer_lens(ll
     plain, plain_labels = tl.decompose_resid(trace)
     theirs, their_labels = cache.decompose_resid(return_labels=True)
     assert plain_labels == their_labels and _max_diff(plain, theirs) < ATOL
+    for layer in (0, 1):  # RMSNorm: no centring, block layer's input_layernorm scale
+        acc = tl.accumulated_resid(trace, layers=range(layer + 1))
+        assert _max_diff(tl.apply_ln_to_stack(trace, acc, layer=layer),
+                         cache.accumulated_resid(layer=layer, apply_ln=True)) < ATOL
+        stack, _ = tl.decompose_resid(trace, layer, mlp_input=True)
+        assert _max_diff(tl.apply_ln_to_stack(trace, stack, layer=layer, mlp_input=True),
+                         cache.decompose_resid(layer=layer, mlp_input=True, apply_ln=True)) < ATOL
     answer, wrong = torch.tensor([5, 99]), torch.tensor([7, 0])
     got = tl.logit_attrs(trace, plain, tokens=answer, incorrect_tokens=wrong)
     want = folded.logit_attrs(folded.decompose_resid()[:, :, -1], tokens=answer, incorrect_tokens=wrong, pos_slice=-1)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_model_clean, eager_copy, hook_state
+from conftest import assert_model_clean, build_tiny_bert_mlm, build_tiny_gemma3, eager_copy, hook_state
 from tl_oracle import hooked_gpt2, hooked_llama, randomized_norms
 
 import torchlens as tl
@@ -64,8 +64,49 @@ def test_accumulated_resid_matches_transformerlens(pair):
     assert _max_diff(got_scaled[:-1], want_ln[:-1]) > 1e-2
     # pos_slice as TransformerLens's: an int drops the position axis
     assert _max_diff(tl.accumulated_resid(trace, pos_slice=-1), cache.accumulated_resid(pos_slice=-1)) < ATOL
+    # a tuple is a slice's arguments in TransformerLens (positions 1 to 3), not the positions 1 and 4
+    assert _max_diff(tl.accumulated_resid(trace, pos_slice=(1, 4)), cache.accumulated_resid(pos_slice=(1, 4))) < ATOL
+    assert _max_diff(tl.accumulated_resid(trace, pos_slice=(3,)), cache.accumulated_resid(pos_slice=(3,))) < ATOL
     assert _max_diff(tl.accumulated_resid(trace, apply_ln="final_scale", pos_slice=[0, 2]),
                      cache.apply_ln_to_stack(cache.accumulated_resid(pos_slice=[0, 2]), pos_slice=[0, 2])) < ATOL
+
+
+def test_logit_lens_last_row_is_the_models_soft_capped_logits():
+    """Gemma-3 soft-caps its LM head's output (final_logit_softcapping): the lens applies the same cap to every
+    row, so its last row is still the model's logits (it differed by 0.07 here, silently, before)."""
+    model = build_tiny_gemma3(final_logit_softcapping=5.0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(5)  # logits well past the cap, so a forgotten cap shows
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    trace = tl.trace(model, ids)
+    lens = tl.logit_lens(trace)
+    assert lens.softcap == 5.0 and float(lens.logits.abs().max()) <= 5.0
+    assert _max_diff(lens.logits[-1], trace.output.logits) < ATOL
+    with torch.no_grad():
+        raw = model.lm_head(model.model.norm(trace["blocks.0.resid_post"].out))
+    assert _max_diff(lens.logits[1], torch.tanh(raw / 5.0) * 5.0) < ATOL
+    uncapped = tl.logit_lens(tl.trace(build_tiny_gemma3(), ids))
+    assert uncapped.softcap is None and _max_diff(uncapped.logits[-1], build_tiny_gemma3()(ids).logits) < ATOL
+
+
+def test_logit_lens_reads_rows_through_the_whole_lm_head_transform():
+    """BERT's LM head computes LayerNorm(gelu(dense(x))) before the decoder: the lens applied the LayerNorm alone
+    (its last row 0.65 off the model's logits, silently). It reads each row through cls.predictions.transform,
+    so the last row is the model's logits; the final-norm scale (a LayerNorm of the final residual) is refused."""
+    model = build_tiny_bert_mlm()
+    ids = torch.tensor([[2, 5, 7, 9, 3]])
+    trace = tl.trace(model, ids)
+    lens = tl.logit_lens(trace)
+    assert lens.norm == "cls.predictions.transform"
+    assert _max_diff(lens.logits[-1], trace.output.logits) < ATOL
+    with torch.no_grad():
+        by_hand = model.cls.predictions.decoder(model.cls.predictions.transform(trace["blocks.0.resid_post"].out))
+    assert _max_diff(lens.logits[1], by_hand) < ATOL
+    assert _max_diff(tl.accumulated_resid(trace, apply_ln=True)[1],
+                     model.cls.predictions.transform(trace["blocks.0.resid_post"].out).detach()) < ATOL
+    with pytest.raises(UnsupportedModelError, match="BertPredictionHeadTransform"):
+        tl.accumulated_resid(trace, apply_ln="final_scale")
 
 
 def test_logit_lens_matches_transformerlens(pair):
@@ -105,6 +146,14 @@ def test_bad_inputs_raise_named_errors_and_change_nothing(tiny_gpt2):
         tl.accumulated_resid(trace, apply_ln="ln_final")
     with pytest.raises(InvalidArgumentError, match="pos_slice"):
         tl.accumulated_resid(trace, pos_slice="last")
+    # a position outside the prompt is refused, never wrapped to another position (it was: [6] read position 2)
+    n = ids.shape[-1]
+    for bad in ([n], [-n - 1], [0, n + 3], n, -n - 1):
+        with pytest.raises(InvalidArgumentError, match=f"{n} positions"):
+            tl.accumulated_resid(trace, pos_slice=bad)
+    assert torch.equal(tl.accumulated_resid(trace, pos_slice=[-1, 0]),
+                       tl.accumulated_resid(trace)[:, :, [n - 1, 0]])
+    assert torch.equal(tl.accumulated_resid(trace, pos_slice=slice(1, n + 5)), tl.accumulated_resid(trace)[:, :, 1:])
     with pytest.raises(InvalidArgumentError, match="takes a trace"):
         tl.accumulated_resid(model)
     with pytest.raises(InvalidArgumentError, match="norm="):

@@ -5,7 +5,7 @@ An independent re-implementation to cross-check against: the config is written b
 TransformerLens's own conversion (``convert_gpt2_weights`` / ``convert_llama_weights``) and
 ``load_state_dict``, with no folding, centring or other processing (unless ``fold_ln=True`` asks
 for TransformerLens's layer-norm folding, for the results it defines on a folded model), so
-activations match the Hugging Face model's. ``randomized_norms`` gives the norms weights and
+activations match the Hugging Face model's (GPT-2, Llama, GPT-NeoX). ``randomized_norms`` gives the norms weights and
 biases away from 1 and 0 (and, asked, every other bias away from 0) so a convention that
 forgets them shows. The one builder of these twins for every TransformerLens cross-check.
 """
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["hooked_gpt2", "hooked_llama", "randomized_norms"]
+__all__ = ["hooked_gpt2", "hooked_llama", "hooked_neox", "randomized_norms"]
 
 
 def randomized_norms(model: nn.Module, seed: int = 1, *, biases: bool = False) -> nn.Module:
@@ -92,6 +92,26 @@ def hooked_llama(hf_model: nn.Module, *, fold_ln: bool = False) -> Any:
         "original_architecture": "LlamaForCausalLM",
     }
     return _hooked(cfg, convert_llama_weights(hf_model, _config(cfg)), fold_ln)
+
+
+def hooked_neox(hf_model: nn.Module, *, fold_ln: bool = False) -> Any:
+    """A ``HookedTransformer`` computing what the ``GPTNeoXForCausalLM`` ``hf_model`` computes (parallel residual
+    or not; the fields TransformerLens's ``convert_hf_model_config`` reads for GPT-NeoX)."""
+    from transformer_lens.pretrained.weight_conversions import convert_neox_weights
+
+    c = hf_model.config
+    head_dim = c.hidden_size // c.num_attention_heads
+    rope = getattr(c, "rope_parameters", None) or {}
+    pct = rope.get("partial_rotary_factor", getattr(c, "rotary_pct", 1.0))
+    cfg = {
+        "d_model": c.hidden_size, "d_head": head_dim, "n_heads": c.num_attention_heads, "d_mlp": c.intermediate_size,
+        "n_layers": c.num_hidden_layers, "n_ctx": c.max_position_embeddings, "eps": c.layer_norm_eps,
+        "d_vocab": c.vocab_size, "act_fn": c.hidden_act, "parallel_attn_mlp": c.use_parallel_residual,
+        "positional_embedding_type": "rotary", "rotary_adjacent_pairs": False, "normalization_type": "LN",
+        "rotary_dim": round(pct * head_dim), "rotary_base": _rope_theta(c),
+        "original_architecture": "GPTNeoXForCausalLM",
+    }
+    return _hooked(cfg, convert_neox_weights(hf_model, _config(cfg)), fold_ln)
 
 
 def _rope_theta(config: Any) -> float:

@@ -2,7 +2,8 @@
 
 ``logit_lens(trace)`` takes the ``n_layers + 1`` rows of ``accumulated_resid`` (row 0 the
 embeddings' output, row ``L`` the output of block ``L-1``: TransformerLens's rows), applies the
-model's final norm (found from the trace: the module whose output feeds the unembedding,
+model's final norm (found from the trace: the module mapping the final residual to the unembedding's input,
+``residual.final_stage``: the final norm, or BERT's whole LM-head transform,
 through shape-only ops) and the unembedding (``unembed``) once over the stacked rows, and
 returns the logits per row and position, with the top tokens (as strings when a tokenizer is given).
 """
@@ -30,7 +31,8 @@ class LogitLens:
     ``layers`` labels the first axis with layer-boundary indices (0: the embeddings' output,
     ``L``: block ``L-1``'s output, ``n_layers``: the final residual); ``labels`` names them as
     TransformerLens does (``0_pre`` ... ``final_post``); ``norm`` is the final-norm module
-    address applied ('' for none).
+    address applied ('' for none); ``softcap`` the final logit soft-capping applied after the
+    unembedding, as the model's forward applies it (Gemma 2/3's ``final_logit_softcapping``), or None.
     """
 
     logits: torch.Tensor
@@ -38,6 +40,7 @@ class LogitLens:
     norm: str
     tokenizer: Any = None
     labels: list[str] | None = None
+    softcap: float | None = None
 
     def top(self, k: int = 5, *, batch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``k`` most probable token ids and their probabilities, ``[layer, position, k]`` each."""
@@ -111,4 +114,11 @@ def logit_lens(trace: Any, inputs: Any = None, *, layers: Sequence[int] | int | 
     with torch.no_grad():
         stack = torch.stack([_boundary(trace, view, r) for r in rows])
         logits = unembed(final(stack) if final is not None else stack)
-    return LogitLens(logits, rows, norm, tokenizer, resid_labels(view.n_layers, rows))
+        # the model's forward soft-caps what its LM head computes (transformers' Gemma 2/3), in this order;
+        # without it the last row would not be the model's logits
+        cap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+        if isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap:
+            logits = torch.tanh(logits / cap) * cap
+        else:
+            cap = None
+    return LogitLens(logits, rows, norm, tokenizer, resid_labels(view.n_layers, rows), cap)

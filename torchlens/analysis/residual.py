@@ -27,6 +27,7 @@ from torch import nn
 
 from ..arch.resolve import arch
 from ..arch.views import ArchView
+from ..core.indices import python_indices
 from ..core.records import ModuleCall
 from ..core.sites import Site
 from ..core.trace import Trace
@@ -34,7 +35,8 @@ from ..core.tree import first_tensor
 from ..errors import InvalidArgumentError, SiteNotFoundError, UnsupportedModelError
 from ._workflow_inputs import as_trace, model_of
 
-__all__ = ["APPLY_LN", "FinalNorm", "accumulated_resid", "final_norm_scale", "find_final_norm", "resid_labels"]
+__all__ = ["APPLY_LN", "FinalNorm", "accumulated_resid", "final_norm_scale", "final_stage", "find_final_norm",
+           "resid_labels"]
 
 APPLY_LN = (False, True, "per_row", "final_scale")
 
@@ -68,6 +70,52 @@ def find_final_norm(trace: Trace) -> str:
             return ""
         refs = list(parent.parent_refs)
     return ""
+
+
+def final_stage(trace: Trace) -> str:
+    """The module that maps the final residual to the unembedding's input, as this run computed it ('' for none).
+
+    The final norm (:func:`find_final_norm`) where its input is the final residual (GPT-2's ``ln_f``, Llama's
+    ``norm``); else the nearest module holding it whose input is (BERT's LM head computes
+    ``LayerNorm(gelu(dense(x)))``: ``cls.predictions.transform``), so a row read through it is what the
+    unembedding would read.
+
+    Raises:
+        UnsupportedModelError: no module between the final residual and the unembedding does that.
+        SiteNotFoundError: the unembedding did not run in this trace.
+    """
+    norm = find_final_norm(trace)
+    if not norm:
+        return ""
+    model = model_of(trace)
+    view = arch(model)
+    final = _boundary(trace, view, view.n_layers)
+    unembed_call = trace.calls_of(view.resolve("unembed"))[-1]
+    read = _hidden_arg(unembed_call)
+    parts = norm.split(".")
+    for address in (".".join(parts[:n]) for n in range(len(parts), 0, -1)):
+        calls = trace.calls_of(address)
+        if not calls:
+            continue
+        x, out = _hidden_arg(calls[-1]), first_tensor(Site(trace, calls[-1]).out)
+        if address == norm and not all(isinstance(t, torch.Tensor) for t in (x, out, final, read)):
+            return norm  # values this capture did not keep: nothing to check the norm against
+        if _same(x, final) and _same(out, read):
+            return address
+    raise UnsupportedModelError(
+        f"the unembedding's input is not a module of the final residual: {norm!r} feeds it, but neither it nor a "
+        "module holding it reads the last block's output", site="unembed",
+        remedy="Pass norm= the module whose output the unembedding reads when given the final residual, or "
+        "norm=False to unembed the raw residual.")
+
+
+def _hidden_arg(call: ModuleCall) -> Any:
+    args, kwargs = call.args or (), call.kwargs or {}
+    return args[0] if args else kwargs.get("hidden_states", kwargs.get("input"))
+
+
+def _same(a: Any, b: Any) -> bool:
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
 
 
 def resid_labels(n_layers: int, rows: Sequence[int] | None = None) -> list[str]:
@@ -128,22 +176,28 @@ def final_norm_scale(trace: Trace, address: str, final: torch.Tensor, *, remedy:
 
 
 def _positions(t: torch.Tensor, pos_slice: Any) -> torch.Tensor:
-    """TransformerLens's ``pos_slice`` on the position axis (-2): an int drops the axis."""
+    """TransformerLens's ``pos_slice`` on the position axis (-2): an int drops the axis; a tuple is a slice's
+    arguments (``(1, 4)``: positions 1 to 3, as TransformerLens's ``Slice``), a list the positions themselves."""
     if pos_slice is None:
         return t
-    if isinstance(pos_slice, (int, slice)) and not isinstance(pos_slice, bool):
+    if isinstance(pos_slice, tuple):
+        pos_slice = slice(*pos_slice)
+    if isinstance(pos_slice, slice):  # a slice clips to the axis, as in Python and TransformerLens
         return t[..., pos_slice, :]
-    try:
-        index = torch.as_tensor(list(pos_slice), dtype=torch.long, device=t.device)
-    except (TypeError, ValueError):
+    seq = t.shape[-2]
+    axis = f"the trace has {seq} positions"
+    if isinstance(pos_slice, int) and not isinstance(pos_slice, bool):  # out of range: refused, never wrapped
+        return t[..., python_indices(pos_slice, seq, what="position", axis=axis)[0], :]
+    if isinstance(pos_slice, (str, bytes, bool)) or not hasattr(pos_slice, "__iter__"):
         raise InvalidArgumentError(f"pos_slice is an int, a slice or a list of ints, got {pos_slice!r}",
-                                   remedy="pos_slice=-1 (the last position), slice(2, 5) or [0, 3].") from None
-    return t.index_select(-2, index % t.shape[-2])
+                                   remedy="pos_slice=-1 (the last position), slice(2, 5) or [0, 3].")
+    index = python_indices(pos_slice, seq, what="position", axis=axis)
+    return t.index_select(-2, torch.tensor(index, dtype=torch.long, device=t.device))
 
 
 def _final_norm(trace: Trace, norm: str | bool) -> str:
     if norm is True:
-        return find_final_norm(trace)
+        return final_stage(trace)
     if norm is False:
         return ""
     if not isinstance(norm, str):
@@ -170,7 +224,8 @@ def accumulated_resid(trace: Any, inputs: Any = None, *, layers: Sequence[int] |
             module on each row (TransformerLens 3.9's ``accumulated_resid(apply_ln=True)``).
             ``"final_scale"``: centred (LayerNorm) and divided by the final norm's scale from
             this run's final residual, no weight or bias (TransformerLens's ``apply_ln_to_stack``).
-        pos_slice: positions to keep: an int (the axis is dropped), a slice, or a list of ints.
+        pos_slice: positions to keep: an int (the axis is dropped), a slice (or a tuple of its arguments,
+            ``(1, 4)``, as TransformerLens reads one), or a list of ints.
         norm: the final norm, as in ``tl.logit_lens`` (True: found from the trace; an address; False: none).
         return_labels: also return TransformerLens's row labels (``0_pre`` ... ``final_post``).
         tokenizer: tokenizes text ``inputs`` (default: the model's ``tokenizer`` attribute).

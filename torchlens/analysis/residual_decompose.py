@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from ..arch.infer import is_norm
 from ..arch.resolve import arch
 from ..core.indices import python_indices
 from ..core.trace import Trace
@@ -245,22 +246,58 @@ def _stack_tensor(stack: Any, resid_shape: torch.Size) -> torch.Tensor:
     return tensor
 
 
+def _block_norm(trace: Trace, view: Any, boundary: int, mlp_input: bool) -> FinalNorm:
+    """The norm of block ``boundary`` that reads its input (``mlp_input``: its ``resid_mid``), as this run applied
+    it: the first norm module in the block whose input is that residual (TransformerLens's ``ln1`` / ``ln2``).
+
+    Raises:
+        SiteNotFoundError: no norm in the block reads that residual (a post-norm block, a model without norms).
+    """
+    site = f"blocks.{boundary}.resid_mid" if mlp_input else f"blocks.{boundary}.resid_pre"
+    resid = _out(trace, site)
+    block = view.blocks[boundary]
+    calls = []
+    for name, module in model_of(trace).get_submodule(block).named_modules():
+        if name and is_norm(module):
+            calls += trace.calls_of(f"{block}.{name}")[:1]
+    for call in sorted(calls, key=lambda c: c.op_start):
+        args, kwargs = call.args or (), call.kwargs or {}
+        x = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(x, torch.Tensor) and x.shape == resid.shape and torch.equal(x, resid):
+            return final_norm_scale(trace, call.address, resid, remedy="Apply the norm yourself to the stack.")
+    raise SiteNotFoundError(
+        f"no norm in {block} reads {site} (the norms TransformerLens's layer={boundary} would divide by)",
+        site=site, remedy="Pass layer=None for the final norm, or scale the stack yourself.")
+
+
 @torch.no_grad()
-def apply_ln_to_stack(trace: Any, stack: Any) -> torch.Tensor:
-    """Scale a stack of residual components as the final norm scaled this run (TransformerLens's
-    ``cache.apply_ln_to_stack``): centred for LayerNorm, divided by the final residual's norm scale
-    at each batch row and position. The norm's weight and bias are not applied.
+def apply_ln_to_stack(trace: Any, stack: Any, layer: int | None = None, *, mlp_input: bool = False) -> torch.Tensor:
+    """Scale a stack of residual components as a norm scaled this run (TransformerLens's
+    ``cache.apply_ln_to_stack``): centred for LayerNorm, divided by that norm's scale at each batch row and
+    position. The norm's weight and bias are not applied.
 
     Args:
         trace: the capture the components come from.
         stack: a :class:`ResidualStack` or a tensor ``[..., batch, position, d_model]``.
+        layer: None, ``-1`` or ``n_layers``: the final norm, on the final residual. A block index ``k``: block
+            ``k``'s first norm on the residual entering it (TransformerLens's ``ln1`` scale, what its
+            ``accumulated_resid(layer=k, apply_ln=True)`` and ``decompose_resid(layer=k, apply_ln=True)`` use).
+        mlp_input: with ``layer=k``, block ``k``'s pre-MLP norm on its ``resid_mid`` (TransformerLens's ``ln2``).
 
     Raises:
         InvalidArgumentError: a stack of another shape.
-        UnsupportedModelError: a final norm of another kind.
+        SiteNotFoundError: a layer out of range, ``mlp_input`` without a block, or a block without such a norm.
+        UnsupportedModelError: a norm of another kind.
     """
     view = arch(model_of(trace))
-    scale, _, centred, _ = _applied_norm(trace, view)
+    boundary = _boundary(view, layer)
+    if mlp_input and boundary == view.n_layers:
+        raise SiteNotFoundError(f"mlp_input=True needs a block's MLP input; layer {layer} is after the last block",
+                                site="layers", remedy=f"Pick a layer below {view.n_layers}.")
+    if boundary == view.n_layers:
+        scale, _, centred, _ = _applied_norm(trace, view)
+    else:
+        scale, _, centred, _ = _block_norm(trace, view, boundary, mlp_input)
     tensor = _stack_tensor(stack, scale.shape[:-1] + (view.d_model or _out(trace, "embed").size(-1),))
     if centred:
         tensor = tensor - tensor.mean(-1, keepdim=True)

@@ -20,6 +20,7 @@ from ..core.names import nearest
 from ..core.selectors import Selector, split_pass
 from ..errors import LayoutInferenceError, PluginError, SiteNotFoundError, TorchLensError, UnsupportedModelError
 from ..plugins import adapter_with_owner, generation, report_failure
+from .tl_names import is_transformerlens
 from .views import ADAPTER_REMEDY, ArchView, is_canonical
 
 __all__ = [
@@ -77,6 +78,9 @@ def canonical_selector(model: Any, path: str) -> Selector | None:
     if model is None:
         return None
     base = split_pass(path)[0]
+    if not is_canonical(base) and is_transformerlens(base):
+        view = _cached_view(model, strict=True)  # translated where the family declares it, else refused, explained
+        return None if view is None else view.selector(path)
     if not is_canonical(base):
         if _NEGATIVE_BLOCK.match(base):
             _refuse_negative_block(model, base, path)

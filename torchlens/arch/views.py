@@ -43,6 +43,7 @@ from ..core.records import ModuleCall, Op
 from ..core.selectors import ModuleOutput, Selector, split_pass
 from ..errors import LayoutInferenceError, SiteNotFoundError, TorchLensError
 from .infer import block_candidates, infer_block
+from .tl_names import TL_HOOK, transformerlens_hint
 
 if TYPE_CHECKING:
     from ..core.trace import Trace
@@ -300,8 +301,9 @@ class Layout:
 
     def view(self, model: nn.Module, adapter: str, *, n_heads: int | None = None,
              n_kv_heads: int | None = None, head_dim: int | None = None, d_model: int | None = None,
-             root: str | None = None) -> ArchView:
-        """Build the view of ``model``.
+             root: str | None = None, transformerlens: dict[str, str] | None = None) -> ArchView:
+        """Build the view of ``model``; ``transformerlens`` maps the TransformerLens hook names that hold
+        the same tensor as a canonical site in this family to its kind (``{"hook_mlp_out": "mlp"}``).
 
         Raises:
             LayoutInferenceError: the block list, or a declared attn/mlp, is not where the structure shows it
@@ -364,6 +366,7 @@ class Layout:
             blocks=blocks,
             targets=targets,
             model_ref=weakref.ref(model),
+            transformerlens=dict(transformerlens or {}),
         )
 
 
@@ -428,6 +431,9 @@ class ArchView:
     # weak: views are cached per model (weak keys), and a strong back-reference would pin it
     model_ref: weakref.ref | None = field(default=None, repr=False)
     sources: dict[str, str] = field(default_factory=dict, repr=False)
+    # TransformerLens hook names (``hook_resid_pre``) holding the same tensor as a canonical kind in this
+    # family, declared by its adapter (``torchlens.arch.tl_names``); every other one is refused, explained.
+    transformerlens: dict[str, str] = field(default_factory=dict, repr=False)
 
     def names(self, kind: str | None = None) -> list[str]:
         """Canonical names this model has; ``kind`` ('mlp', 'resid_post' ...) keeps one per block."""
@@ -500,6 +506,8 @@ class ArchView:
         """
         base, pass_index = split_pass(name)
         target = self.targets.get(base)
+        if target is None and TL_HOOK.match(base):
+            return self.selector(self._from_transformerlens(base) + (f":{pass_index}" if pass_index else ""))
         if target is None:
             raise SiteNotFoundError(
                 f"{base!r} is not a canonical site of this {self.adapter} model ({self.n_layers} blocks); "
@@ -514,6 +522,29 @@ class ArchView:
                                     remedy="Pick another canonical site (tl.arch(model).names()) or a real "
                                     "module path.")
         return _with_pass(target, pass_index) if pass_index is not None else target
+
+    def _from_transformerlens(self, name: str) -> str:
+        """The canonical name holding what TransformerLens's ``name`` holds in this family.
+
+        Raises:
+            SiteNotFoundError: no canonical site holds that tensor here; the message says how to read it.
+        """
+        found = TL_HOOK.match(name)
+        kind = self.transformerlens.get(found["hook"]) if found["part"] is None and found["sae"] is None else None
+        top = kind in ("embed", "pos_embed", "unembed")
+        if kind is not None and (found["block"] is None) == top:
+            return kind if top else f"blocks.{found['block']}.{kind}"
+        hint = transformerlens_hint(name)
+        kinds = [k for k in KINDS if self.names(k)] + [k for k in ("embed", "pos_embed", "unembed") if self.names(k)]
+        raise SiteNotFoundError(
+            f"{name!r} is a TransformerLens hook name; TorchLens names sites by canonical names (blocks.L.<kind>, "
+            f"kinds here: {kinds}) or the model's real module paths"
+            + (f"; the {self.adapter} adapter declares {sorted(self.transformerlens)} equal to TransformerLens's"
+               if self.transformerlens else f"; the {self.adapter} adapter maps no TransformerLens names"),
+            site=name,
+            remedy=(f"For {name!r}: {hint}." if hint else
+                    "Pick a canonical site (tl.arch(model).names()) or a real module path (trace.modules)."),
+        )
 
     def resolve(self, name: str) -> str:
         """The module address whose output is this canonical site (``'transformer.h.3.mlp'``).

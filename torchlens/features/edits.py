@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..core.indices import python_indices
 from ..dictionaries.wrap import as_dictionary
 from ..edit.helpers import Add, Helper, register_helper
 from ..errors import FeatureIndexError, InvalidArgumentError
@@ -80,9 +81,12 @@ class FeatureEdit(Helper):
                 raise FeatureIndexError(
                     f"feature {i} is out of range at {getattr(ctx, 'site', 'the site')}: it has d_sae={d_sae} "
                     f"features (0 .. {d_sae - 1})", feature=i, d_sae=d_sae)
+        positions = None if self.positions is None else python_indices(  # refused, never wrapped
+            self.positions, activation.shape[-2], what="position",
+            axis=f"{getattr(ctx, 'site', 'the site')} has {activation.shape[-2]} positions (dim -2)")
         out = activation.clone()
         index = torch.tensor(self.features, device=out.device)
-        rows = out if self.positions is None else out[..., self.positions, :]
+        rows = out if positions is None else out[..., positions, :]
         chosen = rows.index_select(-1, index)
         if self.how == "zero":
             chosen = torch.zeros_like(chosen)
@@ -91,9 +95,9 @@ class FeatureEdit(Helper):
         else:
             chosen = torch.full_like(chosen, self.value)
         rows = rows.index_copy(-1, index, chosen)
-        if self.positions is None:
+        if positions is None:
             return rows
-        out[..., self.positions, :] = rows
+        out[..., positions, :] = rows
         return out
 
 

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..core.indices import python_indices
 from ..errors import InvalidArgumentError
 
 __all__ = ["FeatureList", "active", "feature_acts", "top"]
@@ -38,11 +39,17 @@ def feature_acts(source: Any, site: str | None = None) -> torch.Tensor:
 
 
 def _row(acts: torch.Tensor, position: int, batch: int) -> torch.Tensor:
+    """One position's features; a position or batch row outside the activations is refused, never wrapped."""
     if acts.dim() == 1:
         return acts
+    seq = acts.shape[-2]
+    position = python_indices(position, seq, what="position", axis=f"the features have {seq} positions")[0]
     if acts.dim() == 2:  # [seq, d_sae]
         return acts[position]
-    return acts.reshape(-1, *acts.shape[-2:])[batch, position]
+    rows = acts.reshape(-1, *acts.shape[-2:])
+    batch = python_indices(batch, rows.shape[0], what="batch row",
+                           axis=f"the features have {rows.shape[0]} batch rows")[0]
+    return rows[batch, position]
 
 
 def top(source: Any, site: str | None = None, *, k: int = 10, position: int = -1, batch: int = 0) -> FeatureList:

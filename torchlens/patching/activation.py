@@ -16,6 +16,7 @@ fused-attention facets, ``torchlens.mechinterp.patch_head``).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +41,8 @@ from ..edit.reads import OutputRead, replay_reads
 from ..errors import GuardChangedError, InvalidArgumentError, TokenNotFoundError
 from .metrics import MetricReads, logits_of, metric_position, score
 
-__all__ = ["BATCHED_TOKENS", "CAUSAL_BATCHED_TOKENS", "KINDS", "PatchingResult", "activation_patching", "restore_rows"]
+__all__ = ["BATCHED_TOKENS", "CAUSAL_BATCHED_TOKENS", "KINDS", "PatchingResult", "activation_patching", "restore_rows",
+           "site_kind_remedy"]
 
 # Cells replayed together by default: enough to share most weight reads of a sweep's few-row
 # recomputations, few enough that the batch's recomputed rows stay well under one trace per cell.
@@ -332,13 +334,50 @@ def _positions(positions: Sequence[int] | int | None, seq: int) -> list[int]:
     return python_indices(positions, seq, what="position", axis=f"the prompt has {seq} positions")
 
 
-def _check_pair(clean: Trace, corrupted: Trace) -> None:
+# TransformerLens's spellings of a grid's site (its hook names, its get_act_patch_* suffixes) -> the kind here
+_TL_KINDS = {"resid_pre": "resid_pre", "resid_mid": "resid_mid", "resid_post": "resid_post", "attn_out": "attn",
+             "mlp_out": "mlp", "z": "heads", "attn_head_out": "heads", "result": "heads"}
+
+
+def site_kind_remedy(site: Any, kinds: Sequence[str]) -> str:
+    """What to pass as ``site=`` instead of ``site``: the kind a TransformerLens spelling
+    (``"hook_attn_out"``, ``"blocks.3.hook_resid_pre"``, ``"z"``) or a canonical name (``"blocks.3.mlp"``) means."""
+    text = site if isinstance(site, str) else ""
+    block = re.match(r"^blocks\.(\d+)\.(?:attn\.)?", text)
+    tail = text[block.end():] if block else text
+    kind = _TL_KINDS.get(tail.removeprefix("hook_")) or (tail if tail in kinds else None)
+    if kind is None or kind not in kinds:
+        return f"site= names a kind of site, one per block: one of {tuple(kinds)}."
+    layers = f", layers=[{block.group(1)}]" if block else ""
+    return f"site={kind!r}{layers}: site= names a kind of site (one per block), the rows are picked with layers=."
+
+
+def _check_pair(clean: Trace, corrupted: Trace, metric: Any = None) -> None:
+    """Inputs of one shape; and a built-in metric's read position is a real token of every prompt.
+
+    Raises:
+        InvalidArgumentError: inputs of different shapes; a metric (``logit_diff``, ``prob``) reading a
+            position that is padding in some row (right-padded prompts of different lengths read at -1).
+    """
     a, b = first_tensor(clean.args or tuple(clean.kwargs.values())), \
         first_tensor(corrupted.args or tuple(corrupted.kwargs.values()))
     if a is not None and b is not None and a.shape != b.shape:
         raise InvalidArgumentError(
             f"clean and corrupted inputs differ in shape ({tuple(a.shape)} vs {tuple(b.shape)}); patching copies "
             "values position by position", remedy="Use prompts of the same token length (pad or choose them so).")
+    reads = getattr(metric, "reads", None)
+    for which, trace in (("clean", clean), ("corrupted", corrupted)):
+        mask = (trace.kwargs or {}).get("attention_mask")
+        if not isinstance(reads, MetricReads) or not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+            continue
+        at = metric_position(reads.position, mask.shape[-1])
+        padded = (mask[:, at] == 0).nonzero().flatten().tolist()
+        if padded:
+            raise InvalidArgumentError(
+                f"the metric reads position {reads.position} ({at}), which is padding in row(s) {padded} of the "
+                f"{which} prompts: it would score the logits of a pad token",
+                remedy="Pad on the left (tokenizer.padding_side = 'left') so the last position is a real token in "
+                "every row, or give the metric a position every prompt has (logit_diff(a, b, position=...)).")
 
 
 def activation_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any], *, model: Any = None,
@@ -400,11 +439,11 @@ def activation_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any]
             or occurring twice.
     """
     if site not in KINDS:
-        raise InvalidArgumentError(f"site= is one of {KINDS}, got {site!r}")
+        raise InvalidArgumentError(f"site= is one of {KINDS}, got {site!r}", remedy=site_kind_remedy(site, KINDS))
     _check_batch(batch_size)
     _check_batched(batched_cells)
     clean, corrupted = as_trace(model, clean, "clean", tokenizer), as_trace(model, corrupted, "corrupted", tokenizer)
-    _check_pair(clean, corrupted)
+    _check_pair(clean, corrupted, metric)
     refuse_random("activation patching", clean, corrupted)
     model = model if model is not None else model_of(corrupted, clean)
     corrupted.ensure_graph()  # once here, not once per fork

@@ -24,7 +24,7 @@ from ..arch.resolve import arch
 from ..capture._random import refuse_random
 from ..core.tree import first_tensor, flatten, unflatten
 from ..errors import InvalidArgumentError
-from .activation import PatchingResult, _check_pair, _layers, _prompt_ids
+from .activation import PatchingResult, _check_pair, _layers, _prompt_ids, site_kind_remedy
 from .metrics import score
 
 __all__ = ["ATTRIBUTION_KINDS", "attribution_patching"]
@@ -65,9 +65,10 @@ def attribution_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any
     """
     if site not in ATTRIBUTION_KINDS:
         raise InvalidArgumentError(f"attribution patching supports site= {ATTRIBUTION_KINDS}, got {site!r}",
-                                   remedy="Use activation_patching for resid_mid.")
+                                   remedy="Use activation_patching for resid_mid." if site == "resid_mid" else
+                                   site_kind_remedy(site, ATTRIBUTION_KINDS))
     clean, corrupted = as_trace(model, clean, "clean", tokenizer), as_trace(model, corrupted, "corrupted", tokenizer)
-    _check_pair(clean, corrupted)
+    _check_pair(clean, corrupted, metric)
     model = model if model is not None else model_of(corrupted, clean)
     refuse_random("attribution patching", clean, corrupted, model=model)  # its gradients would be a random graph's
     rows = _layers(model, site, layers)

@@ -93,7 +93,7 @@ def causal_trace(model: Any, ids: torch.Tensor | str, subject: Sequence[int | st
         ``notes["window"]`` the window, ``notes["cells"]`` whether the cells were batched and why).
 
     Raises:
-        InvalidArgumentError: bad ``ids``, ``subject`` (a position outside the prompt), ``kinds``
+        InvalidArgumentError: bad ``ids``, ``subject`` (a position outside the prompt, or named twice), ``kinds``
             or ``window`` (not a whole number >= 1).
         SiteNotFoundError: a layer out of range, or a kind the model's adapter does not give its blocks.
         TokenizerRequiredError: a text prompt or token-string subject and no tokenizer.
@@ -109,6 +109,9 @@ def causal_trace(model: Any, ids: torch.Tensor | str, subject: Sequence[int | st
     subject = _positions(_subject_positions(subject, ids, tokenizer), seq)
     if not subject:
         raise InvalidArgumentError("subject= lists at least one position")
+    if len(set(subject)) != len(subject):  # one noise row per listed position: a repeat would drop one of them
+        raise InvalidArgumentError(f"subject= names a position twice ({subject}, as non-negative positions)",
+                                   remedy="List each subject position once (negative ones count from the end).")
     _check_batch(batch_size)
     _check_batched(batched_cells)
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:

@@ -61,9 +61,10 @@ def restore_features(donor: torch.Tensor, feature: int, positions: list[int] | N
     return edit
 
 
-def _pair(clean: Any, corrupted: Any, model: Any, site: Any, sae: Any) -> tuple[Any, Any, Any, FeatureDictionary]:
+def _pair(clean: Any, corrupted: Any, model: Any, site: Any, sae: Any,
+          metric: Any) -> tuple[Any, Any, Any, FeatureDictionary]:
     clean, corrupted = as_trace(model, clean, "clean"), as_trace(model, corrupted, "corrupted")
-    _check_pair(clean, corrupted)
+    _check_pair(clean, corrupted, metric)
     model = model if model is not None else model_of(corrupted, clean)
     return clean, corrupted, model, as_dictionary(sae)
 
@@ -111,7 +112,7 @@ def feature_patching(clean: Any, corrupted: Any, metric: Callable[[Any], Any], *
         InvalidArgumentError: traces without a model, prompts of different lengths, a position outside them.
     """
     _check_batch(batch_size)
-    clean, corrupted, model, dictionary = _pair(clean, corrupted, model, site, sae)
+    clean, corrupted, model, dictionary = _pair(clean, corrupted, model, site, sae, metric)
     refuse_random("feature patching", clean, corrupted)
     donor, name = _codes(clean, site, dictionary)
     mine, _ = _codes(corrupted, site, dictionary)
@@ -158,7 +159,7 @@ def feature_attribution_patching(clean: Any, corrupted: Any, metric: Callable[[A
         InvalidArgumentError: a metric that is not a differentiable scalar; as :func:`feature_patching`.
         FeatureWidthError, FeatureDtypeError, FeatureSiteError, FeatureIndexError: as :func:`feature_patching`.
     """
-    clean, corrupted, model, dictionary = _pair(clean, corrupted, model, site, sae)
+    clean, corrupted, model, dictionary = _pair(clean, corrupted, model, site, sae, metric)
     refuse_random("feature attribution patching", clean, corrupted, model=model)
     donor, name = _codes(clean, site, dictionary)
     wanted = _wanted(dictionary, features, donor.shape[-1])
