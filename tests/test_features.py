@@ -551,9 +551,6 @@ def test_positions_outside_the_prompt_are_refused_not_wrapped(gpt, sae) -> None:
     assert torch.equal(tl.features.active(trace, SITE, position=-n).indices, tl.features.active(acts[0, 0]).indices)
 
 
-@pytest.mark.xfail(strict=True, raises=IndexError, reason=(
-    "torchlens/edit/helpers.py Add.__call__ indexes out[..., self.positions, :] unchecked: an out-of-range "
-    "position of tl.add / tl.features.steer raises a bare IndexError, not a named error (edit/ is not this area)"))
 def test_steer_position_outside_the_prompt_is_a_named_error(gpt, sae) -> None:
     model, ids = gpt
     trace = tl.trace(model, ids, features={SITE: sae})

@@ -140,6 +140,36 @@ def test_add_a_steering_vector_everywhere_or_at_positions(tiny_gpt2):
     assert torch.allclose(captured.output.logits, want.logits, atol=1e-5)
 
 
+def test_add_positions_outside_the_activation_are_refused_never_wrapped(tiny_gpt2, small_mlp, mlp_input):
+    """tl.add(positions=...) counts -n .. n-1 along dim -2 (-1: the last, as a hook's o[:, -1]);
+    one outside is an InvalidArgumentError naming the length, the trace as it was; an activation
+    without a position axis is an EditShapeError."""
+    model, (ids,) = tiny_gpt2.model, tiny_gpt2.args
+    trace = tl.trace(model, ids)
+    n = ids.shape[-1]
+    vec = torch.linspace(-1, 1, 32)
+    last = trace.fork().do("transformer.h.0", tl.add(vec, positions=-1))
+
+    def at_last(o):
+        o = o.clone()
+        o[:, -1, :] += vec
+        return o
+
+    want = edited_forward(model, "transformer.h.0", at_last, (ids,))
+    assert torch.allclose(last.output.logits, want.logits, atol=1e-5)
+    before = trace.output.logits.clone()
+    for bad in (n, [0, n + 3], -n - 1):
+        with pytest.raises(InvalidArgumentError) as err:
+            trace.fork().do("transformer.h.0", tl.add(vec, positions=bad))
+        assert f"{n} positions" in str(err.value) and err.value.remedy
+        with pytest.raises(InvalidArgumentError):
+            tl.trace(model, ids, intervene=tl.when("transformer.h.0", tl.add(vec, positions=bad)))
+    assert torch.equal(trace.output.logits, before) and not trace.edits
+    with pytest.raises(EditShapeError) as err:
+        tl.trace(small_mlp, mlp_input[0]).fork().do("act", tl.add(torch.ones(6), positions=0))
+    assert "dim -2" in str(err.value)
+
+
 def test_add_refuses_bad_vectors(small_mlp, mlp_input):
     with pytest.raises(InvalidArgumentError):
         tl.add([1.0, 2.0])

@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..core.indices import python_indices
 from ..core.tree import flatten, tensor_leaves, unflatten
 from ..errors import EditShapeError, InvalidArgumentError, UnknownHelperError
 from ..hookspecs import hookimpl
@@ -283,6 +284,10 @@ class Add(Helper):
     def __call__(self, activation, *, ctx):
         def add(t):
             vec = self.vector.to(t.dtype)
+            if self.positions is not None and t.dim() < 2:
+                raise EditShapeError(f"tl.add(positions=...) adds at positions along dim -2, but the activation at "
+                                     f"{ctx.site} has shape {tuple(t.shape)}", site=ctx.site,
+                                     remedy="Omit positions= to add everywhere, or edit a site with a position axis.")
             try:
                 torch.broadcast_shapes(vec.shape, t.shape if self.positions is None else t[..., 0, :].shape)
             except RuntimeError:
@@ -291,8 +296,10 @@ class Add(Helper):
                     f"{ctx.site} of shape {tuple(t.shape)}", site=ctx.site) from None
             if self.positions is None:
                 return t + vec
+            at = python_indices(self.positions, t.shape[-2], what="position",  # refused, never wrapped
+                                axis=f"the activation at {ctx.site} has {t.shape[-2]} positions (dim -2)")
             out = t.clone()
-            out[..., self.positions, :] += vec.unsqueeze(-2) if vec.dim() >= 1 else vec
+            out[..., at, :] += vec.unsqueeze(-2) if vec.dim() >= 1 else vec
             return out
 
         return _replace_first(activation, add)
