@@ -104,6 +104,7 @@ def global_measures() -> dict[str, object]:
         "noted hooks": len(_copies._HOOKS),
         "held types": len(_copies._HELD),
         "copy reductions": sum(v is _copies._reduce for v in copyreg.dispatch_table.values()),
+        "SIGINT handler": signal.getsignal(signal.SIGINT),
     }
 
 
