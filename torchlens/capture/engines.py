@@ -129,7 +129,7 @@ class _HookedForward:
         def on_output(info, args, kwargs, output):
             call = ModuleCall(info.address, info.pass_index, type(info.module).__name__, args, kwargs, 0)
             replaced = None
-            for pass_index, when in steps or ():
+            for pass_index, when in steps if steps is not None else ():
                 if pass_index is None or pass_index == info.pass_index:
                     ctx = EditContext(when.site.describe(), info.address, info.address, info.pass_index, call,
                                       build.trace)
@@ -142,7 +142,7 @@ class _HookedForward:
             # No op graph here, so no copy on write: the model may still change the tensor
             # (or the container) it got back, so a copy made now is kept next to it.
             with torch._C.DisableTorchFunction():  # our copy, not an op of the model
-                call._out = clone_value(output)
+                call._out = output.clone() if type(output) is torch.Tensor else clone_value(output)
             handed.append((call, output, _versions(output)))
             calls.append(call)
             if build is not None:
