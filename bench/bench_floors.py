@@ -35,19 +35,26 @@ def emit(**fields: Any) -> None:
     print(json.dumps(fields), flush=True)
 
 
-def ratio_loop(base: Callable[[], Any], fns: dict[str, Callable[[], Any]], n: int) -> dict[str, float]:
-    """Median over ``n`` rounds of each ``fn``'s time over the plain forward timed just before it."""
+def ratio_loop(base: Callable[[], Any], fns: dict[str, Callable[[], Any]], n: int, blocks: int = 4) -> dict[str, float]:
+    """Median over ``n`` pairs of each ``fn``'s time over the plain forward timed just before it.
+
+    Each ``fn`` alternates with the forward alone (what one runs after shapes its time: a
+    round-robin of several ``fn`` moved c1 by up to 0.05 with its place in the round), in
+    ``blocks`` runs taken in turn so that a drift of the machine meets every ``fn``.
+    """
     for f in (base, *fns.values()):
         f(), f()
     got: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(n):
+    for _ in range(blocks):
         for k, f in fns.items():
-            t0 = time.perf_counter()
-            base()
-            t1 = time.perf_counter()
-            f()
-            t2 = time.perf_counter()
-            got[k].append((t2 - t1) / (t1 - t0))
+            ratios = got[k]
+            for _ in range(max(1, n // blocks)):
+                t0 = time.perf_counter()
+                base()
+                t1 = time.perf_counter()
+                f()
+                t2 = time.perf_counter()
+                ratios.append((t2 - t1) / (t1 - t0))
     return {k: round(statistics.median(v), 4) for k, v in got.items()}
 
 

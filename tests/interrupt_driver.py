@@ -104,6 +104,7 @@ def global_measures() -> dict[str, object]:
         "noted hooks": len(_copies._HOOKS),
         "held types": len(_copies._HELD),
         "copy reductions": sum(v is _copies._reduce for v in copyreg.dispatch_table.values()),
+        "SIGINT handler": signal.getsignal(signal.SIGINT),
     }
 
 
@@ -131,6 +132,9 @@ def main() -> None:
     """``interrupt_driver.py DIR OPERATION@POINT ...``: each scenario in turn, in a directory of its own
     under DIR, one JSON line each (``parent``: one scenario)."""
     torch.set_num_threads(1)
+    # Ctrl-C as an interactive Python gets it (a shell starts background jobs with SIGINT ignored,
+    # and a child inherits that: the presses would do nothing).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     work = pathlib.Path(sys.argv[1])
     for i, scenario in enumerate(sys.argv[2:]):
         operation, _, point = scenario.partition("@")

@@ -13,23 +13,27 @@ from conftest import assert_equal_tree, assert_model_clean, hook_reads, hook_sta
 from torch.overrides import _get_current_function_mode_stack
 
 import torchlens as tl
-from torchlens.errors import AmbiguousSiteError, SiteNotFoundError
+from torchlens.errors import AmbiguousSiteError, InvalidArgumentError, SiteNotFoundError
 from torchlens.plugins import engines
 
 
 @pytest.fixture
 def engine_spy(monkeypatch):
-    """Every trace an engine returns, with the engine's name."""
+    """``(engine name, what it returned)`` for every capture, and every module read served without a
+    trace (the hooks engine's ``read``: a dict of outputs, or the trace when a module did not run once)."""
     captured: list = []
     for engine in engines().values():
-        original = engine.capture
+        for method in ("capture", "read"):
+            original = getattr(engine, method, None)
+            if original is None:
+                continue
 
-        def capture(request, original=original):
-            trace = original(request)
-            captured.append(trace)
-            return trace
+            def spied(*args, original=original, name=engine.name, **kwargs):
+                got = original(*args, **kwargs)
+                captured.append((name, got))
+                return got
 
-        monkeypatch.setattr(engine, "capture", capture)
+            monkeypatch.setattr(engine, method, spied)
     return captured
 
 
@@ -61,8 +65,45 @@ def test_a_list_of_modules_is_keyed_by_address_and_is_what_hooks_see(tiny_gpt2, 
         assert_equal_tree(got[s], reads[s][0], what=s)
     assert isinstance(got["transformer.h.0.attn"], tuple)
     assert modes == [0], "a module-only extract must not run a function mode"
-    (trace,) = engine_spy
-    assert trace.engine == "hooks" and len(trace.ops) == 0
+    ((engine, values),) = engine_spy  # one forward, on module hooks, no trace built
+    assert engine == "hooks" and set(values) == set(sites)
+    assert all(values[s] is got[s] for s in sites)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_module_reads_without_a_trace_are_the_traced_reads(tiny_gpt2, engine_spy, grad):
+    """Plain module addresses are read off hooks with no trace built (the hooks engine's ``read``); the
+    values, keys, grad graph and what is left on the model are those of the traced read (``backend=``)."""
+    model, (ids,) = tiny_gpt2.model, tiny_gpt2.args
+    sites = ["transformer.h.1", "transformer.h.0.attn", "transformer.h.1", "transformer.ln_f"]
+    before = hook_state(model)
+    got = tl.extract(model, ids, sites, grad=grad)
+    assert [name for name, _ in engine_spy] == ["hooks"] and type(engine_spy[0][1]) is dict
+    traced = tl.extract(model, ids, sites, grad=grad, backend="hooks")
+    assert engine_spy[1][0] == "hooks" and type(engine_spy[1][1]) is not dict  # a trace
+    assert list(got) == list(traced) == list(dict.fromkeys(sites))
+    for s in got:
+        assert_equal_tree(got[s], traced[s], what=s)
+    h1 = got["transformer.h.1"]
+    assert (h1.grad_fn is not None) == grad and h1.requires_grad == grad
+    assert tl.extract(model, ids, "transformer.h.1")["transformer.h.1"].equal(h1)  # one string: one site
+    assert_model_clean(model, before)
+
+
+def test_module_reads_fall_back_to_the_trace_for_what_it_decides(shared_twice, control_flow, engine_spy):
+    """A module that ran twice (no pass named) or not at all: the read builds the trace, which refuses
+    as it does for a captured trace; a module read beside it is not lost to the error."""
+    model, (x,) = shared_twice.model, shared_twice.args
+    with pytest.raises(AmbiguousSiteError) as err:
+        tl.extract(model, x, ["out", "block"])
+    assert err.value.passes == ["block:1", "block:2"]
+    assert engine_spy[-1][0] == "hooks" and type(engine_spy[-1][1]) is not dict
+    assert set(tl.extract(model, x, ["out", "block:2"])) == {"out", "block:2"}  # a pass: the traced path
+    model, (x,) = control_flow.model, control_flow.args
+    with pytest.raises(SiteNotFoundError, match="did not run"):
+        tl.extract(model, {"x": x, "mode": "a"}, ["head_a", "head_b"])
+    with pytest.raises(InvalidArgumentError):
+        tl.extract(model, {"x": x, "mode": "a"}, "")  # a bare '' names no site (in a list: the model)
 
 
 def test_a_dict_is_keyed_by_name(shared_twice):
@@ -96,8 +137,8 @@ def test_op_level_sites_use_function_mode(shared_twice, engine_spy):
     finally:
         handle.remove()
     assert modes == [1]
-    (trace,) = engine_spy
-    assert trace.engine == "function_mode"
+    ((engine, trace),) = engine_spy
+    assert engine == "function_mode" and trace.engine == "function_mode"
     reads, _ = hook_reads(model, (x,))
     assert len(got["tanh"]) == 2
     assert torch.equal(got["tanh"][0], reads["block.1"][0]) and torch.equal(got["tanh"][1], reads["block.1"][1])

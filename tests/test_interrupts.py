@@ -133,7 +133,15 @@ def test_ctrl_c_from_the_parent_process(operation, artefacts, tmp_path):
 # -- in this process --------------------------------------------------------------------------------
 
 
-def test_hold_interrupts_raises_ctrl_c_when_the_block_ends():
+@pytest.fixture
+def ctrl_c():
+    """SIGINT handled as an interactive Python does (a shell starts background jobs with it ignored)."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_hold_interrupts_raises_ctrl_c_when_the_block_ends(ctrl_c):
     from torchlens._interrupts import HoldInterrupts
 
     done = []
@@ -147,7 +155,7 @@ def test_hold_interrupts_raises_ctrl_c_when_the_block_ends():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-def test_attached_exits_what_it_entered_when_ctrl_c_lands_on_entry():
+def test_attached_exits_what_it_entered_when_ctrl_c_lands_on_entry(ctrl_c):
     from torchlens._interrupts import Attached
 
     log = []

@@ -134,13 +134,16 @@ def test_a_registered_engine_is_chosen_by_cost_and_by_name(fresh, gpt2):
     plugins.register(P(), name="counting-plugin")
     got = tl.extract(gpt2, IDS, ["blocks.1.mlp"])["blocks.1.mlp"]
     assert engine.calls == 1 and torch.equal(got, _plain_mlp(gpt2))
+    assert plugins.builtin_engines_only() is False
+    got = tl.extract(gpt2, IDS, ["transformer.h.1.mlp"])["transformer.h.1.mlp"]  # a module's own address too
+    assert engine.calls == 2 and torch.equal(got, _plain_mlp(gpt2))
     assert tl.trace(gpt2, IDS).engine == "function_mode"  # it cannot serve every-op requests
     with pytest.raises(InvalidArgumentError, match="cannot serve"):
         tl.trace(gpt2, IDS, backend="counting")
     assert any(p.name == "counting-plugin" and p.kind == "engine" for p in tl.plugins())
     plugins.unregister(name="counting-plugin")
     tl.extract(gpt2, IDS, ["blocks.1.mlp"])
-    assert engine.calls == 1
+    assert engine.calls == 2 and plugins.builtin_engines_only() is True
 
 
 # -- failure isolation -------------------------------------------------------------------------

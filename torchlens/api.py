@@ -13,13 +13,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .arch.resolve import bind
+from .arch.resolve import ModelNames, bind
 from .capture._estimate import estimate_capture
 from .capture._offload import ValueOffload
 from .capture._trace_store import TraceStore, check_recompute
 from .capture.request import CaptureRequest, module_address
 from .core.inputs import call_inputs, split_inputs
-from .core.selectors import Selector, as_selector, as_sites, split_pass
+from .core.selectors import ModuleOutput, Selector, as_selector, as_sites, split_pass
 from .core.steps import Step
 from .core.text import tokenizer_for
 from .core.trace import Trace
@@ -32,7 +32,7 @@ from .errors import (
     SiteNotFoundError,
     UnsupportedModelError,
 )
-from .plugins import choose_engine, engines
+from .plugins import builtin_engines_only, choose_engine, engines
 
 __all__ = ["check_model", "extract", "rerun", "stops_on_modules", "trace", "trace_until"]
 
@@ -482,27 +482,43 @@ def extract(model: nn.Module, x: Any, sites: Any, *, grad: bool = False, backend
         PaddingNotSupportedError: strings of different lengths, and the forward takes no attention_mask.
     """
     model = check_model(model)
-    named = dict(as_sites(sites))
-    selectors = {k: bind(model, as_selector(v)) for k, v in named.items()}
+    plain = intervene is None and features is None and not stop and backend is None and builtin_engines_only()
+    # Plain strings naming modules (the commonest call) need no selector: what binding would make of them.
+    reads = _named_modules(model, sites) if plain else None
+    selectors = None
+    if reads is None:
+        selectors = {k: bind(model, as_selector(v)) for k, v in as_sites(sites)}
+        reads = _plain_reads(selectors) if plain else None
     args, kwargs = split_inputs(x, model=model, tokenizer=tokenizer)
-    splices = feature_steps(model, features) if features is not None else []
-    # Sub-sites of a spliced dictionary are read from the splice itself when module hooks serve the rest.
-    subs = sub_site_reads(selectors, splices) if splices else {}
-    union = None
-    for key, sel in selectors.items():
-        if key not in subs:
-            union = sel if union is None else union | sel
-    request = CaptureRequest(model, args, kwargs, record_ops=False, sites=union, save=union, grad=grad,
-                             intervene=splices + _bound_steps(model, intervene) if intervene is not None else splices)
-    if not request.module_only():
-        request.record_ops = True
-        for key in subs:
-            request.sites = request.save = selectors[key] if request.sites is None else request.sites | selectors[key]
-        subs = {}
-    if stop:
-        _check_stop(request)
-        request.stop_after_sites = True
-    result = _capture(request, backend)
+    if reads is not None:
+        got = engines()["hooks"].read(model, args, kwargs, list(dict.fromkeys(reads.values())), grad=grad)
+        if type(got) is dict:  # every module ran once: its output, as the trace would hold it
+            return {key: got[address] for key, address in reads.items()}
+        result = got
+        subs: dict[str, Any] = {}
+        if selectors is None:
+            selectors = {key: ModuleOutput(address) for key, address in reads.items()}
+    else:
+        splices = feature_steps(model, features) if features is not None else []
+        # Sub-sites of a spliced dictionary are read from the splice itself when module hooks serve the rest.
+        subs = sub_site_reads(selectors, splices) if splices else {}
+        union = None
+        for key, sel in selectors.items():
+            if key not in subs:
+                union = sel if union is None else union | sel
+        request = CaptureRequest(model, args, kwargs, record_ops=False, sites=union, save=union, grad=grad,
+                                 intervene=splices + _bound_steps(model, intervene) if intervene is not None
+                                 else splices)
+        if not request.module_only():
+            request.record_ops = True
+            for key in subs:
+                request.sites = request.save = selectors[key] if request.sites is None \
+                    else request.sites | selectors[key]
+            subs = {}
+        if stop:
+            _check_stop(request)
+            request.stop_after_sites = True
+        result = _capture(request, backend)
     out: dict[str, Any] = {}
     for key, sel in selectors.items():
         if key in subs and not result.has_op_graph:
@@ -516,6 +532,34 @@ def extract(model: nn.Module, x: Any, sites: Any, *, grad: bool = False, backend
             found = result.find_sites(sel)
             out[key] = found.first().out if len(found) == 1 else [s.out for s in found]
     return out
+
+
+def _named_modules(model: nn.Module, sites: Any) -> dict[str, str] | None:
+    """``{site: site}`` when ``sites`` is a string or a list of strings each naming one of ``model``'s
+    modules whole (no pass index): what binding makes of them (a module output, every pass, keyed by
+    its own text), found without making a selector. None for anything else."""
+    if type(sites) is str:
+        sites = [sites] if sites else None  # (a bare '' is refused, as as_sites does)
+    elif type(sites) is not list and type(sites) is not tuple:
+        return None
+    if not sites:
+        return None
+    names = ModelNames(model)
+    for site in sites:
+        if type(site) is not str or split_pass(site)[1] is not None or not names.is_module(site):
+            return None
+    return dict(zip(sites, sites))
+
+
+def _plain_reads(selectors: dict[str, Selector]) -> dict[str, str] | None:
+    """``{key: module address}`` when every site is one whole module (no pass index), else None."""
+    found = {}
+    for key, sel in selectors.items():
+        paths = sel.module_paths()
+        if paths is None or len(paths) != 1 or split_pass(paths[0])[1] is not None:
+            return None
+        found[key] = paths[0]
+    return found
 
 
 def _check_stop(request: CaptureRequest) -> None:

@@ -30,7 +30,8 @@ from . import hookspecs
 from .errors import InvalidArgumentError, PluginError, SiteNotFoundError, TorchLensError
 
 __all__ = [
-    "BUILTIN_PLUGINS", "PluginInfo", "adapter_for", "adapter_with_owner", "adapters", "choose_engine", "engines",
+    "BUILTIN_PLUGINS", "PluginInfo", "adapter_for", "adapter_with_owner", "adapters", "builtin_engines_only",
+    "choose_engine", "engines",
     "facets_for", "generation", "helpers", "is_registered", "plugins", "register", "reload", "report_failure",
     "unregister",
 ]
@@ -237,6 +238,18 @@ def engines() -> dict[str, Any]:
         _cache["engines"] = cached
         _cache["engine_owners"] = {name: owner for name, (owner, _) in named.items()}
     return cached
+
+
+def builtin_engines_only() -> bool:
+    """True when every registered capture engine is TorchLens's own, so the engine a request gets
+    is known without asking each one's ``cost`` (``tl.extract``'s module reads go to the hooks
+    engine's ``read`` then; a third party's engine may be cheaper and is asked)."""
+    found = _cache.get("builtin_engines")
+    if found is None:
+        engines()
+        builtin = {name for name, _, _ in BUILTIN_PLUGINS}
+        found = _cache["builtin_engines"] = all(owner in builtin for owner in _cache["engine_owners"].values())
+    return found
 
 
 def choose_engine(request: Any, backend: str | None) -> Any:

@@ -44,7 +44,8 @@ def forget_slot(wrapper: Any) -> None:
 
 def note_hooks(*hooks: Any) -> None:
     """These callables are hooks a capture attached."""
-    _HOOKS.update(id(h) for h in hooks)
+    for h in hooks:
+        _HOOKS.add(id(h))
 
 
 def forget_hooks(*hooks: Any) -> None:

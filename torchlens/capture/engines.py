@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import operator
 from itertools import repeat
+from typing import Any
 
 import torch
 
@@ -71,62 +72,109 @@ class HooksEngine:
     def capture(self, request: CaptureRequest) -> Trace:
         build = TraceBuilder(request.model, request.args, request.kwargs, engine=self.name, op_graph=False,
                              strict=request.strict)
-        trace = build.trace
         edits = _module_steps(request, check=False)[0] if request.intervene else {}
         stops = _until_addresses(request) if request.until is not None else {}
-        # the module of each site is looked up (or refused) as it is hooked
         paths = request.sites.module_paths() if request.sites is not None else None
-        wanted = dict.fromkeys([split_pass(path)[0] for path in paths or ()])
-        hooks = ModuleHooks(request.model)
-        handed: list[tuple[ModuleCall, object, object]] = []
-        unread = dict(wanted) if request.stop_after_sites else {}
-        for address in dict.fromkeys([*wanted, *edits, *stops]):
-            steps = edits.get(address)
-            stop_pass = stops.get(address, -1)
+        run = _HookedForward(request.model, [split_pass(path)[0] for path in paths or ()], edits, stops,
+                             request.stop_after_sites, build)
+        output, complete = run.forward(request.args, request.kwargs, request.grad)
+        return build.finish(output, steps=request.intervene, grad=request.grad, complete=complete)
 
-            def on_output(info, args, kwargs, output, steps=steps, stop_pass=stop_pass):
-                call = ModuleCall(info.address, info.pass_index, type(info.module).__name__, args, kwargs, 0)
-                replaced = None
-                for pass_index, when in steps or ():
-                    if pass_index is None or pass_index == info.pass_index:
-                        ctx = EditContext(when.site.describe(), info.address, info.address, info.pass_index, call,
-                                          trace)
-                        edited = apply_edit(clone_value(output), when.edit, ctx)
-                        land_edit(build, when.edit, AppliedEdit(when.site.describe(), info.address, info.pass_index,
-                                                                count_changed(output, edited), "captured",
-                                                                before=output))
-                        when.fired.append(info.address)
-                        output = replaced = edited
-                # No op graph here, so no copy on write: the model may still change the tensor
-                # (or the container) it got back, so a copy made now is kept next to it.
-                with torch._C.DisableTorchFunction():  # our copy, not an op of the model
-                    call._out = clone_value(output)
-                handed.append((call, output, _versions(output)))
+    def read(self, model: torch.nn.Module, args: tuple, kwargs: dict, addresses: list[str], *,
+             grad: bool = False) -> dict[str, Any] | Trace:
+        """The outputs of the modules at ``addresses`` (no pass index), read in one forward with no
+        trace built: ``tl.extract``'s commonest call, whose fixed cost is most of what it costs.
+
+        Returns:
+            ``{address: output}`` (what ``capture`` would hold for each) when every one of them ran
+            exactly once; else the trace ``capture`` makes of the same forward, which says what
+            such a read means (the module did not run; which pass).
+        """
+        run = _HookedForward(model, addresses, {}, {}, False, None)
+        output, complete = run.forward(args, kwargs, grad)
+        calls = run.calls
+        if len(calls) == len(addresses):
+            found = {call.address: call._out for call in calls}
+            if len(found) == len(addresses):  # each address once
+                return found
+        build = TraceBuilder(model, args, kwargs, engine=self.name, op_graph=False)
+        for call in calls:
+            build.add_call(call)
+        return build.finish(output, steps=[], grad=grad, complete=complete)
+
+
+class _HookedForward:
+    """One forward of ``model`` with a hook on each module that is read, edited or stopped after.
+
+    Each call of a hooked module is kept (``calls``, in the order they returned) with the output a
+    forward hook there sees: the object itself when the model left it as it was, a copy taken in the
+    hook otherwise. ``build`` receives the calls as they return (and the edits), when there is one.
+    """
+
+    def __init__(self, model: torch.nn.Module, reads: list[str], edits: dict[str, list[tuple[int | None, Step]]],
+                 stops: dict[str, int | None], stop_after_reads: bool, build: TraceBuilder | None) -> None:
+        self.model = model
+        self.calls: list[ModuleCall] = []
+        self._handed: list[tuple[ModuleCall, object, list[int | None]]] = []
+        self.hooks = hooks = ModuleHooks(model)
+        unread = dict.fromkeys(reads) if stop_after_reads else {}
+        # the module of each site is looked up (or refused) as it is hooked
+        for address in dict.fromkeys([*reads, *edits, *stops]):
+            hooks.on_output(address, self._hook(edits.get(address), stops.get(address, -1), unread, build))
+
+    def _hook(self, steps: list[tuple[int | None, Step]] | None, stop_pass: int | None, unread: dict[str, None],
+              build: TraceBuilder | None) -> Any:
+        calls, handed = self.calls, self._handed
+
+        def on_output(info, args, kwargs, output):
+            call = ModuleCall(info.address, info.pass_index, type(info.module).__name__, args, kwargs, 0)
+            replaced = None
+            for pass_index, when in steps if steps is not None else ():
+                if pass_index is None or pass_index == info.pass_index:
+                    ctx = EditContext(when.site.describe(), info.address, info.address, info.pass_index, call,
+                                      build.trace)
+                    edited = apply_edit(clone_value(output), when.edit, ctx)
+                    land_edit(build, when.edit, AppliedEdit(when.site.describe(), info.address, info.pass_index,
+                                                            count_changed(output, edited), "captured",
+                                                            before=output))
+                    when.fired.append(info.address)
+                    output = replaced = edited
+            # No op graph here, so no copy on write: the model may still change the tensor
+            # (or the container) it got back, so a copy made now is kept next to it.
+            with torch._C.DisableTorchFunction():  # our copy, not an op of the model
+                call._out = output.clone() if type(output) is torch.Tensor else clone_value(output)
+            handed.append((call, output, _versions(output)))
+            calls.append(call)
+            if build is not None:
                 build.add_call(call)
-                if stop_pass != -1 and (stop_pass is None or stop_pass == info.pass_index):
-                    raise StopCapture(info.address)
-                if unread and unread.pop(info.address, 0) is None and not unread:
-                    raise StopCapture(info.address)  # every site has given its output
-                return replaced
+            if stop_pass != -1 and (stop_pass is None or stop_pass == info.pass_index):
+                raise StopCapture(info.address)
+            if unread and unread.pop(info.address, 0) is None and not unread:
+                raise StopCapture(info.address)  # every site has given its output
+            return replaced
 
-            hooks.on_output(address, on_output)
+        return on_output
+
+    def forward(self, args: tuple, kwargs: dict, grad: bool) -> tuple[Any, bool]:
+        """Run the model with the hooks on (taken off whatever happens); returns its output (None when
+        stopped early) and whether it ran to the end."""
         output = None
         complete = True
-        with Attached(_GradMode(request.grad), hooks):
+        with Attached(_GradMode(grad), self.hooks):
             try:
-                output = request.model(*request.args, **request.kwargs)
+                output = self.model(*args, **kwargs)
             except StopCapture:
                 complete = False
         # no ops recorded: the dropout modules say (model.eval() turns every one off: not looked for then)
-        dropout = active_dropout(hooks.named().items()) if request.model.training else None
+        dropout = active_dropout(self.hooks.named().items()) if self.model.training else None
         if dropout:
-            warn_random(request.model, [], dropout)
-        for call, handed_out, versions in handed:
+            warn_random(self.model, [], dropout)
+        for call, handed_out, versions in self._handed:
             # The object the forward really used (what a forward hook sees, with its autograd
             # graph) is kept when the model left it as it was; the copy otherwise.
             if _unchanged(handed_out, call._out, versions):
                 call._out = handed_out
-        return build.finish(output, steps=request.intervene, grad=request.grad, complete=complete)
+        return output, complete
 
 
 class _GradMode:

@@ -32,6 +32,7 @@ from ._interpose import (
     attach,
     global_hooks,
     named_modules,
+    new_tuple,
     own_registration,
     run_post,
     run_pre,
@@ -154,19 +155,25 @@ class ModuleHooks:
     def on_output(self, address: str, fn: PostHook) -> None:
         if self._owner is not None:  # the attached hooks have their callbacks fixed
             raise RuntimeError("register callbacks before entering the hooks context")
-        self.module(address)
-        self._own_lists(address)[1].append(fn)
+        if address not in self._found:
+            self.module(address)
+        post = self._post.get(address)
+        (post if post is not None else self._own_lists(address)[1]).append(fn)
 
     def _own_lists(self, address: str) -> tuple[list[PreHook], list[PostHook]]:
         """``address``'s own callback lists, started with the every-module callbacks registered
         so far (callbacks for one module run in registration order)."""
-        if address not in self._pre:
+        pre, post = self._pre, self._post
+        if address not in pre:
+            if not self._every:  # (a read's case)
+                pre[address], post[address] = [], []
+                return pre[address], post[address]
             # An alias of a shared module is not one of ``names()``: every-module callbacks run
             # for the module under its first name only.
-            every = self._every if self._every and address in self._walk() else ()
-            self._pre[address] = [pre for pre, _ in every]
-            self._post[address] = [post for _, post in every]
-        return self._pre[address], self._post[address]
+            every = self._every if address in self._walk() else ()
+            pre[address] = [p for p, _ in every]
+            post[address] = [p for _, p in every]
+        return pre[address], post[address]
 
     def on_every_module(self, pre: PreHook, post: PostHook) -> None:
         """``pre`` and ``post`` on every module of the model (shared modules once).
@@ -210,10 +217,11 @@ class ModuleHooks:
         return self
 
     def _attach(self) -> None:
-        pre, post, handles = self._pre, self._post, self._handles
-        self._held = hold_types(self.modules() if self._every else [self.module(a) for a in pre])
+        pre, post, handles, found = self._pre, self._post, self._handles, self._found
+        # (every address with callbacks was looked up as they were registered)
+        self._held = hold_types(self.modules() if self._every else [found[a] for a in pre])
         for address in pre:
-            module = self.module(address)
+            module = found[address]
             if pre[address]:
                 handles.append(attach(module, self._make_pre(address, module), pre=True))
             if post[address]:
@@ -346,7 +354,7 @@ class ModuleHooks:
             kwargs = rest[0]
             n = counts.get(address, 0) + 1
             counts[address] = n
-            info = CallInfo(address, module, n)
+            info = new_tuple(CallInfo, (address, module, n))  # (CallInfo's own __new__, without its frame)
             open_passes.append(info)  # the post hook of this call gets the same record
             if single is not None:  # one callback (every capture's case): its result as is
                 return single(info, args, kwargs)
@@ -374,7 +382,7 @@ class ModuleHooks:
             else:
                 n = counts.get(address, 0) + 1
                 counts[address] = n
-                info = CallInfo(address, module, n)
+                info = new_tuple(CallInfo, (address, module, n))  # (CallInfo's own __new__, without its frame)
             if single is not None:
                 return single(info, args, kwargs, output)
             return run_post(callbacks, info, args, kwargs, output)
