@@ -279,6 +279,44 @@ def test_a_when_step_and_a_function_edit_at_one_step(tiny_gpt2):
     assert gen.steps[3].trace.edits and not gen.steps[2].trace.edits
 
 
+def test_a_function_edit_is_told_its_step(lm):
+    """``ctx.step`` is the generation step an edit runs in (the model's call index a counting hook sees),
+    at every step, in a fork's resumed steps too; a helper keeps its own type."""
+    model, ids, sites = lm
+    site = sites[0]
+    vector = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    seen: list[int | None] = []
+
+    def by_step(act, *, ctx):
+        seen.append(ctx.step)
+        return add_first(vector * (ctx.step + 1))(act)
+
+    calls = [0]
+
+    def hook(mod, args, out):
+        return add_first(vector * (calls[0] + 1))(out)
+
+    handles = [model.get_submodule(site).register_forward_hook(hook),
+               model.register_forward_hook(lambda m, a, k, o: calls.__setitem__(0, calls[0] + 1), with_kwargs=True)]
+    try:
+        want = model.generate(ids, max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    finally:
+        for h in handles:
+            h.remove()
+    gen = tl.generate(model, ids, max_new_tokens=5, do_sample=False, intervene=tl.when(site, by_step))
+    assert seen == [0, 1, 2, 3, 4]
+    assert torch.equal(gen.sequences, want.sequences)
+    for k in range(5):
+        assert torch.allclose(gen.steps[k].logits, want.logits[k], atol=1e-6, rtol=0), k
+    seen.clear()
+    fork = gen.fork().do(tl.at_step(site, 3), lambda act, *, ctx: seen.append(("fork", ctx.step)) or act * 1.5)
+    assert ("fork", 3) in seen and all(s in (3, 4, ("fork", 3)) for s in seen)  # the resumed steps only
+    assert fork.record.edited == [3, 4]  # (the parent's every-step edit applies at 4 as well)
+    seen.clear()
+    trace = tl.trace(model, ids, intervene=tl.when(site, lambda act, *, ctx: seen.append(ctx.step) or act))
+    assert seen == [None] and trace.edits  # outside a generation: no step
+
+
 def test_seeded_sampling_with_a_steering_vector_equals_the_hooked_run(tiny_llama):
     model, ids = tiny_llama.model, tiny_llama.args[0]
     vector = torch.randn(64, generator=torch.Generator().manual_seed(5)) * 3

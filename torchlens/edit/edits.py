@@ -34,9 +34,11 @@ class EditContext:
     pass_index: int | None
     op: Any
     trace: Any
+    step: int | None = None  # the generation step being edited (``tl.generate`` and its forks); None elsewhere
 
     def __repr__(self) -> str:
-        return f"EditContext(site={self.site!r}, label={self.label!r}, pass={self.pass_index})"
+        step = "" if self.step is None else f", step={self.step}"
+        return f"EditContext(site={self.site!r}, label={self.label!r}, pass={self.pass_index}{step})"
 
 
 @dataclass
@@ -148,7 +150,7 @@ def call_edit(edit: Callable, value: Any, ctx: EditContext) -> Any:
     """Call a function edit, passing ``ctx`` only to functions that accept it."""
     wants = getattr(edit, "_tl_wants_ctx", None)
     if wants is None:
-        wants = _accepts_ctx(edit)
+        wants = accepts_ctx(edit)
         try:
             edit._tl_wants_ctx = wants
         except (AttributeError, TypeError):
@@ -156,7 +158,9 @@ def call_edit(edit: Callable, value: Any, ctx: EditContext) -> Any:
     return edit(value, ctx=ctx) if wants else edit(value)
 
 
-def _accepts_ctx(fn: Callable) -> bool:
+def accepts_ctx(fn: Callable) -> bool:
+    """Whether a function edit takes ``ctx`` (a ``ctx`` parameter or ``**kwargs``; a callable whose
+    signature cannot be read is given it)."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -235,5 +239,6 @@ def _edit_name(edit: Any) -> str:
 
 
 __all__ = [
-    "AppliedEdit", "EditContext", "When", "apply_edit", "call_edit", "check_edit", "count_changed", "land_edit", "when",
+    "AppliedEdit", "EditContext", "When", "accepts_ctx", "apply_edit", "call_edit", "check_edit", "count_changed",
+    "land_edit", "when",
 ]

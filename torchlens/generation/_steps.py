@@ -12,8 +12,10 @@ the generation raises or is interrupted.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import threading
+import types
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +27,7 @@ from torch import nn
 from ..api import _trace
 from ..core.inputs import split_inputs
 from ..core.steps import Step
+from ..edit.edits import EditContext, accepts_ctx
 from ..errors import (
     EditNotAppliedError,
     EditShapeError,
@@ -132,7 +135,27 @@ def for_step(edit: Any, k: int, start: int | None = None, length: int | None = N
         if rows != positions:
             edit = copy.copy(edit)
             edit.positions = rows
+    if isinstance(edit, (types.FunctionType, types.MethodType, functools.partial)) and accepts_ctx(edit):
+        edit = _StepFunction(edit, k)
     return edit
+
+
+class _StepFunction:
+    """A function edit ``(activation, *, ctx)`` as step ``k`` calls it: ``ctx.step`` is ``k``. (Only
+    plain functions: a helper object keeps its type, whose declared rows replay reads.)"""
+
+    __slots__ = ("fn", "step", "_tl_wants_ctx")
+
+    def __init__(self, fn: Callable[..., Any], step: int) -> None:
+        self.fn = fn
+        self.step = step
+        self._tl_wants_ctx = True
+
+    def __call__(self, value: Any, *, ctx: EditContext) -> Any:
+        return self.fn(value, ctx=dataclasses.replace(ctx, step=self.step))
+
+    def __repr__(self) -> str:
+        return f"{self.fn!r} at step {self.step}"
 
 
 class StepCapture:
