@@ -400,11 +400,14 @@ def _unchanged(model, hooks, params):
     assert after.keys() == params.keys() and all(torch.equal(after[k], params[k]) for k in after)
 
 
-@pytest.mark.parametrize("backend", [None, "hooks"])
+@pytest.mark.parametrize("backend", [None, "hooks", "extract"])
 def test_capture_in_training_mode_warns_naming_the_random_ops_and_eval(training_gpt2, backend):
     model, ids, _, hooks, params = training_gpt2
     with pytest.warns(RandomOpsWarning) as seen:
-        trace = tl.trace(model, ids, backend=backend, save=["transformer.h.0"] if backend else None)
+        if backend == "extract":  # module reads off hooks, no trace built
+            tl.extract(model, ids, ["transformer.h.0"])
+        else:
+            trace = tl.trace(model, ids, backend=backend, save=["transformer.h.0"] if backend else None)
     message = str(seen[0].message)
     assert "model.eval()" in message and "training mode" in message
     if backend is None:  # every op recorded: the ops that drew random numbers, each with its module
