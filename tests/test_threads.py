@@ -135,3 +135,23 @@ def test_extract_in_two_threads_on_the_same_model(shared_twice):
         assert torch.equal(got["block:1"], reads["block"][0])
         assert torch.equal(got["block:2"], reads["block"][1])
         assert torch.equal(got["out"], reads["out"][0])
+
+
+def test_module_reads_in_two_threads_on_the_same_model(tiny_gpt2):
+    """Whole-module reads (off hooks, no trace built) in two threads at once: each its own forward's values."""
+    model, ids = tiny_gpt2.model, tiny_gpt2.args[0]
+    ids2 = (ids + 3) % model.config.vocab_size
+    sites = ["transformer.h.0", "transformer.h.1.mlp", "transformer.ln_f"]
+    before = hook_state(model)
+    barrier = threading.Barrier(2)
+    handle = _with_barrier(model, "transformer.h.1", barrier)
+    try:
+        a, b = _run_threads([lambda: tl.extract(model, ids, sites), lambda: tl.extract(model, ids2, sites)])
+    finally:
+        handle.remove()
+    assert_model_clean(model, before)
+    for got, inp in ((a, ids), (b, ids2)):
+        reads, _ = hook_reads(model, (inp,))
+        for s in sites:
+            assert torch.equal(got[s], reads[s][0]), s
+    assert not torch.equal(a["transformer.ln_f"], b["transformer.ln_f"])
