@@ -148,19 +148,23 @@ def _check_dtypes(value: Any, result: Any, ctx: EditContext) -> None:
 
 def call_edit(edit: Callable, value: Any, ctx: EditContext) -> Any:
     """Call a function edit, passing ``ctx`` only to functions that accept it."""
-    wants = getattr(edit, "_tl_wants_ctx", None)
-    if wants is None:
-        wants = accepts_ctx(edit)
-        try:
-            edit._tl_wants_ctx = wants
-        except (AttributeError, TypeError):
-            pass
-    return edit(value, ctx=ctx) if wants else edit(value)
+    return edit(value, ctx=ctx) if accepts_ctx(edit) else edit(value)
 
 
 def accepts_ctx(fn: Callable) -> bool:
     """Whether a function edit takes ``ctx`` (a ``ctx`` parameter or ``**kwargs``; a callable whose
-    signature cannot be read is given it)."""
+    signature cannot be read is given it). Read from the signature once, then kept on the function."""
+    wants = getattr(fn, "_tl_wants_ctx", None)
+    if wants is None:
+        wants = _signature_takes_ctx(fn)
+        try:
+            fn._tl_wants_ctx = wants
+        except (AttributeError, TypeError):
+            pass
+    return wants
+
+
+def _signature_takes_ctx(fn: Callable) -> bool:
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
